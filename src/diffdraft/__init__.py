@@ -1,0 +1,21 @@
+"""diffdraft: lossless speculative decoding with one-pass parallel drafters and optimal draft trees."""
+
+from diffdraft.errors import CheckpointError, DiffdraftError, IncompatibleDrafterError, InvalidRequestError
+from diffdraft.generator import METHODS, GenerationChunk, GenerationResult, SpeculativeGenerator, load
+from diffdraft.sampling import SamplingParams
+from diffdraft.stats import GenerationStats
+
+__all__ = [
+    "METHODS",
+    "CheckpointError",
+    "DiffdraftError",
+    "GenerationChunk",
+    "GenerationResult",
+    "GenerationStats",
+    "IncompatibleDrafterError",
+    "InvalidRequestError",
+    "SamplingParams",
+    "SpeculativeGenerator",
+    "load",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,92 @@
+"""``diffdraft`` command line: ``diffdraft generate`` runs one request through the speculative loop."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from diffdraft.errors import DiffdraftError, InvalidRequestError
+from diffdraft.generator import METHODS, load
+
+
+def _generate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text from one prompt or chat")
+    p.add_argument("--target", default="default", help="model directory, .gguf file, or 'default' (SmolLM2-135M)")
+    p.add_argument("--drafter", default="none", help="DFlash/DFlare checkpoint directory, 'default' or 'none'")
+    p.add_argument("--method", choices=METHODS, default="ar", help="decoding method (default: ar)")
+    p.add_argument("--budget", type=int, default=32, help="DDTree node budget (default: 32)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="prompt text, used as given (no chat template)")
+    source.add_argument("--chat", action="store_true", help="read chat messages as JSON from stdin")
+    p.add_argument("--stream", action="store_true", help="print text as it is generated")
+    p.add_argument("--json", action="store_true", help="print one JSON object with ids, text and stats")
+
+
+def _read_messages() -> list[dict]:
+    raw = sys.stdin.read()
+    try:
+        messages = json.loads(raw)
+    except json.JSONDecodeError as err:
+        raise InvalidRequestError(
+            f"--chat expects a JSON list of messages on stdin, e.g. "
+            f'[{{"role": "user", "content": "Hi"}}]; could not parse it: {err}'
+        ) from err
+    return messages
+
+
+def _run_generate(args: argparse.Namespace) -> None:
+    request = {"messages": _read_messages()} if args.chat else {"prompt": args.prompt}
+    generator = load(args.target, args.drafter, args.method, args.budget, args.dtype, args.device)
+    options = dict(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=args.stop,
+    )
+    result = None
+    for chunk in generator.stream(**request, **options):
+        if args.stream and not args.json:
+            print(chunk.text, end="", flush=True)
+        result = chunk.result or result
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        if not args.stream:
+            print(result.text)
+        else:
+            print()
+        s = result.stats
+        tok_s = len(result.token_ids) / s.total_seconds if s.total_seconds else 0.0
+        print(
+            f"[{args.method}] {len(result.token_ids)} tokens, {s.rounds} rounds, tau {s.tau:.2f}, "
+            f"{tok_s:.1f} tok/s, stop: {s.stop_reason}",
+            file=sys.stderr,
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="diffdraft", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _generate_parser(sub)
+    args = parser.parse_args(argv)
+    try:
+        _run_generate(args)
+    except DiffdraftError as err:
+        print(f"diffdraft: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

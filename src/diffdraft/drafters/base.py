@@ -1,0 +1,54 @@
+"""What every drafter gives the engine: a :class:`Proposal` for the positions after the root.
+
+The engine never learns a drafter's name. It tells the drafter which target layers to tap
+(``target_layer_ids``), feeds it the taps of every token that enters the target's KV cache
+(``extend_context``), and asks for one proposal per round (``propose``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass
+class Proposal:
+    """Draft for the ``depth`` positions that follow the root token.
+
+    Exactly one of the two fields is set: one-pass parallel drafters give per-position
+    distributions, copy-based drafters (prompt lookup) give an explicit token chain.
+    """
+
+    log_probs: torch.Tensor | None = None
+    """[depth, V] float32 log-probabilities; row d is the drafter's marginal for depth d + 1."""
+    tokens: torch.Tensor | None = None
+    """[depth] explicit candidate chain."""
+
+    @property
+    def depth(self) -> int:
+        source = self.log_probs if self.log_probs is not None else self.tokens
+        return 0 if source is None else int(source.shape[0])
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """A source of draft tokens for the speculative loop."""
+
+    max_depth: int
+    """How many positions after the root one proposal can cover (block_size - 1 for DFlash)."""
+    target_layer_ids: list[int]
+    """Target decoder layers whose outputs the drafter needs (empty for drafters that need none)."""
+
+    def reset(self) -> None:
+        """Forget all context: a new generation starts."""
+
+    def extend_context(self, hidden: torch.Tensor | None, start: int) -> None:
+        """Tokens at absolute positions ``start .. start + n - 1`` entered the target's KV cache.
+
+        ``hidden`` is [n, len(target_layer_ids), hidden_size] (None when no layers are tapped).
+        """
+
+    def propose(self, token_ids: torch.Tensor, depth: int) -> Proposal:
+        """Draft ``depth`` positions after ``token_ids[-1]`` (the root; all committed tokens given)."""

@@ -1,0 +1,93 @@
+"""Reading and writing DFlash / DFlare checkpoints in the official DFlash layout.
+
+A checkpoint is a directory with ``config.json`` (a Qwen3 config plus ``block_size``,
+``num_target_layers`` and ``dflash_config``) and ``model.safetensors`` (or index-sharded
+``model-0000x-of-0000y.safetensors``). Official DFlash checkpoints load unchanged; ours write the
+same layout, with ``dflash_config.variant`` naming DFlare when used.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from transformers import Qwen3Config
+
+from diffdraft.drafters.dflash_model import DFlashDraftModel, draft_setting
+from diffdraft.errors import CheckpointError
+
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def read_draft_config(path: Path) -> Qwen3Config:
+    config_file = path / "config.json"
+    if not path.is_dir():
+        raise CheckpointError(f"drafter checkpoint {path} does not exist or is not a directory")
+    if not config_file.is_file():
+        raise CheckpointError(f"drafter checkpoint {path} has no config.json: is this a DFlash drafter directory?")
+    try:
+        raw = json.loads(config_file.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{config_file} is not valid JSON ({err}); re-export or re-download it") from err
+    try:
+        config = Qwen3Config(**raw)
+    except Exception as err:  # transformers raises several validation error types
+        raise CheckpointError(f"{config_file} is not a consistent drafter config: {err}") from err
+    for key in ("mask_token_id", "target_layer_ids"):
+        if draft_setting(config, key) is None:
+            raise CheckpointError(
+                f"{config_file} lacks dflash_config.{key}; DFlash drafters must record it "
+                "(target_layer_ids count DFlash-style: id i = output of target layer i)"
+            )
+    return config
+
+
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    files = [path / WEIGHTS_NAME]
+    if (path / INDEX_NAME).is_file():
+        index = json.loads((path / INDEX_NAME).read_text())
+        files = [path / name for name in sorted(set(index["weight_map"].values()))]
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        if not file.is_file():
+            raise CheckpointError(f"drafter checkpoint {path} is missing its weights file {file.name}")
+        try:
+            weights.update(load_file(file))
+        except (SafetensorError, OSError) as err:
+            raise CheckpointError(
+                f"drafter weights {file} are corrupt or truncated ({err}); re-copy or re-train the checkpoint"
+            ) from err
+    return weights
+
+
+def load_draft_model(path: str | os.PathLike) -> DFlashDraftModel:
+    """Build the draft network from a checkpoint directory, checking every weight is accounted for."""
+    path = Path(path)
+    config = read_draft_config(path)
+    model = DFlashDraftModel(config)
+    weights = _read_weights(path)
+    expected = set(model.state_dict())
+    missing, unexpected = expected - set(weights), set(weights) - expected
+    if missing or unexpected:
+        raise CheckpointError(
+            f"drafter checkpoint {path} does not match its config (variant {model.variant!r}): "
+            f"missing {sorted(missing)[:6]}, unexpected {sorted(unexpected)[:6]}"
+        )
+    model.to(next(iter(weights.values())).dtype).load_state_dict(weights)
+    return model
+
+
+def save_draft_model(model: DFlashDraftModel, path: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
+    """Write ``model`` in the official layout (optionally cast, e.g. to bfloat16 for shipping)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state = {k: (v.to(dtype) if dtype else v).detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    config = model.config.to_dict()
+    config["dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    save_file(state, path / WEIGHTS_NAME, metadata={"format": "pt"})

@@ -1,0 +1,78 @@
+"""DFlash / DFlare as a :class:`~diffdraft.drafters.base.Drafter`: one forward drafts a whole block.
+
+Holds the draft network plus the target's (frozen) embedding and LM head, and caches every
+draft layer's context keys/values, so each round only projects the newly committed tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from diffdraft.drafters.base import Proposal
+from diffdraft.drafters.dflash_model import DFlashDraftModel
+from diffdraft.errors import IncompatibleDrafterError
+from diffdraft.target import TargetModel
+
+
+class DFlashDrafter:
+    def __init__(self, model: DFlashDraftModel, target: TargetModel) -> None:
+        check_compatible(model, target)
+        self.model = model.to(device=target.device, dtype=target.dtype).eval()
+        self.embed: nn.Module = target.model.get_input_embeddings()
+        self.lm_head: nn.Module = target.model.get_output_embeddings()
+        self.target_layer_ids = list(model.target_layer_ids)
+        self.max_depth = model.block_size - 1
+        self._context_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._device = target.device
+
+    def reset(self) -> None:
+        self._context_kv = None
+
+    @torch.inference_mode()
+    def extend_context(self, hidden: torch.Tensor | None, start: int) -> None:
+        positions = torch.arange(start, start + hidden.shape[0], device=self._device)[None]
+        new = self.model.context_kv(hidden[None], positions)
+        if self._context_kv is None:
+            self._context_kv = new
+        else:
+            self._context_kv = [
+                (torch.cat([k0, k1], dim=2), torch.cat([v0, v1], dim=2))
+                for (k0, v0), (k1, v1) in zip(self._context_kv, new, strict=True)
+            ]
+
+    @torch.inference_mode()
+    def propose(self, token_ids: torch.Tensor, depth: int) -> Proposal:
+        root = token_ids[-1:].to(self._device)
+        block = torch.cat([root, torch.full((depth,), self.model.mask_token_id, device=self._device)])
+        start = token_ids.shape[0] - 1
+        positions = torch.arange(start, start + depth + 1, device=self._device)[None]
+        hidden = self.model(self.embed(block[None]), positions, self._context_kv)
+        logits = self.lm_head(hidden[0, 1:])
+        return Proposal(log_probs=logits.float().log_softmax(-1))
+
+
+def check_compatible(model: DFlashDraftModel, target: TargetModel) -> None:
+    """A drafter trained for another target fails silently (low acceptance); fail loudly instead."""
+    config = model.config
+    if config.hidden_size != target.hidden_size:
+        raise IncompatibleDrafterError(
+            f"drafter hidden size {config.hidden_size} != target hidden size {target.hidden_size}: "
+            "this drafter was trained for a different target; train one for this target (diffdraft train)"
+        )
+    if config.vocab_size != target.vocab_size:
+        raise IncompatibleDrafterError(
+            f"drafter vocab size {config.vocab_size} != target vocab size {target.vocab_size}: "
+            "the drafter belongs to another target (tokenizers must match)"
+        )
+    if not 0 <= model.mask_token_id < target.vocab_size:
+        raise IncompatibleDrafterError(
+            f"drafter mask_token_id {model.mask_token_id} is outside the target vocabulary "
+            f"(size {target.vocab_size}): the drafter belongs to another target"
+        )
+    recorded = getattr(config, "num_target_layers", None)
+    if recorded is not None and recorded != target.num_layers:
+        raise IncompatibleDrafterError(
+            f"drafter was trained on a target with {recorded} layers, this target has {target.num_layers}"
+        )
+    target.check_layer_ids(model.target_layer_ids)

@@ -1,0 +1,231 @@
+"""The DFlash / DFlare block-diffusion draft network.
+
+A few Qwen3-style layers whose queries come from one block (``[anchor, MASK x (B-1)]``) and whose
+keys/values are ``[context ; block]``: the context rows are projected target hidden states, so
+every draft layer is conditioned on the target. Attention inside the block is bidirectional.
+
+* DFlash: context = ``hidden_norm(fc(concat(T target layers)))``, shared by all draft layers,
+  projected by each layer's own ``k_proj`` / ``v_proj``.
+* DFlare (``dflash_config.variant == "dflare"``): draft layer ``i`` gets
+  ``context_norm_i(sum_j softmax(fusion.weight[i])_j * h_j)`` and projects it with separate
+  ``context_k_proj`` / ``context_v_proj`` (DFlare paper, Eq. 3-4). No ``fc``.
+
+Weight names follow the official DFlash checkpoint layout, so official checkpoints load unchanged.
+The network has no embedding and no LM head: it borrows the target's (frozen).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3MLP,
+    Qwen3RMSNorm,
+    Qwen3RotaryEmbedding,
+    rotate_half,
+)
+
+DFLASH = "dflash"
+DFLARE = "dflare"
+
+
+def draft_setting(config: Qwen3Config, name: str, default: object = None) -> object:
+    """Read a DFlash setting from ``dflash_config`` first, then the top level (both layouts exist)."""
+    nested = getattr(config, "dflash_config", None) or {}
+    return nested.get(name, getattr(config, name, default))
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding for x [b, heads, n, d] with cos/sin [b, n, d]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, config: Qwen3Config, separate_context_kv: bool) -> None:
+        super().__init__()
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        if separate_context_kv:
+            self.context_k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+            self.context_v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        else:
+            self.context_k_proj = self.context_v_proj = None
+
+    def _heads(self, x: torch.Tensor, heads: int) -> torch.Tensor:
+        return x.view(*x.shape[:-1], heads, self.head_dim)
+
+    def project_kv(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, context: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (normed, rotated) and values [b, kv_heads, n, d] for block or context rows."""
+        k_proj = self.context_k_proj if context and self.context_k_proj is not None else self.k_proj
+        v_proj = self.context_v_proj if context and self.context_v_proj is not None else self.v_proj
+        k = self.k_norm(self._heads(k_proj(x), self.num_kv_heads)).transpose(1, 2)
+        v = self._heads(v_proj(x), self.num_kv_heads).transpose(1, 2)
+        return _rope(k, cos, sin), v
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        context_kv: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        q = _rope(self.q_norm(self._heads(self.q_proj(x), self.num_heads)).transpose(1, 2), cos, sin)
+        k, v = self.project_kv(x, cos, sin, context=False)
+        k = torch.cat([context_kv[0], k], dim=2)
+        v = torch.cat([context_kv[1], v], dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(*x.shape[:-1], -1))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, config: Qwen3Config, variant: str) -> None:
+        super().__init__()
+        self.self_attn = DraftAttention(config, separate_context_kv=variant == DFLARE)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.context_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps) if variant == DFLARE else None
+
+    def forward(self, x, cos, sin, context_kv, attention_mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, context_kv, attention_mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDraftModel(nn.Module):
+    """The draft network; see the module docstring for the two variants."""
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__()
+        self.config = config
+        self.variant = str(draft_setting(config, "variant", DFLASH))
+        if self.variant not in (DFLASH, DFLARE):
+            raise ValueError(f"unknown drafter variant {self.variant!r}; expected {DFLASH!r} or {DFLARE!r}")
+        self.target_layer_ids: list[int] = list(draft_setting(config, "target_layer_ids"))
+        self.block_size = int(draft_setting(config, "block_size", 16))
+        self.mask_token_id = int(draft_setting(config, "mask_token_id"))
+        num_taps = len(self.target_layer_ids)
+        self.layers = nn.ModuleList(DraftLayer(config, self.variant) for _ in range(config.num_hidden_layers))
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        if self.variant == DFLASH:
+            self.fc = nn.Linear(num_taps * config.hidden_size, config.hidden_size, bias=False)
+            self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        else:
+            self.fusion = nn.Linear(num_taps, config.num_hidden_layers, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        std = getattr(self.config, "initializer_range", 0.02)
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, Qwen3RMSNorm):
+                nn.init.ones_(module.weight)
+        if self.variant == DFLARE:
+            nn.init.zeros_(self.fusion.weight)  # start from a uniform average of the tapped layers
+
+    def rope(self, position_ids: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rotary_emb(like, position_ids)
+
+    def context_features(self, taps: torch.Tensor) -> list[torch.Tensor]:
+        """Per-draft-layer context rows [b, c, H] from target taps [b, c, T, H]."""
+        if self.variant == DFLASH:
+            shared = self.hidden_norm(self.fc(taps.flatten(-2)))
+            return [shared] * len(self.layers)
+        weights = self.fusion.weight.softmax(-1).to(taps.dtype)  # [layers, T]
+        return [
+            layer.context_norm(torch.einsum("bcth,t->bch", taps, w))
+            for layer, w in zip(self.layers, weights, strict=True)
+        ]
+
+    def context_kv(
+        self, taps: torch.Tensor, position_ids: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Keys/values of context rows for every draft layer; cacheable, they never change."""
+        features = self.context_features(taps)
+        cos, sin = self.rope(position_ids, features[0])
+        return [
+            layer.self_attn.project_kv(f, cos, sin, context=True)
+            for layer, f in zip(self.layers, features, strict=True)
+        ]
+
+    def forward(
+        self,
+        block_embeds: torch.Tensor,
+        position_ids: torch.Tensor,
+        context_kv: list[tuple[torch.Tensor, torch.Tensor]],
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Hidden states [b, q, H] (final-normed) for block rows; the target's LM head makes logits.
+
+        Without a mask every block row sees every context row and the whole block (inference);
+        training passes a block-sparse mask over ``[context ; blocks]``.
+        """
+        cos, sin = self.rope(position_ids, block_embeds)
+        x = block_embeds
+        for layer, kv in zip(self.layers, context_kv, strict=True):
+            x = layer(x, cos, sin, kv, attention_mask)
+        return self.norm(x)
+
+
+def default_target_layer_ids(num_target_layers: int, count: int) -> list[int]:
+    """``count`` layer ids spread evenly from layer 1 to layer L-3 (shallow to deep, as DFlash picks)."""
+    if count == 1:
+        return [num_target_layers // 2]
+    first, last = 1, max(1, num_target_layers - 3)
+    return [round(first + i * (last - first) / (count - 1)) for i in range(count)]
+
+
+def make_draft_config(
+    target_config,
+    num_layers: int,
+    block_size: int,
+    mask_token_id: int,
+    target_layer_ids: list[int] | None = None,
+    variant: str = DFLASH,
+    intermediate_size: int | None = None,
+) -> Qwen3Config:
+    """A fresh drafter config sized to ``target_config`` (hidden size, heads, vocab, rope)."""
+    num_target_layers = target_config.num_hidden_layers
+    if target_layer_ids is None:
+        target_layer_ids = default_target_layer_ids(num_target_layers, 9 if variant == DFLARE else num_layers)
+    heads = target_config.num_attention_heads
+    rope = getattr(target_config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}
+    return Qwen3Config(
+        architectures=["DFlareDraftModel" if variant == DFLARE else "DFlashDraftModel"],
+        hidden_size=target_config.hidden_size,
+        intermediate_size=intermediate_size or target_config.intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(target_config, "num_key_value_heads", heads),
+        head_dim=getattr(target_config, "head_dim", None) or target_config.hidden_size // heads,
+        vocab_size=target_config.vocab_size,
+        max_position_embeddings=target_config.max_position_embeddings,
+        rms_norm_eps=target_config.rms_norm_eps,
+        rope_parameters=dict(rope),
+        attention_bias=False,
+        tie_word_embeddings=False,
+        block_size=block_size,
+        num_target_layers=num_target_layers,
+        dflash_config={
+            "mask_token_id": mask_token_id,
+            "target_layer_ids": list(target_layer_ids),
+            "variant": variant,
+        },
+    )

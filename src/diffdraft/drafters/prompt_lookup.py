@@ -1,0 +1,38 @@
+"""Prompt lookup: copy what followed the latest earlier occurrence of the context's last n-gram.
+
+Costs no model at all; strong on inputs that repeat themselves (code edits, summaries, RAG).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from diffdraft.drafters.base import Proposal
+
+
+class PromptLookupDrafter:
+    target_layer_ids: list[int] = []  # noqa: RUF012  (part of the Drafter protocol; never mutated)
+
+    def __init__(self, max_depth: int = 10, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_depth = max_depth
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    def reset(self) -> None:
+        pass
+
+    def extend_context(self, hidden: torch.Tensor | None, start: int) -> None:
+        pass
+
+    def propose(self, token_ids: torch.Tensor, depth: int) -> Proposal:
+        ids = token_ids.tolist()
+        for n in range(min(self.max_ngram, len(ids) - 1), self.min_ngram - 1, -1):
+            suffix = ids[-n:]
+            # latest earlier occurrence wins: recent text predicts the continuation best
+            for begin in range(len(ids) - n - 1, -1, -1):
+                if ids[begin : begin + n] == suffix:
+                    follow = ids[begin + n : begin + n + depth]
+                    return Proposal(tokens=torch.tensor(follow, dtype=torch.long))
+        return Proposal(tokens=torch.zeros(0, dtype=torch.long))

@@ -1,0 +1,194 @@
+"""The user-facing entry point: load a target (and drafter) once, then generate or stream.
+
+>>> import diffdraft
+>>> gen = diffdraft.load(target="default", method="pld")
+>>> result = gen.generate("def fibonacci(n):", max_new_tokens=64)
+>>> result.text, result.stats.tau
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from diffdraft.chat import encode_chat, encode_prompt
+from diffdraft.drafters.base import Drafter
+from diffdraft.drafters.checkpoint import load_draft_model
+from diffdraft.drafters.dflash import DFlashDrafter
+from diffdraft.drafters.dflash_model import DFlashDraftModel
+from diffdraft.drafters.prompt_lookup import PromptLookupDrafter
+from diffdraft.engine import SpeculativeEngine
+from diffdraft.errors import InvalidRequestError
+from diffdraft.loading import LoadedModel, end_token_ids, load_target
+from diffdraft.sampling import SamplingParams
+from diffdraft.stats import GenerationStats
+from diffdraft.stopping import StopConditions
+from diffdraft.target import TargetModel
+from diffdraft.trees import ChainBuilder, DDTreeBuilder, TreeBuilder
+
+METHODS = ("ar", "pld", "chain", "ddtree")
+"""ar: plain decoding; pld: prompt lookup chain; chain: drafter argmax/sampled chain; ddtree: optimal tree."""
+
+
+@dataclass
+class GenerationResult:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    """Generated tokens only (end token included when generation stopped on one)."""
+    text: str
+    """Decoded generated text, cut before a stop string if one ended generation."""
+    stats: GenerationStats
+
+    def to_dict(self) -> dict:
+        return {
+            "prompt_token_ids": self.prompt_token_ids,
+            "token_ids": self.token_ids,
+            "text": self.text,
+            **self.stats.to_dict(),
+        }
+
+
+@dataclass
+class GenerationChunk:
+    """One streamed piece: the text and tokens a round added. The last chunk carries the result."""
+
+    text: str
+    token_ids: list[int]
+    result: GenerationResult | None = None
+
+
+def _make_drafter(method: str, drafter: str | os.PathLike | DFlashDraftModel | None, target: TargetModel):
+    if method == "ar":
+        return None
+    if method == "pld":
+        return PromptLookupDrafter()
+    if drafter is None or drafter == "none":
+        raise InvalidRequestError(
+            f"method {method!r} needs a drafter: pass a DFlash/DFlare checkpoint directory "
+            "(--drafter PATH), or use --method ar or pld, which need none"
+        )
+    if drafter == "default":
+        raise InvalidRequestError(
+            "no default drafter ships with this version yet: pass a drafter checkpoint directory "
+            "(--drafter PATH), or use --method ar or pld"
+        )
+    model = drafter if isinstance(drafter, DFlashDraftModel) else load_draft_model(drafter)
+    return DFlashDrafter(model, target)
+
+
+def _make_builder(method: str, budget: int) -> TreeBuilder:
+    return DDTreeBuilder(budget) if method == "ddtree" else ChainBuilder()
+
+
+class SpeculativeGenerator:
+    """A loaded target + drafter + tree rule, reusable across requests."""
+
+    def __init__(
+        self,
+        target: LoadedModel,
+        method: str = "ar",
+        drafter: str | os.PathLike | DFlashDraftModel | None = None,
+        budget: int = 32,
+    ) -> None:
+        if method not in METHODS:
+            raise InvalidRequestError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+        self.loaded = target
+        self.tokenizer = target.tokenizer
+        self.target = TargetModel(target.model)
+        self.method = method
+        self.drafter: Drafter | None = _make_drafter(method, drafter, self.target)
+        self.engine = SpeculativeEngine(self.target, self.drafter, _make_builder(method, budget))
+        self.end_token_ids = end_token_ids(target.model, target.tokenizer)
+
+    def generate(self, prompt: str | None = None, **kwargs) -> GenerationResult:
+        """Generate to completion; same arguments as :meth:`stream`."""
+        chunk = None
+        for chunk in self.stream(prompt, **kwargs):
+            pass
+        assert chunk is not None and chunk.result is not None
+        return chunk.result
+
+    def stream(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict] | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+        ignore_eos: bool = False,
+    ) -> Iterator[GenerationChunk]:
+        """Yield text as rounds commit tokens. Give exactly one of prompt (used as given),
+        messages (chat template applied) or prompt_token_ids."""
+        prompt_ids = self._encode(prompt, messages, prompt_token_ids)
+        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+        if seed is None and not sampling.greedy:
+            seed = int(torch.randint(0, 2**62, ()).item())
+        stop_conditions = StopConditions(
+            end_token_ids=() if ignore_eos else self.end_token_ids,
+            max_new_tokens=max_new_tokens,
+            max_total_tokens=self.target.max_context,
+            prompt_length=len(prompt_ids),
+            stop_strings=stop,
+            decode=self._decode,
+        )
+        stats = GenerationStats()
+        generated: list[int] = []
+        pending: list[int] = []  # tokens whose text is not shown yet
+        shown = ""
+        for new in self.engine.run(prompt_ids, stop_conditions, sampling, stats, seed):
+            generated.extend(new)
+            pending.extend(new)
+            text = self._visible_text(generated, stop_conditions)
+            if len(text) > len(shown):
+                yield GenerationChunk(text=text[len(shown) :], token_ids=pending)
+                shown, pending = text, []
+        text = stop_conditions.cut_text(self._decode(generated))
+        result = GenerationResult(list(prompt_ids), generated, text, stats)
+        yield GenerationChunk(text=text[len(shown) :], token_ids=pending, result=result)
+
+    def _encode(self, prompt, messages, prompt_token_ids) -> list[int]:
+        given = [x is not None for x in (prompt, messages, prompt_token_ids)]
+        if sum(given) != 1:
+            raise InvalidRequestError("give exactly one of prompt, messages or prompt_token_ids")
+        if messages is not None:
+            return encode_chat(self.tokenizer, messages)
+        if prompt is not None:
+            return encode_prompt(self.tokenizer, prompt)
+        ids = [int(t) for t in prompt_token_ids]
+        if not ids or not all(0 <= t < self.target.vocab_size for t in ids):
+            raise InvalidRequestError(
+                f"prompt_token_ids must be a non-empty list of ids in [0, {self.target.vocab_size})"
+            )
+        return ids
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _visible_text(self, generated: list[int], stop: StopConditions) -> str:
+        """Text safe to show now: no half-decoded characters, no prefix of a stop string yet."""
+        text = stop.cut_text(self._decode(generated)).rstrip("\ufffd")
+        if stop.stop_strings:
+            text = text[: max(0, len(text) - max(map(len, stop.stop_strings)) + 1)]
+        return text
+
+
+def load(
+    target: str | os.PathLike = "default",
+    drafter: str | os.PathLike | None = None,
+    method: str = "ar",
+    budget: int = 32,
+    dtype: str = "auto",
+    device: str | None = None,
+) -> SpeculativeGenerator:
+    """Load a target (``"default"``, a model directory or a ``.gguf`` file) and a drafter once."""
+    if method not in METHODS:
+        raise InvalidRequestError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    return SpeculativeGenerator(load_target(target, dtype=dtype, device=device), method, drafter, budget)

@@ -1,0 +1,181 @@
+"""Load a target model and its tokenizer from the embedded default, a local HF directory or a GGUF file.
+
+Only local files are read (``local_files_only=True``): diffdraft never downloads, so a wrong path is
+an error that says what to pass instead, never a silent hub lookup.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GgufConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+from diffdraft.default_model import MODEL_NAME, default_model_dir
+from diffdraft.errors import CheckpointError, InvalidRequestError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The names from_pretrained looks for; anything else in the directory is not loadable weights.
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+_WHAT_TO_PASS = "pass 'default', a local Hugging Face model directory, or a path to a .gguf file"
+
+
+@dataclass
+class LoadedModel:
+    """A target ready for inference, plus where it came from (for logs and bench reports)."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    source: str
+
+
+def load_target(
+    spec: str | os.PathLike, dtype: str = "auto", device: str | torch.device | None = None
+) -> LoadedModel:
+    """Load a causal LM in eval mode with SDPA attention (the tree-mask verifier needs SDPA).
+
+    ``spec`` is ``"default"`` (the embedded SmolLM2-135M-Instruct), a Hugging Face model directory, or
+    a ``.gguf`` file (dequantized to dense weights). ``dtype="auto"`` keeps the checkpoint's recorded
+    dtype, except float16 on CPU and unrecorded dtypes, which become float32.
+    """
+    if dtype != "auto" and dtype not in DTYPES:
+        raise InvalidRequestError(
+            f"dtype must be one of 'auto', {', '.join(map(repr, DTYPES))}; got {dtype!r}"
+        )
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if str(spec) == "default":
+        path = default_model_dir()
+        loaded = _load_directory(path, dtype, device)
+        loaded.source = f"embedded default {MODEL_NAME} (cached at {path})"
+        return loaded
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise CheckpointError(
+            f"{path} does not exist. diffdraft only loads local files: {_WHAT_TO_PASS} "
+            "(download a hub model to a directory first, then pass that directory)."
+        )
+    if path.is_dir():
+        return _load_directory(path, dtype, device)
+    if path.suffix.lower() == ".gguf":
+        return _load_gguf(path, dtype, device)
+    raise CheckpointError(
+        f"{path} is a file but not a .gguf file. For safetensors or .bin weights pass the directory that "
+        f"holds them together with config.json and the tokenizer files; otherwise {_WHAT_TO_PASS}."
+    )
+
+
+def end_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Every token that ends generation: chat models often have several (<|im_end|>, <|endoftext|>)."""
+    ids: set[int] = set()
+    generation_config = getattr(model, "generation_config", None)
+    for value in (
+        getattr(generation_config, "eos_token_id", None),
+        getattr(model.config, "eos_token_id", None),
+        tokenizer.eos_token_id,
+    ):
+        values = value if isinstance(value, (list, tuple)) else [value]
+        ids.update(int(v) for v in values if v is not None)
+    return sorted(ids)
+
+
+def _resolve_dtype(dtype: str, recorded: object, device: torch.device) -> torch.dtype:
+    """Pick the load dtype; float16 on CPU is slow and lacks kernels, so "auto" avoids it there."""
+    if dtype != "auto":
+        return DTYPES[dtype]
+    # Configs record the dtype as a torch.dtype or a string such as "bfloat16".
+    chosen = DTYPES.get(str(recorded).removeprefix("torch."), torch.float32)
+    if chosen == torch.float16 and device.type == "cpu":
+        return torch.float32
+    return chosen
+
+
+def _load_directory(path: Path, dtype: str, device: torch.device) -> LoadedModel:
+    if not (path / "config.json").is_file():
+        raise CheckpointError(
+            f"{path} has no config.json, so it is not a Hugging Face model directory. Pass the directory "
+            f"that save_pretrained wrote (config.json, weights, tokenizer files), or {_WHAT_TO_PASS}."
+        )
+    if not any((path / name).is_file() for name in WEIGHT_FILES):
+        raise CheckpointError(
+            f"{path} has config.json but no weights (expected one of {', '.join(WEIGHT_FILES)}). "
+            "Copy the model's weight files into this directory."
+        )
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except ValueError as error:
+        raise CheckpointError(
+            f"{path}: unsupported architecture: {str(error).splitlines()[0]} "
+            "Use a decoder-only model this transformers version supports (e.g. Llama, Qwen2, Qwen3)."
+        ) from error
+    except OSError as error:
+        raise CheckpointError(f"{path}: cannot read config.json ({error}). Restore the file.") from error
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise CheckpointError(
+            f"{path}: unsupported architecture: model type {config.model_type!r} is not a causal language "
+            "model. diffdraft needs a decoder-only target such as Llama, Qwen2 or Qwen3."
+        )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path,
+            config=config,
+            dtype=_resolve_dtype(dtype, config.dtype, device),
+            device_map=device,
+            attn_implementation="sdpa",
+            local_files_only=True,
+        )
+    except SafetensorError as error:
+        raise CheckpointError(
+            f"{path}: the safetensors weights are corrupt or truncated ({error}). "
+            "Download or save the weights again."
+        ) from error
+    return LoadedModel(model.eval(), _load_tokenizer(path), f"Hugging Face directory {path}")
+
+
+def _load_tokenizer(path: Path, **kwargs: str) -> PreTrainedTokenizerBase:
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True, **kwargs)
+    except (ValueError, OSError) as error:
+        raise CheckpointError(
+            f"{path}: cannot load a tokenizer ({str(error).splitlines()[0]}). Put the model's tokenizer "
+            "files (tokenizer.json, tokenizer_config.json) next to its weights."
+        ) from error
+
+
+def _load_gguf(path: Path, dtype: str, device: torch.device) -> LoadedModel:
+    # Dequantize to plain nn.Linear weights: the engine needs ordinary modules and SDPA attention, and
+    # a model still tied to a GGUF quantizer cannot be saved with save_pretrained.
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path.parent,
+            gguf_file=path.name,
+            quantization_config=GgufConfig(dequantize=True),
+            dtype=_resolve_dtype(dtype, None, device),
+            device_map=device,
+            attn_implementation="sdpa",
+            local_files_only=True,
+        )
+    except (ValueError, OSError) as error:
+        raise CheckpointError(
+            f"{path}: cannot load this GGUF file ({str(error).splitlines()[0]}). Pass an intact GGUF of an "
+            "architecture transformers can read (e.g. Llama, Qwen2, Qwen3), or a Hugging Face directory."
+        ) from error
+    tokenizer = _load_tokenizer(path.parent, gguf_file=path.name)
+    return LoadedModel(model.eval(), tokenizer, f"GGUF file {path} (dequantized)")

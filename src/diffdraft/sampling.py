@@ -1,0 +1,68 @@
+"""Sampling parameters and the one place that turns logits into the distribution we sample from.
+
+Every component that needs "the target's distribution" (verifiers, drafters sampling their own
+proposals, tests) calls :meth:`SamplingParams.probs`, so the warping (temperature, top-k, top-p)
+is defined exactly once and speculative decoding reproduces plain sampling exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from diffdraft.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the target picks a token. ``temperature == 0`` means greedy (argmax)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature):
+            raise InvalidRequestError(f"temperature must be a number, got {self.temperature!r}")
+        if self.temperature < 0:
+            raise InvalidRequestError(
+                f"temperature must be >= 0 (0 means greedy), got {self.temperature}"
+            )
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidRequestError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise InvalidRequestError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """Warped probabilities over the last dimension, in float32.
+
+        Greedy parameters give a one-hot distribution on the argmax, so callers that only know
+        distributions (rejection sampling) stay correct at temperature 0 too.
+        """
+        logits = logits.float()
+        if self.greedy:
+            return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+        scores = logits / self.temperature
+        if 0 < self.top_k < scores.shape[-1]:
+            kth_best = scores.topk(self.top_k, dim=-1).values[..., -1:]
+            scores = scores.masked_fill(scores < kth_best, float("-inf"))
+        probs = scores.softmax(-1)
+        if self.top_p < 1:
+            sorted_probs, order = probs.sort(-1, descending=True)
+            mass_before = sorted_probs.cumsum(-1) - sorted_probs
+            sorted_probs = sorted_probs.masked_fill(mass_before >= self.top_p, 0.0)
+            probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+            probs = probs / probs.sum(-1, keepdim=True)
+        return probs
+
+
+def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One index per row of ``probs`` ([..., V] -> [...])."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])

@@ -1,0 +1,61 @@
+"""Per-generation statistics: acceptance and where the time went."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+STAGES = ("prefill", "draft", "tree", "verify", "commit")
+
+
+@dataclass
+class GenerationStats:
+    rounds: int = 0
+    """Verification forwards after the prefill."""
+    acceptance_lengths: list[int] = field(default_factory=list)
+    """Tokens committed per round, counting the bonus token (1 = nothing accepted)."""
+    timings: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
+    """Seconds spent per stage over the whole generation."""
+    total_seconds: float = 0.0
+    stop_reason: str = ""
+
+    @property
+    def tau(self) -> float:
+        """Mean acceptance length, bonus token included (the papers' tau)."""
+        return sum(self.acceptance_lengths) / len(self.acceptance_lengths) if self.acceptance_lengths else 0.0
+
+    @property
+    def acceptance_histogram(self) -> dict[int, int]:
+        return dict(sorted(Counter(self.acceptance_lengths).items()))
+
+    def to_dict(self) -> dict:
+        return {
+            "rounds": self.rounds,
+            "tau": self.tau,
+            "acceptance_lengths": self.acceptance_lengths,
+            "acceptance_histogram": {str(k): v for k, v in self.acceptance_histogram.items()},
+            "timings": dict(self.timings),
+            "total_seconds": self.total_seconds,
+            "stop_reason": self.stop_reason,
+        }
+
+
+class StageTimer:
+    """Adds wall time to ``stats.timings[stage]``; synchronizes CUDA so GPU time is not misattributed."""
+
+    def __init__(self, stats: GenerationStats, device: torch.device) -> None:
+        self.stats = stats
+        self.sync = device.type == "cuda"
+
+    @contextmanager
+    def __call__(self, stage: str) -> Iterator[None]:
+        begin = time.perf_counter()
+        yield
+        if self.sync:
+            torch.cuda.synchronize()
+        self.stats.timings[stage] += time.perf_counter() - begin

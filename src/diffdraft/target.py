@@ -1,0 +1,134 @@
+"""The target model as the speculative loop sees it: prefill, verify a tree, keep the accepted path.
+
+Wraps any Hugging Face causal LM whose attention accepts a custom 4D mask (Llama, Qwen2, Qwen3
+and most decoder-only families through SDPA). Hidden-state taps follow DFlash semantics: layer
+id ``i`` is the *output* of decoder layer ``i``, i.e. Hugging Face ``hidden_states[i + 1]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from diffdraft.errors import IncompatibleDrafterError
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor
+    """[n, V] logits after each input token (only the last row after a prefill)."""
+    hidden: torch.Tensor | None
+    """[n, T, H] outputs of the tapped decoder layers, or None when nothing is tapped."""
+
+
+class TargetModel:
+    """Forward passes over a KV cache, with tree masks and layer taps."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model.eval()
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.config = config
+        self.num_layers: int = config.num_hidden_layers
+        self.hidden_size: int = config.hidden_size
+        self.vocab_size: int = model.get_output_embeddings().weight.shape[0]
+        self.max_context: int = int(getattr(config, "max_position_embeddings", 1 << 30))
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    def check_layer_ids(self, layer_ids: list[int]) -> None:
+        """Reject layer ids the target does not have, naming the valid range."""
+        bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
+        if bad:
+            raise IncompatibleDrafterError(
+                f"target layer ids {bad} are out of range: the target has {self.num_layers} decoder layers, "
+                f"so ids must be in [0, {self.num_layers - 1}] (DFlash convention: id i = output of layer i)"
+            )
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.model.config)
+
+    @torch.inference_mode()
+    def prefill(self, cache: DynamicCache, token_ids: torch.Tensor, layer_ids: list[int]) -> TargetOutput:
+        """Run the prompt through the model; logits are kept for the last position only."""
+        positions = torch.arange(token_ids.shape[0], device=self.device)
+        return self._forward(cache, token_ids, positions, None, layer_ids, logits_to_keep=1)
+
+    @torch.inference_mode()
+    def verify(
+        self,
+        cache: DynamicCache,
+        token_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        tree_mask: torch.Tensor | None,
+        layer_ids: list[int],
+    ) -> TargetOutput:
+        """Score tree nodes in one forward; ``tree_mask`` [n, n] says which nodes each node sees.
+
+        Every node also sees the whole cached context. ``None`` means a single token.
+        """
+        mask = None
+        if tree_mask is not None:
+            past = cache.get_seq_length()
+            visible = torch.cat(
+                [torch.ones(tree_mask.shape[0], past, dtype=torch.bool, device=self.device), tree_mask.to(self.device)],
+                dim=1,
+            )
+            mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
+            mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
+            mask = mask[None, None]
+        return self._forward(cache, token_ids, position_ids, mask, layer_ids, logits_to_keep=0)
+
+    def _forward(
+        self,
+        cache: DynamicCache,
+        token_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        mask: torch.Tensor | None,
+        layer_ids: list[int],
+        logits_to_keep: int,
+    ) -> TargetOutput:
+        out = self.model(
+            input_ids=token_ids[None].to(self.device),
+            position_ids=position_ids[None].to(self.device),
+            attention_mask=mask,
+            past_key_values=cache,
+            use_cache=True,
+            output_hidden_states=bool(layer_ids),
+            logits_to_keep=logits_to_keep,
+        )
+        hidden = None
+        if layer_ids:
+            hidden = torch.stack([out.hidden_states[i + 1][0] for i in layer_ids], dim=1)
+        return TargetOutput(logits=out.logits[0], hidden=hidden)
+
+    @staticmethod
+    @torch.inference_mode()
+    def keep_path(cache: DynamicCache, start: int, path: list[int]) -> None:
+        """Keep only the accepted nodes of the last verified tree in the cache.
+
+        The tree occupied cache slots ``start + i`` for node ``i``; the accepted ``path`` (node
+        indices, root first) is copied into ``start, start + 1, ...`` in place, then the cache is
+        cropped. A path that is already a prefix (every chain) needs the crop only.
+        """
+        keep = len(path)
+        if path != list(range(keep)):
+            source = torch.tensor(path, device=cache.layers[0].keys.device) + start
+            for layer in cache.layers:
+                if layer.is_sliding:
+                    raise NotImplementedError(
+                        "tree verification does not support sliding-window attention caches yet; "
+                        "use --method chain or a model without sliding-window layers"
+                    )
+                layer.keys[:, :, start : start + keep] = layer.keys.index_select(2, source)
+                layer.values[:, :, start : start + keep] = layer.values.index_select(2, source)
+        excess = cache.get_seq_length() - (start + keep)
+        if excess > 0:
+            cache.crop(-excess)

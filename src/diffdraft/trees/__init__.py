@@ -1,0 +1,30 @@
+"""Draft trees and the builders that turn a drafter's proposal into one."""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from diffdraft.drafters.base import Proposal
+from diffdraft.sampling import SamplingParams
+from diffdraft.trees.chain import ChainBuilder
+from diffdraft.trees.ddtree import DDTreeBuilder
+from diffdraft.trees.tree import DraftTree
+
+__all__ = ["ChainBuilder", "DDTreeBuilder", "DraftTree", "TreeBuilder"]
+
+
+@runtime_checkable
+class TreeBuilder(Protocol):
+    """Decides which tokens the target verifies this round; the engine knows only this call."""
+
+    def build(
+        self,
+        root_token: int,
+        proposal: Proposal,
+        sampling: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> DraftTree:
+        """A tree rooted at ``root_token`` covering at most ``proposal.depth`` positions."""
+        ...

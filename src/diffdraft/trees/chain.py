@@ -1,0 +1,35 @@
+"""The simplest tree: one token per drafted position.
+
+Greedy decoding takes the drafter's argmax. Sampling draws each token from the drafter's
+distribution warped exactly like the target's, and keeps that distribution on the tree so the
+verifier can run rejection sampling, which accepts more than matching target samples would.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from diffdraft.drafters.base import Proposal
+from diffdraft.sampling import SamplingParams, sample_from
+from diffdraft.trees.tree import DraftTree
+
+
+class ChainBuilder:
+    """Turns a proposal into a single path root -> d_1 -> ... -> d_L."""
+
+    def build(
+        self,
+        root_token: int,
+        proposal: Proposal,
+        sampling: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> DraftTree:
+        if proposal.tokens is not None:
+            return DraftTree.chain(root_token, proposal.tokens)
+        log_probs = proposal.log_probs
+        if log_probs is None or log_probs.shape[0] == 0:
+            return DraftTree.root_only(root_token, "cpu" if log_probs is None else log_probs.device)
+        if sampling.greedy:
+            return DraftTree.chain(root_token, log_probs.argmax(-1))
+        draft_probs = sampling.probs(log_probs)
+        return DraftTree.chain(root_token, sample_from(draft_probs, generator), draft_probs)

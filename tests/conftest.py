@@ -1,0 +1,125 @@
+"""Tiny random models built from configs: every test runs in seconds on a 2-core CPU."""
+
+from __future__ import annotations
+
+import torch
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen3Config
+
+from diffdraft.drafters.dflash_model import DFLASH, DFlashDraftModel, make_draft_config
+
+# Tiny models are dominated by per-op overhead: one thread is several times faster than two.
+torch.set_num_threads(1)
+
+FAMILIES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+
+
+def tiny_target(
+    family: str = "llama",
+    seed: int = 0,
+    vocab: int = 64,
+    hidden: int = 32,
+    layers: int = 4,
+    max_positions: int = 256,
+    dtype: torch.dtype = torch.float64,
+    init_std: float = 0.2,
+) -> torch.nn.Module:
+    """A random causal LM. float64 by default so greedy ties never depend on kernel rounding.
+
+    The large init std makes next-token distributions peaked, like a real model's, so drafts get
+    accepted and long accepted paths are exercised.
+    """
+    config = FAMILIES[family](
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        max_position_embeddings=max_positions,
+        initializer_range=init_std,
+        tie_word_embeddings=False,
+        eos_token_id=vocab - 1,
+        bos_token_id=0,
+        pad_token_id=0,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    return model.to(dtype).eval()
+
+
+def tiny_drafter(
+    target: torch.nn.Module,
+    seed: int = 0,
+    layers: int = 1,
+    block_size: int = 4,
+    variant: str = DFLASH,
+    target_layer_ids: list[int] | None = None,
+) -> DFlashDraftModel:
+    config = make_draft_config(
+        target.config,
+        num_layers=layers,
+        block_size=block_size,
+        mask_token_id=target.config.vocab_size - 2,
+        target_layer_ids=target_layer_ids or [0, target.config.num_hidden_layers - 1],
+        variant=variant,
+    )
+    torch.manual_seed(seed)
+    return DFlashDraftModel(config).to(target.dtype)
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int, eos: int | None) -> list[int]:
+    """The reference: transformers' own greedy generate, generated tokens only."""
+    out = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+CHECKPOINT_VOCAB = 320
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level BPE like real Llama/Qwen ones: transformers 5 rebuilds a Qwen2 tokenizer's pipeline
+    as byte-level BPE from its vocab, so a WordLevel fixture would encode to nothing after reloading."""
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(["hello world, the quick brown fox"], trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+
+
+def make_checkpoint(path: Path, family: str = "llama", dtype: torch.dtype = torch.float32) -> Path:
+    """A random 2-layer model of the family, saved like a hub download (weights + config + tokenizer)."""
+    config = FAMILIES[family](
+        vocab_size=CHECKPOINT_VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=128,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).to(dtype).save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path

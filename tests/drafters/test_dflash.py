@@ -1,0 +1,171 @@
+"""DFlash / DFlare drafter: official checkpoint layout, parity with the reference package, caching."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import tiny_drafter, tiny_target
+from diffdraft.drafters.checkpoint import load_draft_model, save_draft_model
+from diffdraft.drafters.dflash import DFlashDrafter
+from diffdraft.drafters.dflash_model import DFLARE, DFLASH, default_target_layer_ids
+from diffdraft.errors import CheckpointError, IncompatibleDrafterError
+from diffdraft.target import TargetModel
+
+OFFICIAL_LAYER_KEYS = {
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "self_attn.q_norm.weight",
+    "self_attn.k_norm.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+}
+
+
+def official_keys(layers: int) -> set[str]:
+    keys = {"fc.weight", "hidden_norm.weight", "norm.weight"}
+    return keys | {f"layers.{i}.{k}" for i in range(layers) for k in OFFICIAL_LAYER_KEYS}
+
+
+def test_dflash_checkpoint_has_the_official_layout_and_round_trips(tmp_path):
+    target = tiny_target("qwen3")
+    model = tiny_drafter(target, layers=2, block_size=5)
+    save_draft_model(model, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"]
+    assert config["model_type"] == "qwen3"
+    assert config["block_size"] == 5
+    assert config["num_target_layers"] == 4
+    assert config["dflash_config"]["mask_token_id"] == 62
+    assert config["dflash_config"]["target_layer_ids"] == [0, 3]
+    from safetensors.torch import load_file
+
+    assert set(load_file(tmp_path / "model.safetensors")) == official_keys(2)
+    loaded = load_draft_model(tmp_path)
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], tensor)
+
+
+def test_dflare_round_trip_keeps_the_dflash_layout_plus_its_own_weights(tmp_path):
+    target = tiny_target("llama")
+    model = tiny_drafter(target, layers=3, variant=DFLARE, target_layer_ids=[0, 1, 2, 3])
+    with torch.no_grad():
+        model.fusion.weight.normal_()
+    save_draft_model(model, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["dflash_config"]["variant"] == DFLARE
+    assert config["architectures"] == ["DFlareDraftModel"]
+    loaded = load_draft_model(tmp_path)
+    assert loaded.variant == DFLARE
+    keys = set(loaded.state_dict())
+    assert "fc.weight" not in keys and "hidden_norm.weight" not in keys
+    assert keys >= {"fusion.weight", "layers.2.self_attn.context_k_proj.weight", "layers.0.context_norm.weight"}
+    assert keys >= official_keys(3) - {"fc.weight", "hidden_norm.weight"}
+    torch.testing.assert_close(loaded.fusion.weight, model.fusion.weight)
+
+
+def test_settings_are_read_from_top_level_or_dflash_config(tmp_path):
+    target = tiny_target("qwen3")
+    save_draft_model(tiny_drafter(target, block_size=6), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["mask_token_id"] = config["dflash_config"].pop("mask_token_id")
+    config["dflash_config"]["block_size"] = config.pop("block_size")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loaded = load_draft_model(tmp_path)
+    assert (loaded.block_size, loaded.mask_token_id) == (6, 62)
+
+
+def test_matches_the_official_dflash_package_in_both_directions(tmp_path):
+    official = pytest.importorskip("dflash")
+    target = tiny_target("qwen3", dtype=torch.float32)
+    ours = tiny_drafter(target, layers=2, block_size=4, target_layer_ids=[1, 2]).float()
+    save_draft_model(ours, tmp_path / "ours")
+    reference = official.DFlashDraftModel.from_pretrained(tmp_path / "ours").eval()
+
+    torch.manual_seed(0)
+    taps = torch.randn(1, 9, 2, target.config.hidden_size)
+    block = torch.randn(1, 4, target.config.hidden_size)
+    expected = reference(
+        target_hidden=taps.flatten(-2), noise_embedding=block, position_ids=torch.arange(13)[None]
+    )
+    got = ours(block, torch.arange(9, 13)[None], ours.context_kv(taps, torch.arange(9)[None]))
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+
+    reference.save_pretrained(tmp_path / "official")
+    loaded = load_draft_model(tmp_path / "official")
+    got = loaded(block, torch.arange(9, 13)[None], loaded.context_kv(taps, torch.arange(9)[None]))
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("variant", [DFLASH, DFLARE])
+def test_incremental_context_cache_equals_full_recompute(variant):
+    target = tiny_target("qwen2")
+    wrapped = TargetModel(target)
+    model = tiny_drafter(target, layers=2, block_size=5, variant=variant)
+    drafter = DFlashDrafter(model, wrapped)
+    taps = torch.randn(12, 2, target.config.hidden_size, dtype=target.dtype)
+    tokens = torch.randint(0, 60, (13,))
+    drafter.reset()
+    for begin, end in [(0, 5), (5, 6), (6, 12)]:
+        drafter.extend_context(taps[begin:end], begin)
+    incremental = drafter.propose(tokens, 4).log_probs
+
+    full_kv = model.context_kv(taps[None], torch.arange(12)[None])
+    block = torch.tensor([int(tokens[-1])] + [model.mask_token_id] * 4)
+    hidden = model(target.get_input_embeddings()(block[None]), torch.arange(12, 17)[None], full_kv)
+    expected = target.get_output_embeddings()(hidden[0, 1:]).float().log_softmax(-1)
+    torch.testing.assert_close(incremental, expected)
+
+
+def test_default_layer_ids_spread_from_shallow_to_deep():
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert default_target_layer_ids(30, 1) == [15]
+
+
+def test_mismatched_drafter_and_target_are_rejected_with_the_reason():
+    target = tiny_target("llama", hidden=32)
+    other = tiny_target("llama", hidden=48)
+    with pytest.raises(IncompatibleDrafterError, match="hidden size 48 != target hidden size 32"):
+        DFlashDrafter(tiny_drafter(other), TargetModel(target))
+    bigger_vocab = tiny_target("llama", vocab=128)
+    with pytest.raises(IncompatibleDrafterError, match="vocab size 128 != target vocab size 64"):
+        DFlashDrafter(tiny_drafter(bigger_vocab), TargetModel(target))
+    deeper = tiny_target("llama", layers=8)
+    with pytest.raises(IncompatibleDrafterError, match="8 layers"):
+        DFlashDrafter(tiny_drafter(deeper, target_layer_ids=[1, 6]), TargetModel(target))
+
+
+def test_missing_and_corrupt_checkpoints_raise_checkpoint_errors(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_draft_model(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="no config.json"):
+        load_draft_model(tmp_path / "empty")
+
+    save_draft_model(tiny_drafter(tiny_target()), tmp_path / "ok")
+    weights = tmp_path / "ok" / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="corrupt or truncated"):
+        load_draft_model(tmp_path / "ok")
+    weights.unlink()
+    with pytest.raises(CheckpointError, match=r"missing its weights file model\.safetensors"):
+        load_draft_model(tmp_path / "ok")
+
+    save_draft_model(tiny_drafter(tiny_target(), layers=2), tmp_path / "two")
+    config = json.loads((tmp_path / "two" / "config.json").read_text())
+    config["num_hidden_layers"] = 1
+    (tmp_path / "two" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="not a consistent drafter config"):
+        load_draft_model(tmp_path / "two")
+    del config["layer_types"]
+    (tmp_path / "two" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="unexpected"):
+        load_draft_model(tmp_path / "two")

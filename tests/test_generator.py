@@ -1,0 +1,136 @@
+"""The Python API end to end on a tiny saved checkpoint: methods, streaming, stops, bad requests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import diffdraft
+from conftest import hf_greedy, make_checkpoint, tiny_drafter
+from diffdraft.drafters.checkpoint import save_draft_model
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = make_checkpoint(tmp_path_factory.mktemp("target"), "qwen3")
+    return path
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(checkpoint, tmp_path_factory):
+    target = diffdraft.load(checkpoint).loaded.model
+    path = tmp_path_factory.mktemp("drafter")
+    save_draft_model(tiny_drafter(target, block_size=4).float(), path)
+    return path
+
+
+@pytest.mark.parametrize(("method", "budget"), [("ar", 1), ("pld", 1), ("chain", 1), ("ddtree", 8)])
+def test_every_method_gives_the_same_greedy_text(checkpoint, drafter_dir, method, budget):
+    generator = diffdraft.load(checkpoint, drafter=drafter_dir, method=method, budget=budget)
+    result = generator.generate("hello world, the quick", max_new_tokens=20, ignore_eos=True)
+    reference = hf_greedy(generator.loaded.model, result.prompt_token_ids, 20, eos=None)
+    assert result.token_ids == reference[: len(result.token_ids)]
+    assert len(result.token_ids) == 20
+    assert result.text == generator.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+    assert result.stats.rounds == len(result.stats.acceptance_lengths) > 0
+    assert set(result.stats.timings) == {"prefill", "draft", "tree", "verify", "commit"}
+    fields = result.to_dict()
+    assert {"prompt_token_ids", "token_ids", "text", "tau", "rounds", "timings"} <= set(fields)
+
+
+def test_stream_yields_the_text_in_pieces_and_ends_with_the_result(checkpoint):
+    generator = diffdraft.load(checkpoint, method="pld")
+    chunks = list(generator.stream(prompt="hello world", max_new_tokens=12, ignore_eos=True))
+    assert chunks[-1].result is not None
+    assert "".join(c.text for c in chunks) == chunks[-1].result.text
+    assert sum(len(c.token_ids) for c in chunks) == 12
+
+
+def test_stop_string_cuts_text_and_keeps_tokens_through_the_stop(checkpoint):
+    generator = diffdraft.load(checkpoint, method="ar")
+    full = generator.generate("hello world", max_new_tokens=24, ignore_eos=True)
+    assert len(full.text) > 4
+    stop = full.text[3:5]
+    result = generator.generate("hello world", max_new_tokens=24, ignore_eos=True, stop=[stop])
+    assert result.stats.stop_reason == "stop_string"
+    assert result.text == full.text[: full.text.find(stop)]
+    assert result.token_ids == full.token_ids[: len(result.token_ids)]
+    decoded = generator.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+    assert stop in decoded
+    assert stop not in generator.tokenizer.decode(result.token_ids[:-1], skip_special_tokens=True)
+
+
+def test_sampling_with_a_seed_is_reproducible_and_methods_agree_on_lengths(checkpoint, drafter_dir):
+    chain = diffdraft.load(checkpoint, drafter=drafter_dir, method="chain")
+    options = dict(prompt="hello", max_new_tokens=16, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)
+    assert chain.generate(**options).token_ids == chain.generate(**options).token_ids
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (dict(temperature=-0.1), "temperature must be >= 0"),
+        (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+        (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+        (dict(top_k=-1), "top_k must be an integer >= 0"),
+        (dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1"),
+        (dict(stop=[""]), "stop strings must be non-empty"),
+    ],
+)
+def test_bad_sampling_and_stop_parameters_are_clear_errors(checkpoint, options, message):
+    generator = diffdraft.load(checkpoint)
+    with pytest.raises(diffdraft.InvalidRequestError, match=message):
+        generator.generate("hello", **options)
+
+
+def test_prompt_longer_than_the_context_is_a_clear_error(checkpoint):
+    generator = diffdraft.load(checkpoint)
+    too_long = list(range(3, 3 + generator.target.max_context))
+    with pytest.raises(diffdraft.InvalidRequestError, match="context holds 128"):
+        generator.generate(prompt_token_ids=too_long)
+
+
+def test_requests_must_name_exactly_one_input(checkpoint):
+    generator = diffdraft.load(checkpoint)
+    with pytest.raises(diffdraft.InvalidRequestError, match="exactly one"):
+        generator.generate("hi", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(diffdraft.InvalidRequestError, match="prompt_token_ids"):
+        generator.generate(prompt_token_ids=[10**6])
+
+
+@pytest.mark.parametrize(
+    ("method", "drafter", "message"),
+    [
+        ("chain", None, "needs a drafter"),
+        ("ddtree", "default", "no default drafter"),
+        ("beam", None, "unknown method"),
+    ],
+)
+def test_methods_without_what_they_need_are_clear_errors(checkpoint, method, drafter, message):
+    with pytest.raises(diffdraft.InvalidRequestError, match=message):
+        diffdraft.load(checkpoint, drafter=drafter, method=method)
+
+
+def test_ddtree_budget_below_one_is_rejected(checkpoint, drafter_dir):
+    with pytest.raises(diffdraft.InvalidRequestError, match="budget"):
+        diffdraft.load(checkpoint, drafter=drafter_dir, method="ddtree", budget=0)
+
+
+def test_drafter_for_another_target_is_rejected(checkpoint, tmp_path):
+    other = make_checkpoint(tmp_path / "other", "llama")
+    target = diffdraft.load(other).loaded.model
+    config = target.config
+    config.hidden_size = 48
+    bigger = type(target)(config)
+    save_draft_model(tiny_drafter(bigger).float(), tmp_path / "drafter")
+    with pytest.raises(diffdraft.IncompatibleDrafterError, match="hidden size 48"):
+        diffdraft.load(checkpoint, drafter=tmp_path / "drafter", method="chain")
+
+
+def test_the_generator_is_reusable_across_requests(checkpoint, drafter_dir):
+    generator = diffdraft.load(checkpoint, drafter=drafter_dir, method="ddtree", budget=4)
+    first = generator.generate("hello world", max_new_tokens=10, ignore_eos=True)
+    generator.generate("the quick brown fox", max_new_tokens=10, ignore_eos=True)
+    again = generator.generate("hello world", max_new_tokens=10, ignore_eos=True)
+    assert first.token_ids == again.token_ids
+    assert torch.is_tensor(torch.tensor(first.token_ids))

@@ -1,0 +1,105 @@
+"""Sampling is exact: speculative decoding draws from the same distribution as plain sampling.
+
+On an 8-token vocabulary the exact distribution of generated tokens 2 and 3 (the ones a
+verification round decides) is computed by enumeration and compared with a chi-square test.
+Seeds are fixed, so the test is deterministic; it fails only on a real bias.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from conftest import tiny_drafter, tiny_target
+from diffdraft.drafters.dflash import DFlashDrafter
+from diffdraft.drafters.prompt_lookup import PromptLookupDrafter
+from diffdraft.sampling import SamplingParams
+from diffdraft.target import TargetModel
+from diffdraft.trees import ChainBuilder, DDTreeBuilder
+from test_engine import run_engine
+
+VOCAB = 8
+PROMPT = [1, 2, 3, 1, 2]
+RUNS = 1500
+
+
+def exact_pair_distribution(model, sampling: SamplingParams) -> torch.Tensor:
+    """P(token 2, token 3) with token 1 marginalized, by enumerating every prefix."""
+    def next_probs(prefix):
+        return sampling.probs(model(torch.tensor([prefix])).logits[0, -1]).double()
+
+    joint = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
+    with torch.no_grad():
+        p1 = next_probs(PROMPT)
+        for t1 in range(VOCAB):
+            if p1[t1] == 0:
+                continue
+            p2 = next_probs([*PROMPT, t1])
+            for t2 in range(VOCAB):
+                if p2[t2] > 0:
+                    joint[t2] += p1[t1] * p2[t2] * next_probs([*PROMPT, t1, t2])
+    return joint.flatten()
+
+
+def sampled_pair_counts(model, drafter, builder, sampling: SamplingParams) -> torch.Tensor:
+    counts = torch.zeros(VOCAB * VOCAB, dtype=torch.float64)
+    for seed in range(RUNS):
+        out, _ = run_engine(model, drafter, builder, PROMPT, 3, eos=-1, sampling=sampling, seed=seed)
+        counts[out[1] * VOCAB + out[2]] += 1
+    return counts
+
+
+def assert_same_distribution(counts: torch.Tensor, probs: torch.Tensor) -> None:
+    expected = probs / probs.sum() * counts.sum()  # float32 warping leaves ~1e-7 of slack
+    big = expected >= 5  # pool sparse cells so the chi-square approximation holds
+    observed = torch.cat([counts[big], counts[~big].sum().view(1)])
+    expected = torch.cat([expected[big], expected[~big].sum().view(1)])
+    if expected[-1] == 0:
+        observed, expected = observed[:-1], expected[:-1]
+    result = chisquare(observed.numpy(), expected.numpy())
+    assert result.pvalue > 1e-3, f"sampled distribution differs from the target's (p={result.pvalue:.2e})"
+
+
+def methods(model):
+    target = TargetModel(model)
+    drafter = DFlashDrafter(tiny_drafter(model, seed=1, block_size=3), target)
+    return {
+        "rejection-chain": (drafter, ChainBuilder()),
+        "walk-ddtree": (drafter, DDTreeBuilder(6)),
+        "walk-pld-chain": (PromptLookupDrafter(max_depth=2), ChainBuilder()),
+    }
+
+
+@pytest.mark.parametrize("method", ["rejection-chain", "walk-ddtree", "walk-pld-chain"])
+@pytest.mark.parametrize(
+    "sampling", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9)]
+)
+def test_speculative_sampling_matches_plain_sampling(method, sampling):
+    model = tiny_target("qwen3", seed=5, vocab=VOCAB, init_std=0.05)
+    drafter, builder = methods(model)[method]
+    counts = sampled_pair_counts(model, drafter, builder, sampling)
+    assert_same_distribution(counts, exact_pair_distribution(model, sampling))
+
+
+def test_the_check_catches_a_verifier_that_accepts_every_draft(monkeypatch):
+    import diffdraft.engine
+    from diffdraft.verify import Acceptance
+
+    def accept_everything(tree, logits, sampling, generator):
+        path = list(range(tree.tokens.shape[0]))
+        return Acceptance(path, int(torch.multinomial(sampling.probs(logits[-1]), 1, generator=generator)))
+
+    monkeypatch.setattr(diffdraft.engine, "accept", accept_everything)
+    model = tiny_target("qwen3", seed=5, vocab=VOCAB, init_std=0.05)
+    drafter, builder = methods(model)["rejection-chain"]
+    sampling = SamplingParams(temperature=1.0)
+    counts = sampled_pair_counts(model, drafter, builder, sampling)
+    with pytest.raises(AssertionError, match="differs"):
+        assert_same_distribution(counts, exact_pair_distribution(model, sampling))
+
+
+def test_exact_distribution_enumeration_is_normalized():
+    model = tiny_target("qwen3", seed=5, vocab=VOCAB, init_std=0.05)
+    total = exact_pair_distribution(model, SamplingParams(temperature=0.7, top_k=5)).sum()
+    assert abs(float(total) - 1.0) < 1e-6

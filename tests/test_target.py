@@ -1,0 +1,93 @@
+"""Tree verification, layer taps and KV compaction against plain forwards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_target
+from diffdraft.errors import IncompatibleDrafterError
+from diffdraft.target import TargetModel
+from diffdraft.trees import DraftTree
+
+PROMPT = [3, 9, 4, 1, 7, 7, 2]
+
+
+def branching_tree() -> DraftTree:
+    """root -> {a, b}; a -> {c}; b -> {d, e}; d -> {f}  (a path through b, d, f is not a prefix)."""
+    return DraftTree(
+        tokens=torch.tensor([5, 11, 12, 13, 14, 15, 16]),
+        parents=torch.tensor([-1, 0, 0, 1, 2, 2, 4]),
+        depths=torch.tensor([0, 1, 1, 2, 2, 2, 3]),
+    )
+
+
+def path_tokens(tree: DraftTree, node: int) -> list[int]:
+    tokens = []
+    while node >= 0:
+        tokens.append(int(tree.tokens[node]))
+        node = int(tree.parents[node])
+    return tokens[::-1]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_tree_logits_equal_plain_forward_of_each_branch(family):
+    model = tiny_target(family, seed=2)
+    target = TargetModel(model)
+    tree = branching_tree()
+    cache = target.new_cache()
+    target.prefill(cache, torch.tensor(PROMPT), [])
+    out = target.verify(cache, tree.tokens, tree.position_ids(len(PROMPT)), tree.ancestor_mask(), [])
+    for node in range(len(tree.tokens)):
+        sequence = torch.tensor([PROMPT + path_tokens(tree, node)])
+        expected = model(sequence).logits[0, -1]
+        torch.testing.assert_close(out.logits[node], expected)
+
+
+def test_layer_id_i_taps_the_output_of_decoder_layer_i():
+    model = tiny_target("qwen3", seed=1, layers=4)
+    outputs = {}
+    hooks = [
+        layer.register_forward_hook(lambda _m, _i, out, i=i: outputs.__setitem__(i, out))
+        for i, layer in enumerate(model.model.layers)
+    ]
+    target = TargetModel(model)
+    out = target.prefill(target.new_cache(), torch.tensor(PROMPT), [0, 2, 3])
+    for hook in hooks:
+        hook.remove()
+    assert out.hidden.shape == (len(PROMPT), 3, model.config.hidden_size)
+    for column, layer_id in enumerate([0, 2]):
+        layer_out = outputs[layer_id][0] if isinstance(outputs[layer_id], tuple) else outputs[layer_id]
+        torch.testing.assert_close(out.hidden[:, column], layer_out[0])
+    # the last layer's tap is Hugging Face's hidden_states[L], which carries the final norm
+    expected_last = model(torch.tensor([PROMPT]), output_hidden_states=True).hidden_states[4][0]
+    torch.testing.assert_close(out.hidden[:, 2], expected_last)
+
+
+@pytest.mark.parametrize("accepted_leaf", [0, 1, 3, 4, 6])
+def test_cache_after_keep_path_equals_fresh_forward_over_accepted_tokens(accepted_leaf):
+    model = tiny_target("llama", seed=4)
+    target = TargetModel(model)
+    tree = branching_tree()
+    cache = target.new_cache()
+    target.prefill(cache, torch.tensor(PROMPT), [])
+    target.verify(cache, tree.tokens, tree.position_ids(len(PROMPT)), tree.ancestor_mask(), [])
+    path = []
+    node = accepted_leaf
+    while node >= 0:
+        path.append(node)
+        node = int(tree.parents[node])
+    target.keep_path(cache, len(PROMPT), path[::-1])
+
+    fresh = target.new_cache()
+    target.prefill(fresh, torch.tensor(PROMPT + path_tokens(tree, accepted_leaf)), [])
+    assert cache.get_seq_length() == fresh.get_seq_length() == len(PROMPT) + len(path)
+    for kept, expected in zip(cache.layers, fresh.layers, strict=True):
+        torch.testing.assert_close(kept.keys, expected.keys)
+        torch.testing.assert_close(kept.values, expected.values)
+
+
+def test_out_of_range_layer_ids_are_rejected_with_the_valid_range():
+    target = TargetModel(tiny_target("llama", layers=4))
+    with pytest.raises(IncompatibleDrafterError, match=r"\[0, 3\]"):
+        target.check_layer_ids([1, 4])
