@@ -7,8 +7,9 @@ import json
 
 import pytest
 
-from conftest import make_checkpoint
 from diffdraft.cli import main
+
+from conftest import make_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -17,8 +18,20 @@ def checkpoint(tmp_path_factory):
 
 
 def test_json_output_has_ids_text_and_stats(checkpoint, capsys):
-    code = main(["generate", "--target", str(checkpoint), "--method", "pld", "--prompt", "hello world",
-                 "--max-new-tokens", "8", "--json"])
+    code = main(
+        [
+            "generate",
+            "--target",
+            str(checkpoint),
+            "--method",
+            "pld",
+            "--prompt",
+            "hello world",
+            "--max-new-tokens",
+            "8",
+            "--json",
+        ]
+    )
     assert code == 0
     out = json.loads(capsys.readouterr().out)
     assert {"prompt_token_ids", "token_ids", "text", "tau", "rounds", "timings"} <= set(out)
@@ -39,8 +52,9 @@ def test_malformed_chat_json_is_a_clear_error(checkpoint, capsys, monkeypatch):
 
 
 def test_stream_prints_the_text_and_a_stats_line(checkpoint, capsys):
-    code = main(["generate", "--target", str(checkpoint), "--prompt", "hello", "--max-new-tokens", "6",
-                 "--stream"])
+    code = main(
+        ["generate", "--target", str(checkpoint), "--prompt", "hello", "--max-new-tokens", "6", "--stream"]
+    )
     assert code == 0
     captured = capsys.readouterr()
     assert "tokens" in captured.err and "tau" in captured.err

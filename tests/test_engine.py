@@ -7,7 +7,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import hf_greedy, tiny_drafter, tiny_target
 from diffdraft.drafters.base import Proposal
 from diffdraft.drafters.dflash import DFlashDrafter
 from diffdraft.drafters.dflash_model import DFLARE, DFLASH
@@ -19,7 +18,19 @@ from diffdraft.stopping import StopConditions
 from diffdraft.target import TargetModel
 from diffdraft.trees import ChainBuilder, DDTreeBuilder
 
-METHODS = ["ar", "pld", "chain", "ddtree-1", "ddtree-4", "ddtree-32", "ddtree-256", "oracle-ddtree", "oracle-chain"]
+from conftest import hf_greedy, tiny_drafter, tiny_target
+
+METHODS = [
+    "ar",
+    "pld",
+    "chain",
+    "ddtree-1",
+    "ddtree-4",
+    "ddtree-32",
+    "ddtree-256",
+    "oracle-ddtree",
+    "oracle-chain",
+]
 
 
 class OracleDrafter:
@@ -67,7 +78,9 @@ def make_method(method: str, target, reference, prompt, block_size, seed):
         drafter = OracleDrafter(reference, len(prompt), target.config.vocab_size, block_size - 1, seed)
         return drafter, DDTreeBuilder(8) if method == "oracle-ddtree" else ChainBuilder()
     variant = DFLARE if seed % 2 else DFLASH
-    drafter = DFlashDrafter(tiny_drafter(target, seed, block_size=block_size, variant=variant), TargetModel(target))
+    drafter = DFlashDrafter(
+        tiny_drafter(target, seed, block_size=block_size, variant=variant), TargetModel(target)
+    )
     if method == "chain":
         return drafter, ChainBuilder()
     return drafter, DDTreeBuilder(int(method.split("-")[1]))

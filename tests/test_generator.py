@@ -6,8 +6,9 @@ import pytest
 import torch
 
 import diffdraft
-from conftest import hf_greedy, make_checkpoint, tiny_drafter
 from diffdraft.drafters.checkpoint import save_draft_model
+
+from conftest import hf_greedy, make_checkpoint, tiny_drafter
 
 
 @pytest.fixture(scope="module")
@@ -134,3 +135,18 @@ def test_the_generator_is_reusable_across_requests(checkpoint, drafter_dir):
     again = generator.generate("hello world", max_new_tokens=10, ignore_eos=True)
     assert first.token_ids == again.token_ids
     assert torch.is_tensor(torch.tensor(first.token_ids))
+
+
+@pytest.mark.real_model
+def test_default_target_every_method_matches_transformers_greedy(tmp_path):
+    generator = diffdraft.load("default", method="pld")
+    model = generator.loaded.model
+    messages = [{"role": "user", "content": "Write a Python function that reverses a list."}]
+    expected = None
+    save_draft_model(tiny_drafter(model, layers=1, block_size=6).float(), tmp_path / "drafter")
+    for method in ("ar", "pld", "chain", "ddtree"):
+        gen = diffdraft.SpeculativeGenerator(generator.loaded, method, tmp_path / "drafter", budget=16)
+        result = gen.generate(messages=messages, max_new_tokens=24)
+        if expected is None:
+            expected = hf_greedy(model, result.prompt_token_ids, 24, eos=gen.end_token_ids)
+        assert result.token_ids == expected, method

@@ -9,11 +9,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import CHECKPOINT_VOCAB as VOCAB
-from conftest import FAMILIES, make_checkpoint
 from diffdraft.errors import CheckpointError, InvalidRequestError
 from diffdraft.loading import LoadedModel, end_token_ids, load_target
 
+from conftest import CHECKPOINT_VOCAB as VOCAB
+from conftest import FAMILIES, make_checkpoint
 
 
 def edit_config(path: Path, **changes: object) -> None:

@@ -11,12 +11,13 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from conftest import tiny_drafter, tiny_target
 from diffdraft.drafters.dflash import DFlashDrafter
 from diffdraft.drafters.prompt_lookup import PromptLookupDrafter
 from diffdraft.sampling import SamplingParams
 from diffdraft.target import TargetModel
 from diffdraft.trees import ChainBuilder, DDTreeBuilder
+
+from conftest import tiny_drafter, tiny_target
 from test_engine import run_engine
 
 VOCAB = 8
@@ -26,6 +27,7 @@ RUNS = 1500
 
 def exact_pair_distribution(model, sampling: SamplingParams) -> torch.Tensor:
     """P(token 2, token 3) with token 1 marginalized, by enumerating every prefix."""
+
     def next_probs(prefix):
         return sampling.probs(model(torch.tensor([prefix])).logits[0, -1]).double()
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tiny_target
 from diffdraft.errors import IncompatibleDrafterError
 from diffdraft.target import TargetModel
 from diffdraft.trees import DraftTree
+
+from conftest import tiny_target
 
 PROMPT = [3, 9, 4, 1, 7, 7, 2]
 

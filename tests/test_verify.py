@@ -69,6 +69,13 @@ def test_rows_must_match_nodes() -> None:
         accept(DraftTree.root_only(0), torch.zeros(2, 4), SamplingParams(), None)
 
 
+def test_rejection_sampling_needs_a_chain() -> None:
+    fork = [torch.tensor(values) for values in ([0, 1, 2], [-1, 0, 0], [0, 1, 1])]
+    tree = DraftTree(*fork, draft_probs=torch.full((3, 4), 0.25))
+    with pytest.raises(ValueError, match="chain"):
+        accept(tree, torch.zeros(3, 4), SamplingParams(temperature=1.0), None)
+
+
 def test_identical_draft_is_always_accepted() -> None:
     logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(0))
     sampling = SamplingParams(temperature=0.9, top_k=4)

@@ -12,8 +12,12 @@ from diffdraft.generator import METHODS, load
 
 def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text from one prompt or chat")
-    p.add_argument("--target", default="default", help="model directory, .gguf file, or 'default' (SmolLM2-135M)")
-    p.add_argument("--drafter", default="none", help="DFlash/DFlare checkpoint directory, 'default' or 'none'")
+    p.add_argument(
+        "--target", default="default", help="model directory, .gguf file, or 'default' (SmolLM2-135M)"
+    )
+    p.add_argument(
+        "--drafter", default="none", help="DFlash/DFlare checkpoint directory, 'default' or 'none'"
+    )
     p.add_argument("--method", choices=METHODS, default="ar", help="decoding method (default: ar)")
     p.add_argument("--budget", type=int, default=32, help="DDTree node budget (default: 32)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")

@@ -73,7 +73,7 @@ class SpeculativeEngine:
                 if self.drafter is not None:
                     hidden = out.hidden[result.path] if out.hidden is not None else None
                     self.drafter.extend_context(hidden, start)
-                new = tree.tokens[result.path[1:]].tolist() + [result.next_token]
+                new = [*tree.tokens[result.path[1:]].tolist(), result.next_token]
             stats.rounds += 1
             stats.acceptance_lengths.append(len(new))
             generated.extend(new)

@@ -105,11 +105,8 @@ class SpeculativeGenerator:
 
     def generate(self, prompt: str | None = None, **kwargs) -> GenerationResult:
         """Generate to completion; same arguments as :meth:`stream`."""
-        chunk = None
-        for chunk in self.stream(prompt, **kwargs):
-            pass
-        assert chunk is not None and chunk.result is not None
-        return chunk.result
+        *_, last = self.stream(prompt, **kwargs)
+        return last.result
 
     def stream(
         self,

@@ -27,9 +27,7 @@ class SamplingParams:
         if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature):
             raise InvalidRequestError(f"temperature must be a number, got {self.temperature!r}")
         if self.temperature < 0:
-            raise InvalidRequestError(
-                f"temperature must be >= 0 (0 means greedy), got {self.temperature}"
-            )
+            raise InvalidRequestError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise InvalidRequestError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:

@@ -78,7 +78,10 @@ class TargetModel:
         if tree_mask is not None:
             past = cache.get_seq_length()
             visible = torch.cat(
-                [torch.ones(tree_mask.shape[0], past, dtype=torch.bool, device=self.device), tree_mask.to(self.device)],
+                [
+                    torch.ones(tree_mask.shape[0], past, dtype=torch.bool, device=self.device),
+                    tree_mask.to(self.device),
+                ],
                 dim=1,
             )
             mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)

@@ -80,10 +80,7 @@ def _rejection_sample(tree: DraftTree, probs: torch.Tensor, generator: torch.Gen
     # u < p / q without dividing by a zero q.
     accepted = (uniforms * q_drafted < p_drafted).tolist()
     depth = next((d for d, ok in enumerate(accepted) if not ok), n)
-    if depth == n:
-        next_probs = probs[n]
-    else:
-        next_probs = _residual(probs[depth], tree.draft_probs[depth + 1])
+    next_probs = probs[n] if depth == n else _residual(probs[depth], tree.draft_probs[depth + 1])
     return Acceptance(path=list(range(depth + 1)), next_token=int(sample_from(next_probs, generator)))
 
 

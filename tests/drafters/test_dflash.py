@@ -7,12 +7,13 @@ import json
 import pytest
 import torch
 
-from conftest import tiny_drafter, tiny_target
 from diffdraft.drafters.checkpoint import load_draft_model, save_draft_model
 from diffdraft.drafters.dflash import DFlashDrafter
 from diffdraft.drafters.dflash_model import DFLARE, DFLASH, default_target_layer_ids
 from diffdraft.errors import CheckpointError, IncompatibleDrafterError
 from diffdraft.target import TargetModel
+
+from conftest import tiny_drafter, tiny_target
 
 OFFICIAL_LAYER_KEYS = {
     "self_attn.q_proj.weight",
@@ -66,7 +67,11 @@ def test_dflare_round_trip_keeps_the_dflash_layout_plus_its_own_weights(tmp_path
     assert loaded.variant == DFLARE
     keys = set(loaded.state_dict())
     assert "fc.weight" not in keys and "hidden_norm.weight" not in keys
-    assert keys >= {"fusion.weight", "layers.2.self_attn.context_k_proj.weight", "layers.0.context_norm.weight"}
+    assert keys >= {
+        "fusion.weight",
+        "layers.2.self_attn.context_k_proj.weight",
+        "layers.0.context_norm.weight",
+    }
     assert keys >= official_keys(3) - {"fc.weight", "hidden_norm.weight"}
     torch.testing.assert_close(loaded.fusion.weight, model.fusion.weight)
 
@@ -146,7 +151,7 @@ def test_missing_and_corrupt_checkpoints_raise_checkpoint_errors(tmp_path):
     with pytest.raises(CheckpointError, match="does not exist"):
         load_draft_model(tmp_path / "nowhere")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(CheckpointError, match="no config.json"):
+    with pytest.raises(CheckpointError, match=r"no config\.json"):
         load_draft_model(tmp_path / "empty")
 
     save_draft_model(tiny_drafter(tiny_target()), tmp_path / "ok")

@@ -83,7 +83,7 @@ def test_ddtree_is_the_top_budget_prefixes(draft: tuple[torch.Tensor, int]) -> N
 
 @settings(max_examples=100, deadline=None)
 @given(drafts(), st.integers(0, 100))
-def test_ancestor_mask_and_position_ids_match_parent_walk(draft: tuple[torch.Tensor, int], start: int) -> None:
+def test_mask_and_positions_match_parent_walk(draft: tuple[torch.Tensor, int], start: int) -> None:
     log_probs, budget = draft
     tree = DDTreeBuilder(budget).build(0, Proposal(log_probs=log_probs), GREEDY, None)
     parents = tree.parents.tolist()

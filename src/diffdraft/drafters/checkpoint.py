@@ -29,11 +29,15 @@ def read_draft_config(path: Path) -> Qwen3Config:
     if not path.is_dir():
         raise CheckpointError(f"drafter checkpoint {path} does not exist or is not a directory")
     if not config_file.is_file():
-        raise CheckpointError(f"drafter checkpoint {path} has no config.json: is this a DFlash drafter directory?")
+        raise CheckpointError(
+            f"drafter checkpoint {path} has no config.json: is this a DFlash drafter directory?"
+        )
     try:
         raw = json.loads(config_file.read_text())
     except json.JSONDecodeError as err:
-        raise CheckpointError(f"{config_file} is not valid JSON ({err}); re-export or re-download it") from err
+        raise CheckpointError(
+            f"{config_file} is not valid JSON ({err}); re-export or re-download it"
+        ) from err
     try:
         config = Qwen3Config(**raw)
     except Exception as err:  # transformers raises several validation error types
@@ -82,11 +86,15 @@ def load_draft_model(path: str | os.PathLike) -> DFlashDraftModel:
     return model
 
 
-def save_draft_model(model: DFlashDraftModel, path: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
+def save_draft_model(
+    model: DFlashDraftModel, path: str | os.PathLike, dtype: torch.dtype | None = None
+) -> None:
     """Write ``model`` in the official layout (optionally cast, e.g. to bfloat16 for shipping)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    state = {k: (v.to(dtype) if dtype else v).detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    state = {
+        k: (v.to(dtype) if dtype else v).detach().contiguous().cpu() for k, v in model.state_dict().items()
+    }
     config = model.config.to_dict()
     config["dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
     (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

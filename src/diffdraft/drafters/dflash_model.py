@@ -98,7 +98,9 @@ class DraftLayer(nn.Module):
         self.mlp = Qwen3MLP(config)
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.context_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps) if variant == DFLARE else None
+        self.context_norm = (
+            Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps) if variant == DFLARE else None
+        )
 
     def forward(self, x, cos, sin, context_kv, attention_mask):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, context_kv, attention_mask)

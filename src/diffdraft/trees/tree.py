@@ -64,10 +64,14 @@ class DraftTree:
     def ancestor_mask(self) -> torch.Tensor:
         """[N + 1, N + 1] bool: entry (i, j) is True when node j is node i or one of its ancestors."""
         n = self.tokens.shape[0]
+        rows = torch.arange(n, device=self.tokens.device)
         mask = torch.eye(n, dtype=torch.bool, device=self.tokens.device)
-        parents = self.parents.tolist()
-        for i in range(1, n):
-            mask[i] |= mask[parents[i]]
+        # climb one level per step for every node at once: depth-many vector ops, not node-many
+        step_up = self.parents.clamp_min(0)
+        ancestor = rows
+        for _ in range(int(self.depths.max())):
+            ancestor = step_up[ancestor]
+            mask[rows, ancestor] = True
         return mask
 
     def position_ids(self, start: int) -> torch.Tensor:

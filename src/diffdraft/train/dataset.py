@@ -1,0 +1,58 @@
+"""Training sequences: prompt + the target's own regenerated response, as token ids."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from diffdraft.errors import InvalidRequestError
+
+
+@dataclass
+class TrainingSample:
+    sample_id: str
+    token_ids: torch.Tensor
+    """[n] prompt then response, truncated to the maximum sequence length."""
+    response_start: int
+    """Index of the first response token; anchors are drawn from the response only."""
+
+
+def load_responses(
+    path: str | os.PathLike, max_length: int, min_response_tokens: int = 2
+) -> list[TrainingSample]:
+    """Read a regeneration jsonl (``id``, ``prompt_token_ids``, ``response_token_ids`` per line).
+
+    Sequences are truncated to ``max_length``; those left with fewer than ``min_response_tokens``
+    response tokens teach nothing and are skipped.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise InvalidRequestError(
+            f"training data {path} does not exist; run `diffdraft train regenerate` first"
+        )
+    samples = []
+    with path.open() as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                prompt, response = record["prompt_token_ids"], record["response_token_ids"]
+                sample_id = str(record["id"])
+            except (json.JSONDecodeError, KeyError, TypeError) as err:
+                raise InvalidRequestError(
+                    f"{path}:{number} is not a regenerated sample (want a JSON object with id, "
+                    f"prompt_token_ids and response_token_ids): {err}"
+                ) from err
+            ids = torch.tensor((prompt + response)[:max_length], dtype=torch.long)
+            if ids.shape[0] - len(prompt) >= min_response_tokens:
+                samples.append(TrainingSample(sample_id, ids, len(prompt)))
+    if not samples:
+        raise InvalidRequestError(
+            f"{path} holds no usable training sample (empty, or every response too short)"
+        )
+    return samples

@@ -1,0 +1,112 @@
+"""Target hidden states for training: computed online each step, or captured to disk once.
+
+Online capture costs one target forward per sequence per epoch; the disk cache pays it once and
+is reused across epochs (and across drafter variants that tap the same layers). The cache is
+sharded safetensors plus an index, written shard by shard so a killed capture loses no finished
+shard and resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from diffdraft.target import TargetModel
+
+INDEX = "index.json"
+
+
+class OnlineFeatures:
+    """Taps [n, T, H] of ``layer_ids`` for a token sequence, from a fresh target forward."""
+
+    def __init__(self, target: TargetModel, layer_ids: list[int]) -> None:
+        target.check_layer_ids(layer_ids)
+        self.target = target
+        self.layer_ids = layer_ids
+
+    def __call__(self, sample_id: str, token_ids: torch.Tensor) -> torch.Tensor:
+        out = self.target.prefill(self.target.new_cache(), token_ids, self.layer_ids)
+        return out.hidden
+
+
+class CachedFeatures:
+    """Reads taps captured by :func:`capture_features`; fails clearly on a sample it lacks."""
+
+    def __init__(self, cache_dir: str | os.PathLike, layer_ids: list[int]) -> None:
+        self.dir = Path(cache_dir)
+        index = read_index(self.dir)
+        if index["layer_ids"] != list(layer_ids):
+            raise ValueError(
+                f"feature cache {self.dir} holds layers {index['layer_ids']}, "
+                f"the drafter taps {list(layer_ids)}: capture again into another directory"
+            )
+        self.shard_of: dict[str, str] = index["samples"]
+        self._loaded_name: str | None = None
+        self._loaded: dict[str, torch.Tensor] = {}
+
+    def __call__(self, sample_id: str, token_ids: torch.Tensor) -> torch.Tensor:
+        name = self.shard_of.get(sample_id)
+        if name is None:
+            raise KeyError(
+                f"sample {sample_id!r} is not in the feature cache {self.dir}; run the capture again"
+            )
+        if name != self._loaded_name:
+            self._loaded, self._loaded_name = load_file(self.dir / name), name
+        hidden = self._loaded[sample_id]
+        return hidden[: token_ids.shape[0]]
+
+
+def read_index(cache_dir: Path) -> dict:
+    path = cache_dir / INDEX
+    if not path.is_file():
+        return {"layer_ids": None, "samples": {}, "shards": 0}
+    return json.loads(path.read_text())
+
+
+def capture_features(
+    target: TargetModel,
+    layer_ids: list[int],
+    samples: Iterable[tuple[str, torch.Tensor]],
+    cache_dir: str | os.PathLike,
+    shard_size: int = 64,
+    dtype: torch.dtype = torch.bfloat16,
+    total: int | None = None,
+) -> int:
+    """Capture taps for every (id, token_ids) not cached yet; returns how many were captured now."""
+    cache_dir = Path(cache_dir)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    index = read_index(cache_dir)
+    if index["layer_ids"] not in (None, list(layer_ids)):
+        raise ValueError(f"{cache_dir} already caches layers {index['layer_ids']}; use another directory")
+    index["layer_ids"] = list(layer_ids)
+    online = OnlineFeatures(target, layer_ids)
+    pending: dict[str, torch.Tensor] = {}
+    captured = 0
+
+    def flush() -> None:
+        name = f"shard-{index['shards']:05d}.safetensors"
+        save_file(pending, cache_dir / (name + ".tmp"))
+        os.replace(cache_dir / (name + ".tmp"), cache_dir / name)
+        index["shards"] += 1
+        index["samples"].update(dict.fromkeys(pending, name))
+        tmp_index = cache_dir / (INDEX + ".tmp")
+        tmp_index.write_text(json.dumps(index))
+        os.replace(tmp_index, cache_dir / INDEX)
+        pending.clear()
+
+    for sample_id, token_ids in tqdm(samples, total=total, desc="capturing target features", unit="seq"):
+        if sample_id in index["samples"] or sample_id in pending:
+            continue
+        pending[sample_id] = online(sample_id, token_ids).to(dtype).contiguous().cpu()
+        captured += 1
+        if len(pending) >= shard_size:
+            flush()
+    if pending:
+        flush()
+    return captured

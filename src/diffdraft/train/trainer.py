@@ -1,0 +1,306 @@
+"""The DFlash / DFlare training loop (DFlare paper, sections 3.3, 4.3 and A.1).
+
+One optimizer step = ``batch_size`` sequences (global, over all processes). Each sequence gives
+many anchored blocks trained in one drafter forward under the block-sparse mask. The target's
+embedding and LM head are shared and frozen; only the draft layers learn.
+
+Everything random is derived from (seed, epoch, sample), so the run is reproducible, resumes
+exactly after a kill (optimizer, scheduler and data position are checkpointed), and gives the same
+weights on 1 or N processes with the same global batch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+import zlib
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
+
+from diffdraft.drafters.checkpoint import load_draft_model, save_draft_model
+from diffdraft.drafters.dflash import check_compatible
+from diffdraft.drafters.dflash_model import DFLASH, DFlashDraftModel, make_draft_config
+from diffdraft.errors import InvalidRequestError
+from diffdraft.target import TargetModel
+from diffdraft.train.blocks import IGNORE, make_blocks, sample_anchors
+from diffdraft.train.dataset import TrainingSample
+from diffdraft.train.features import CachedFeatures, OnlineFeatures
+from diffdraft.train.loss import block_loss, gamma_at
+
+STATE_FILE = "training_state.pt"
+
+
+@dataclass
+class TrainConfig:
+    output_dir: str
+    variant: str = DFLASH
+    num_layers: int = 2
+    block_size: int = 16
+    target_layer_ids: list[int] | None = None
+    mask_token_id: int | None = None
+    intermediate_size: int | None = None
+    max_length: int = 1024
+    anchors_per_sequence: int = 0
+    """0 = one anchor per 6 sequence tokens, the paper's 512 anchors per 3072 tokens."""
+    batch_size: int = 8
+    epochs: int = 2
+    learning_rate: float = 6e-4
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    gamma_0: float = 4.5
+    gamma_max: float | None = None
+    """None = gamma_0 + epochs - 1: the paper raises gamma by 1 per epoch."""
+    save_every: int = 200
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def anchors_for(self, length: int) -> int:
+        return self.anchors_per_sequence or max(1, length // 6)
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    tokens_seen: int = 0
+    elapsed_seconds: float = 0.0
+
+
+def _rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def latest_checkpoint(output_dir: Path) -> Path | None:
+    candidates = [p for p in output_dir.glob("checkpoint-*") if (p / STATE_FILE).is_file()]
+    return max(candidates, key=lambda p: int(p.name.split("-")[1]), default=None)
+
+
+class Trainer:
+    def __init__(
+        self,
+        config: TrainConfig,
+        target: TargetModel,
+        samples: list[TrainingSample],
+        feature_cache: str | os.PathLike | None = None,
+        drafter: DFlashDraftModel | None = None,
+    ) -> None:
+        """``feature_cache``: a directory filled by :func:`capture_features`; None = online capture."""
+        self.config = config
+        self.target = target
+        self.samples = samples
+        self.rank, self.world = _rank_and_world()
+        if config.batch_size % self.world:
+            raise InvalidRequestError(
+                f"batch_size {config.batch_size} must be divisible by the number of processes ({self.world})"
+            )
+        self.output_dir = Path(config.output_dir)
+        self._check_output_dir()
+        self.steps_per_epoch = len(samples) // config.batch_size
+        if self.steps_per_epoch == 0:
+            raise InvalidRequestError(
+                f"{len(samples)} training samples are fewer than one batch ({config.batch_size}); "
+                "lower batch_size or add data"
+            )
+        self.total_steps = self.steps_per_epoch * config.epochs
+        for p in target.model.parameters():
+            p.requires_grad_(False)
+        self.embed = target.model.get_input_embeddings()
+        self.lm_head = target.model.get_output_embeddings()
+
+        resume_from = latest_checkpoint(self.output_dir)
+        if resume_from is not None:
+            drafter = load_draft_model(resume_from)
+        elif drafter is None:
+            drafter = self._new_drafter()
+        check_compatible(drafter, target)
+        self.drafter = drafter.to(device=target.device, dtype=torch.float32).train()
+        layer_ids = self.drafter.target_layer_ids
+        self.features = (
+            CachedFeatures(feature_cache, layer_ids) if feature_cache else OnlineFeatures(target, layer_ids)
+        )
+        forward = _TrainingForward(self.drafter)
+        self.model = DistributedDataParallel(forward) if self.world > 1 else forward
+        self.optimizer = torch.optim.AdamW(
+            self.drafter.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self.state = TrainState()
+        if resume_from is not None:
+            saved = torch.load(resume_from / STATE_FILE, weights_only=False)
+            self.optimizer.load_state_dict(saved["optimizer"])
+            self.scheduler.load_state_dict(saved["scheduler"])
+            self.state = TrainState(**saved["state"])
+
+    def _check_output_dir(self) -> None:
+        try:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            probe = self.output_dir / ".write-test"
+            probe.write_text("")
+            probe.unlink()
+        except OSError as err:
+            raise InvalidRequestError(
+                f"cannot write to the output directory {self.output_dir} ({err}); "
+                "choose a writable --output-dir"
+            ) from err
+
+    def _new_drafter(self) -> DFlashDraftModel:
+        c = self.config
+        if c.mask_token_id is None:
+            raise InvalidRequestError("mask_token_id is required to build a new drafter")
+        draft_config = make_draft_config(
+            self.target.config,
+            num_layers=c.num_layers,
+            block_size=c.block_size,
+            mask_token_id=c.mask_token_id,
+            target_layer_ids=c.target_layer_ids,
+            variant=c.variant,
+            intermediate_size=c.intermediate_size,
+        )
+        torch.manual_seed(c.seed)
+        return DFlashDraftModel(draft_config)
+
+    def _lr_factor(self, step: int) -> float:
+        """Linear warmup then cosine decay to zero."""
+        warmup = max(1, round(self.config.warmup_ratio * self.total_steps))
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, self.total_steps - warmup)
+        return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+    def _batch(self, step: int) -> list[int]:
+        """Sample indices of this process's share of global step ``step``."""
+        epoch, within = divmod(step, self.steps_per_epoch)
+        order = torch.randperm(
+            len(self.samples), generator=torch.Generator().manual_seed(self.config.seed + epoch)
+        )
+        start = within * self.config.batch_size
+        batch = order[start : start + self.config.batch_size].tolist()
+        share = len(batch) // self.world
+        return batch[self.rank * share : (self.rank + 1) * share]
+
+    def sequence_loss(self, sample: TrainingSample, step: int, gamma: float):
+        """Loss, per-position hits and counts for every anchored block of one sequence."""
+        c = self.config
+        device = self.target.device
+        epoch = step // self.steps_per_epoch
+        generator = torch.Generator().manual_seed(zlib.crc32(f"{c.seed}:{epoch}:{sample.sample_id}".encode()))
+        ids = sample.token_ids
+        anchors = sample_anchors(sample.response_start, ids.shape[0], c.anchors_for(ids.shape[0]), generator)
+        blocks = make_blocks(ids, anchors, self.drafter.block_size, self.drafter.mask_token_id)
+        taps = self.features(sample.sample_id, ids).to(device=device, dtype=torch.float32)
+        with torch.no_grad():
+            block_embeds = self.embed(blocks.input_ids.to(device)).float()
+        hidden = self.model(
+            taps[None],
+            torch.arange(ids.shape[0], device=device)[None],
+            block_embeds[None],
+            blocks.position_ids.to(device)[None],
+            blocks.attention_mask.to(device)[None, None],
+        )[0]
+        labelled = blocks.labels != IGNORE
+        rows = labelled.nonzero().squeeze(-1).to(device)
+        logits = torch.nn.functional.linear(hidden[rows], self.lm_head.weight.float())
+        block_positions = rows % self.drafter.block_size
+        return block_loss(
+            logits, blocks.labels.to(device)[rows], block_positions, self.drafter.block_size, gamma
+        )
+
+    def train(self, on_step=None) -> TrainState:
+        """Run to the end (or resume to it); ``on_step(step)`` is a test hook called after each step."""
+        c = self.config
+        gamma_max = c.gamma_max if c.gamma_max is not None else c.gamma_0 + c.epochs - 1
+        progress = tqdm(
+            total=self.total_steps, initial=self.state.step, desc="training drafter", disable=self.rank != 0
+        )
+        metrics_file = self.output_dir / "metrics.jsonl"
+        while self.state.step < self.total_steps:
+            begin = time.perf_counter()
+            step = self.state.step
+            gamma = gamma_at(step, self.total_steps, c.gamma_0, gamma_max)
+            batch = self._batch(step)
+            hits = torch.zeros(self.drafter.block_size)
+            counts = torch.zeros(self.drafter.block_size)
+            total_loss = 0.0
+            self.optimizer.zero_grad(set_to_none=True)
+            for i, index in enumerate(batch):
+                sample = self.samples[index]
+                sync = i == len(batch) - 1 or self.world == 1
+                context = self.model.no_sync() if not sync else nullcontext()
+                with context:
+                    loss, h, n = self.sequence_loss(sample, step, gamma)
+                    (loss / len(batch)).backward()
+                total_loss += loss.item() / len(batch)
+                hits += h.cpu()
+                counts += n.cpu()
+                self.state.tokens_seen += int(sample.token_ids.shape[0]) * self.world
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), c.grad_clip)
+            self.optimizer.step()
+            self.scheduler.step()
+            self.state.step += 1
+            self.state.elapsed_seconds += time.perf_counter() - begin
+            accuracy = (hits / counts.clamp_min(1))[1:].tolist()
+            if self.rank == 0:
+                record = {
+                    "step": self.state.step,
+                    "loss": total_loss,
+                    "gamma": gamma,
+                    "lr": self.scheduler.get_last_lr()[0],
+                    "grad_norm": float(grad_norm),
+                    "accuracy_by_position": accuracy,
+                    "tokens_seen": self.state.tokens_seen,
+                    "elapsed_seconds": self.state.elapsed_seconds,
+                }
+                with metrics_file.open("a") as f:
+                    f.write(json.dumps(record) + "\n")
+                progress.set_postfix(loss=f"{total_loss:.3f}", acc1=f"{accuracy[0]:.2f}")
+                progress.update(1)
+                if self.state.step % c.save_every == 0 or self.state.step == self.total_steps:
+                    self.save_checkpoint()
+            if on_step is not None:
+                on_step(self.state.step)
+        progress.close()
+        if self.rank == 0:
+            save_draft_model(self.drafter, self.output_dir / "final")
+        return self.state
+
+    def save_checkpoint(self) -> Path:
+        """Drafter in the official layout plus what an exact resume needs; written atomically."""
+        path = self.output_dir / f"checkpoint-{self.state.step}"
+        tmp = path.with_name(path.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_draft_model(self.drafter, tmp)
+        torch.save(
+            {
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "state": asdict(self.state),
+                "config": asdict(self.config),
+            },
+            tmp / STATE_FILE,
+        )
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+        return path
+
+
+class _TrainingForward(torch.nn.Module):
+    """Context projection and block forward as one module call, the unit DDP synchronizes."""
+
+    def __init__(self, drafter: DFlashDraftModel) -> None:
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, taps, context_positions, block_embeds, block_positions, mask):
+        context_kv = self.drafter.context_kv(taps, context_positions)
+        return self.drafter(block_embeds, block_positions, context_kv, mask)

@@ -1,0 +1,39 @@
+"""The progressive position-weighted loss (DFlare Eq. 5)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from diffdraft.train.loss import block_loss, gamma_at, position_weights
+
+
+def test_gamma_grows_linearly_from_gamma_0_to_gamma_max():
+    assert gamma_at(0, 100, 4.5, 6.5) == 4.5
+    assert gamma_at(50, 100, 4.5, 6.5) == 5.5
+    assert gamma_at(100, 100, 4.5, 6.5) == 6.5
+
+
+def test_weights_decay_exponentially_from_the_first_predicted_position():
+    w = position_weights(5, gamma=2.0)
+    assert w[0] == 0 and w[1] == 1
+    assert math.isclose(float(w[3]), math.exp(-1.0), rel_tol=1e-6)
+
+
+def test_loss_is_the_weighted_mean_cross_entropy_and_counts_hits_per_position():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 10)
+    labels = torch.tensor([1, 2, 3, 4])
+    positions = torch.tensor([1, 2, 1, 3])
+    loss, hits, counts = block_loss(logits, labels, positions, 4, gamma=3.0)
+    ce = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
+    w = torch.exp(-(positions - 1) / 3.0)
+    torch.testing.assert_close(loss, (ce * w).sum() / w.sum())
+    assert counts.tolist() == [0, 2, 1, 1]
+    assert hits.tolist() == [
+        0,
+        float((logits[0].argmax() == 1).item() + (logits[2].argmax() == 3).item()),
+        float(logits[1].argmax() == 2),
+        float(logits[3].argmax() == 4),
+    ]
