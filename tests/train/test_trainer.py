@@ -12,18 +12,13 @@ import torch.multiprocessing as mp
 from torch import distributed as dist
 
 from diffdraft.drafters.checkpoint import load_draft_model
-from diffdraft.drafters.dflash import DFlashDrafter
 from diffdraft.drafters.dflash_model import DFLARE, DFLASH
-from diffdraft.engine import SpeculativeEngine
 from diffdraft.errors import InvalidRequestError
-from diffdraft.sampling import SamplingParams
-from diffdraft.stats import GenerationStats
-from diffdraft.stopping import StopConditions
 from diffdraft.target import TargetModel
 from diffdraft.train.dataset import TrainingSample
+from diffdraft.train.evaluate import evaluate_drafter
 from diffdraft.train.features import capture_features
 from diffdraft.train.trainer import TrainConfig, Trainer
-from diffdraft.trees import ChainBuilder
 
 from conftest import tiny_target
 
@@ -67,15 +62,8 @@ def config(tmp_path, **overrides) -> TrainConfig:
 
 
 def chain_tau(model, drafter_model, samples) -> float:
-    target = TargetModel(model)
-    engine = SpeculativeEngine(target, DFlashDrafter(drafter_model, target), ChainBuilder())
-    stats = GenerationStats()
-    for sample in samples:
-        prompt = sample.token_ids[: sample.response_start].tolist()
-        stop = StopConditions([], 20, model.config.max_position_embeddings, len(prompt))
-        for _ in engine.run(prompt, stop, SamplingParams(), stats):
-            pass
-    return stats.tau
+    evaluation = evaluate_drafter(drafter_model, TargetModel(model), samples, budgets=(4,), max_new_tokens=20)
+    return evaluation.tau["chain"]
 
 
 @pytest.fixture(scope="module")

@@ -31,10 +31,11 @@ from diffdraft.drafters.dflash import check_compatible
 from diffdraft.drafters.dflash_model import DFLASH, DFlashDraftModel, make_draft_config
 from diffdraft.errors import InvalidRequestError
 from diffdraft.target import TargetModel
-from diffdraft.train.blocks import IGNORE, make_blocks, sample_anchors
+from diffdraft.train.blocks import sample_anchors
 from diffdraft.train.dataset import TrainingSample
 from diffdraft.train.features import CachedFeatures, OnlineFeatures
-from diffdraft.train.loss import block_loss, gamma_at
+from diffdraft.train.loss import gamma_at
+from diffdraft.train.objective import BlockObjective
 
 STATE_FILE = "training_state.pt"
 
@@ -115,8 +116,6 @@ class Trainer:
         self.total_steps = self.steps_per_epoch * config.epochs
         for p in target.model.parameters():
             p.requires_grad_(False)
-        self.embed = target.model.get_input_embeddings()
-        self.lm_head = target.model.get_output_embeddings()
 
         resume_from = latest_checkpoint(self.output_dir)
         if resume_from is not None:
@@ -129,8 +128,8 @@ class Trainer:
         self.features = (
             CachedFeatures(feature_cache, layer_ids) if feature_cache else OnlineFeatures(target, layer_ids)
         )
-        forward = _TrainingForward(self.drafter)
-        self.model = DistributedDataParallel(forward) if self.world > 1 else forward
+        objective = BlockObjective(self.drafter, target.model)
+        self.model = DistributedDataParallel(objective) if self.world > 1 else objective
         self.optimizer = torch.optim.AdamW(
             self.drafter.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay
         )
@@ -192,29 +191,12 @@ class Trainer:
     def sequence_loss(self, sample: TrainingSample, step: int, gamma: float):
         """Loss, per-position hits and counts for every anchored block of one sequence."""
         c = self.config
-        device = self.target.device
         epoch = step // self.steps_per_epoch
         generator = torch.Generator().manual_seed(zlib.crc32(f"{c.seed}:{epoch}:{sample.sample_id}".encode()))
         ids = sample.token_ids
         anchors = sample_anchors(sample.response_start, ids.shape[0], c.anchors_for(ids.shape[0]), generator)
-        blocks = make_blocks(ids, anchors, self.drafter.block_size, self.drafter.mask_token_id)
-        taps = self.features(sample.sample_id, ids).to(device=device, dtype=torch.float32)
-        with torch.no_grad():
-            block_embeds = self.embed(blocks.input_ids.to(device)).float()
-        hidden = self.model(
-            taps[None],
-            torch.arange(ids.shape[0], device=device)[None],
-            block_embeds[None],
-            blocks.position_ids.to(device)[None],
-            blocks.attention_mask.to(device)[None, None],
-        )[0]
-        labelled = blocks.labels != IGNORE
-        rows = labelled.nonzero().squeeze(-1).to(device)
-        logits = torch.nn.functional.linear(hidden[rows], self.lm_head.weight.float())
-        block_positions = rows % self.drafter.block_size
-        return block_loss(
-            logits, blocks.labels.to(device)[rows], block_positions, self.drafter.block_size, gamma
-        )
+        taps = self.features(sample.sample_id, ids).to(self.target.device)
+        return self.model(ids, anchors, taps, gamma)
 
     def train(self, on_step=None) -> TrainState:
         """Run to the end (or resume to it); ``on_step(step)`` is a test hook called after each step."""
@@ -292,15 +274,3 @@ class Trainer:
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)
         return path
-
-
-class _TrainingForward(torch.nn.Module):
-    """Context projection and block forward as one module call, the unit DDP synchronizes."""
-
-    def __init__(self, drafter: DFlashDraftModel) -> None:
-        super().__init__()
-        self.drafter = drafter
-
-    def forward(self, taps, context_positions, block_embeds, block_positions, mask):
-        context_kv = self.drafter.context_kv(taps, context_positions)
-        return self.drafter(block_embeds, block_positions, context_kv, mask)
