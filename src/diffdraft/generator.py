@@ -16,7 +16,7 @@ import torch
 
 from diffdraft.chat import encode_chat, encode_prompt
 from diffdraft.drafters.base import Drafter
-from diffdraft.drafters.checkpoint import load_draft_model
+from diffdraft.drafters.checkpoint import DEFAULT_DRAFTER_DIR, load_draft_model
 from diffdraft.drafters.dflash import DFlashDrafter
 from diffdraft.drafters.dflash_model import DFlashDraftModel
 from diffdraft.drafters.prompt_lookup import PromptLookupDrafter
@@ -71,10 +71,12 @@ def _make_drafter(method: str, drafter: str | os.PathLike | DFlashDraftModel | N
             "(--drafter PATH), or use --method ar or pld, which need none"
         )
     if drafter == "default":
-        raise InvalidRequestError(
-            "no default drafter ships with this version yet: pass a drafter checkpoint directory "
-            "(--drafter PATH), or use --method ar or pld"
-        )
+        if not (DEFAULT_DRAFTER_DIR / "config.json").is_file():
+            raise InvalidRequestError(
+                "no default drafter ships with this version yet: pass a drafter checkpoint directory "
+                "(--drafter PATH), or use --method ar or pld"
+            )
+        drafter = DEFAULT_DRAFTER_DIR
     model = drafter if isinstance(drafter, DFlashDraftModel) else load_draft_model(drafter)
     return DFlashDrafter(model, target)
 

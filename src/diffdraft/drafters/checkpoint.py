@@ -20,6 +20,8 @@ from transformers import Qwen3Config
 from diffdraft.drafters.dflash_model import DFlashDraftModel, draft_setting
 from diffdraft.errors import CheckpointError
 
+DEFAULT_DRAFTER_DIR = Path(__file__).resolve().parent.parent / "default_drafter"
+"""The drafter shipped for the embedded default target (SmolLM2-135M-Instruct); see its README."""
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 
