@@ -8,6 +8,7 @@ import sys
 
 from diffdraft.errors import DiffdraftError, InvalidRequestError
 from diffdraft.generator import METHODS, load
+from diffdraft.train.cli import add_train_parser, run_train
 
 
 def _generate_parser(sub: argparse._SubParsersAction) -> None:
@@ -83,9 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="diffdraft", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
+    add_train_parser(sub)
     args = parser.parse_args(argv)
     try:
-        _run_generate(args)
+        run_train(args) if args.command == "train" else _run_generate(args)
     except DiffdraftError as err:
         print(f"diffdraft: error: {err}", file=sys.stderr)
         return 2

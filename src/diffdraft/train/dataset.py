@@ -37,8 +37,8 @@ def load_responses(
     samples = []
     with path.open() as lines:
         for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
+            if not line.strip() or not line.endswith("\n"):
+                continue  # blank, or the half-written last line of a regeneration still running
             try:
                 record = json.loads(line)
                 prompt, response = record["prompt_token_ids"], record["response_token_ids"]

@@ -32,7 +32,7 @@ class OnlineFeatures:
 
     def __call__(self, sample_id: str, token_ids: torch.Tensor) -> torch.Tensor:
         out = self.target.prefill(self.target.new_cache(), token_ids, self.layer_ids)
-        return out.hidden
+        return out.hidden.clone()  # a normal tensor: inference-mode tensors cannot enter autograd
 
 
 class CachedFeatures:

@@ -18,7 +18,7 @@ import shutil
 import time
 import zlib
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -63,7 +63,6 @@ class TrainConfig:
     """None = gamma_0 + epochs - 1: the paper raises gamma by 1 per epoch."""
     save_every: int = 200
     seed: int = 0
-    extra: dict = field(default_factory=dict)
 
     def anchors_for(self, length: int) -> int:
         return self.anchors_per_sequence or max(1, length // 6)

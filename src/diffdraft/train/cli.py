@@ -1,0 +1,410 @@
+"""``diffdraft train``: ``prompts`` (read, clean, write prompts) and ``regenerate`` (responses by the target).
+
+Every sub-command also takes ``--config FILE`` (JSON, or TOML by its ``.toml`` suffix) so a whole
+pipeline can live in one file; flags given on the command line override it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from torch import distributed as dist
+
+from diffdraft.bench.datasets import sharegpt_held_out
+from diffdraft.drafters.checkpoint import load_draft_model
+from diffdraft.drafters.dflash_model import DFLARE, DFLASH
+from diffdraft.errors import InvalidRequestError
+from diffdraft.loading import end_token_ids, load_target
+from diffdraft.target import TargetModel
+from diffdraft.train.dataset import load_responses
+from diffdraft.train.evaluate import evaluate_drafter
+from diffdraft.train.features import capture_features
+from diffdraft.train.mask_token import pick_mask_token
+from diffdraft.train.plots import plot_training_curves
+from diffdraft.train.prompts import (
+    SHAREGPT,
+    Prompt,
+    decontaminate,
+    drop_duplicates,
+    eval_texts,
+    read_sources,
+    write_prompts,
+)
+from diffdraft.train.regenerate import (
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_DTYPE,
+    DEFAULT_MAX_NEW_TOKENS,
+    DEFAULT_MAX_PROMPT_TOKENS,
+    regenerate,
+)
+from diffdraft.train.trainer import TrainConfig, Trainer
+
+
+def load_config(path: str | Path) -> dict:
+    """Option values from a JSON or (``.toml`` suffix) TOML file, keyed ``batch_size`` or ``batch-size``."""
+    path = Path(path)
+    is_toml = path.suffix.lower() == ".toml"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as error:
+        raise ValueError(f"cannot read config file {path} ({error.strerror})") from error
+    try:
+        if is_toml:
+            import tomllib  # Python 3.11+; older Pythons can use a JSON config
+
+            data = tomllib.loads(text)
+        else:
+            data = json.loads(text)
+    except ImportError as error:
+        raise ValueError(f"{path}: TOML config files need Python 3.11 or later; use JSON instead") from error
+    except ValueError as error:  # JSONDecodeError and TOMLDecodeError are both ValueErrors
+        raise ValueError(f"{path} is not valid {'TOML' if is_toml else 'JSON'}: {error}") from error
+    if not isinstance(data, dict):
+        raise ValueError(f'{path} must hold an object of option values, e.g. {{"batch_size": 8}}')
+    return data
+
+
+class ConfigArgumentParser(argparse.ArgumentParser):
+    """An argument parser whose option values may also come from ``--config FILE``; flags win.
+
+    Top-level keys apply to every sub-command that has an option of that name (others ignore them),
+    so one file serves the whole pipeline; a table named after the sub-command (``[regenerate]``)
+    applies to it alone, overrides the top level, and must name only its options.
+    """
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.add_argument(
+            "--config", metavar="FILE", help="JSON or TOML file of option values; flags override it"
+        )
+
+    def parse_known_args(
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        args = list(sys.argv[1:] if args is None else args)
+        only_config = argparse.ArgumentParser(add_help=False)
+        only_config.add_argument("--config")
+        config_path = only_config.parse_known_args(args)[0].config
+        if config_path:
+            # Values already on the namespace are kept by argparse, so config values become the
+            # defaults and flags parsed afterwards replace them.
+            namespace = namespace or argparse.Namespace()
+            for dest, value in self._config_values(config_path).items():
+                setattr(namespace, dest, value)
+        return super().parse_known_args(args, namespace)
+
+    def _config_values(self, path: str) -> dict[str, object]:
+        try:
+            data = load_config(path)
+        except ValueError as error:
+            self.error(str(error))
+        command = self.prog.rsplit(" ", 1)[-1]
+        actions = {action.dest: action for action in self._actions if action.dest not in ("help", "config")}
+        section = data.get(command, {})
+        if not isinstance(section, dict):
+            self.error(f"{path}: '{command}' must be a table of option values")
+        values = {}
+        for key, value in data.items():
+            if not isinstance(value, dict) and key.replace("-", "_") in actions:
+                values[key.replace("-", "_")] = value
+        for key, value in section.items():
+            if key.replace("-", "_") not in actions:
+                self.error(f"{path}: [{command}] sets {key!r}, which is not an option of '{command}'")
+            values[key.replace("-", "_")] = value
+        for dest, value in values.items():
+            action = actions[dest]
+            if action.nargs in ("+", "*") and isinstance(value, str):
+                values[dest] = value = [value]
+            if isinstance(value, str) and action.type is not None:
+                try:
+                    values[dest] = value = action.type(value)
+                except ValueError:
+                    self.error(f"{path}: {dest} = {value!r} is not a valid {action.type.__name__}")
+            if action.choices is not None and value not in action.choices:
+                choices = ", ".join(map(str, action.choices))
+                self.error(f"{path}: {dest} must be one of {choices}; got {value!r}")
+            # A required option the config supplies is no longer missing from the command line.
+            action.required = False
+        return values
+
+
+def add_train_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``diffdraft train`` and its sub-commands on the top-level parser's subparsers."""
+    train = subparsers.add_parser("train", help="build training data for a drafter and train it")
+    steps = train.add_subparsers(dest="train_command", required=True, parser_class=ConfigArgumentParser)
+
+    prompts = steps.add_parser(
+        "prompts", help="read prompts, drop duplicates and eval overlaps, and write them as jsonl"
+    )
+    _add_source_options(prompts)
+    prompts.add_argument("--out", required=True, help="prompts jsonl to write ({id, messages} per line)")
+
+    regen = steps.add_parser(
+        "regenerate",
+        help="generate each prompt's response with the target (resumable: rerun the same command)",
+    )
+    _add_source_options(regen)
+    regen.add_argument(
+        "--out", required=True, help="responses jsonl to append to; ids already in it are skipped"
+    )
+    regen.add_argument("--target", default="default", help="model directory, .gguf file or 'default'")
+    regen.add_argument(
+        "--dtype", choices=["auto", "float32", "bfloat16"], default=DEFAULT_DTYPE, help="default: %(default)s"
+    )
+    regen.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    regen.add_argument(
+        "--temperature",
+        type=float,
+        default=0.6,
+        help="sampling temperature, 0 = greedy (default: %(default)s)",
+    )
+    regen.add_argument("--top-p", type=float, default=1.0, help="default: %(default)s")
+    regen.add_argument(
+        "--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help="default: %(default)s"
+    )
+    regen.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=DEFAULT_MAX_PROMPT_TOKENS,
+        help="longer prompts are skipped (default: %(default)s)",
+    )
+    regen.add_argument(
+        "--batch-size",
+        type=int,
+        default=DEFAULT_BATCH_SIZE,
+        help="default: %(default)s, fastest on a 2-core CPU",
+    )
+    regen.add_argument("--seed", type=int, default=0, help="default: %(default)s")
+    _add_fit_parser(steps)
+    _add_capture_parser(steps)
+    _add_eval_parser(steps)
+    return train
+
+
+def _add_data_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--data", required=True, help="responses jsonl written by `diffdraft train regenerate`"
+    )
+    parser.add_argument("--target", default="default", help="model directory, .gguf file or 'default'")
+    parser.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default="float32",
+        help="target dtype for feature capture (default: %(default)s)",
+    )
+    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument(
+        "--max-length", type=int, default=1024, help="tokens per sequence (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--held-out",
+        type=int,
+        default=32,
+        help="last N samples (by id order) are never trained on; eval uses them (default: %(default)s)",
+    )
+
+
+def _add_fit_parser(steps: argparse._SubParsersAction) -> None:
+    fit = steps.add_parser("fit", help="train a DFlash/DFlare drafter (resumes from the latest checkpoint)")
+    _add_data_options(fit)
+    fit.add_argument("--output-dir", required=True, help="checkpoints, metrics.jsonl, curves.png, final/")
+    fit.add_argument("--feature-cache", default=None, help="directory from `train capture` (default: online)")
+    defaults = TrainConfig(output_dir="")
+    # every plain TrainConfig field becomes a flag with the dataclass default: one source of truth
+    declared_elsewhere = {
+        "variant",
+        "output_dir",
+        "max_length",
+        "target_layer_ids",
+        "mask_token_id",
+        "gamma_max",
+        "intermediate_size",
+    }
+    for name, value in asdict(defaults).items():
+        if name not in declared_elsewhere:
+            flag = f"--{name.replace('_', '-')}"
+            fit.add_argument(flag, type=type(value), default=value, help="default: %(default)s")
+    fit.add_argument("--variant", choices=[DFLASH, DFLARE], default=DFLASH, help="default: %(default)s")
+    fit.add_argument(
+        "--target-layer-ids",
+        type=int,
+        nargs="+",
+        default=None,
+        help="target layers to tap, DFlash ids (default: spread from layer 1 to L-3)",
+    )
+    fit.add_argument(
+        "--mask-token-id",
+        type=int,
+        default=None,
+        help="default: the tokenizer's mask token, else an unused control token",
+    )
+    fit.add_argument("--gamma-max", type=float, default=None, help="default: gamma-0 + epochs - 1")
+    fit.add_argument(
+        "--intermediate-size", type=int, default=None, help="draft MLP width (default: target's)"
+    )
+
+
+def _add_capture_parser(steps: argparse._SubParsersAction) -> None:
+    capture = steps.add_parser("capture", help="cache target hidden states to disk once (resumable)")
+    _add_data_options(capture)
+    capture.add_argument("--feature-cache", required=True, help="directory for the sharded safetensors cache")
+    capture.add_argument("--target-layer-ids", type=int, nargs="+", required=True, help="DFlash layer ids")
+
+
+def _add_eval_parser(steps: argparse._SubParsersAction) -> None:
+    evaluate = steps.add_parser("eval", help="per-position accuracy and chain/DDTree tau of a drafter")
+    _add_data_options(evaluate)
+    evaluate.add_argument("--drafter", required=True, help="drafter checkpoint directory")
+    evaluate.add_argument("--budgets", type=int, nargs="+", default=[8, 32, 128], help="DDTree budgets")
+    evaluate.add_argument("--max-new-tokens", type=int, default=64, help="per held-out prompt (default: 64)")
+    evaluate.add_argument("--out", default=None, help="also write the result as JSON here")
+
+
+def _add_source_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--source",
+        nargs="+",
+        default=[SHAREGPT],
+        metavar="SRC",
+        help=f"'{SHAREGPT}' (built in), jsonl or JSON array files, datasets directories (default {SHAREGPT})",
+    )
+    parser.add_argument(
+        "--decontaminate",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="drop prompts sharing a word n-gram with HumanEval or MT-Bench (default: on)",
+    )
+    parser.add_argument("--ngram", type=int, default=13, help="n-gram size for decontamination (default: 13)")
+    parser.add_argument("--limit", type=int, default=None, help="keep only the first N prompts")
+
+
+def run_train(args: argparse.Namespace) -> None:
+    """Run the ``diffdraft train`` sub-command that ``args`` names."""
+    commands = {
+        "prompts": _run_prompts,
+        "regenerate": _run_regenerate,
+        "fit": _run_fit,
+        "capture": _run_capture,
+        "eval": _run_eval,
+    }
+    commands[args.train_command](args)
+
+
+def _load_prompts(args: argparse.Namespace) -> list[Prompt]:
+    if args.limit is not None and args.limit < 1:
+        raise InvalidRequestError(f"--limit must be at least 1, got {args.limit}")
+    prompts, reports = read_sources(args.source)
+    for report in reports:
+        print(report.summary(), flush=True)
+    prompts, duplicates = drop_duplicates(prompts)
+    print(f"dropped {duplicates} duplicate prompts", flush=True)
+    if args.decontaminate:
+        # The bench's ShareGPT slice is an eval set too: skip its prompts and anything copying them.
+        held_out = sharegpt_held_out()
+        held_out_ids = {sample.id for sample in held_out}
+        kept = [prompt for prompt in prompts if prompt.id not in held_out_ids]
+        print(f"dropped {len(prompts) - len(kept)} prompts of the bench's ShareGPT slice", flush=True)
+        texts = eval_texts() + [message["content"] for sample in held_out for message in sample.messages]
+        prompts, dropped = decontaminate(kept, texts, args.ngram)
+        print(
+            f"dropped {dropped} prompts sharing a {args.ngram}-gram with HumanEval, MT-Bench or that slice",
+            flush=True,
+        )
+    return prompts[: args.limit]
+
+
+def _run_prompts(args: argparse.Namespace) -> None:
+    count = write_prompts(_load_prompts(args), args.out)
+    print(f"wrote {count} prompts to {args.out}")
+
+
+def _run_regenerate(args: argparse.Namespace) -> None:
+    prompts = _load_prompts(args)
+    print(f"regenerating responses for {len(prompts)} prompts into {args.out}", flush=True)
+    try:
+        report = regenerate(
+            args.target,
+            prompts,
+            args.out,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            max_new_tokens=args.max_new_tokens,
+            max_prompt_tokens=args.max_prompt_tokens,
+            batch_size=args.batch_size,
+            seed=args.seed,
+            dtype=args.dtype,
+            device=args.device,
+        )
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: finished samples are in {args.out}; rerun the same command to resume")
+        raise SystemExit(130) from None
+    print(report.summary())
+
+
+def _split(args: argparse.Namespace) -> tuple[list, list]:
+    """Training and held-out samples: the held-out ones are the last by id, a stable choice."""
+    samples = sorted(load_responses(args.data, args.max_length), key=lambda s: s.sample_id)
+    if args.held_out >= len(samples):
+        raise InvalidRequestError(
+            f"--held-out {args.held_out} leaves nothing to train on ({len(samples)} samples)"
+        )
+    cut = len(samples) - args.held_out
+    return samples[:cut], samples[cut:]
+
+
+def _run_fit(args: argparse.Namespace) -> None:
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if distributed:
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    try:
+        loaded = load_target(args.target, dtype=args.dtype, device=args.device)
+        train, _ = _split(args)
+        fields = {f.name for f in dataclasses.fields(TrainConfig)}
+        config = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
+        if config.mask_token_id is None:
+            config.mask_token_id = pick_mask_token(
+                loaded.tokenizer, end_token_ids(loaded.model, loaded.tokenizer)
+            )
+        trainer = Trainer(config, TargetModel(loaded.model), train, feature_cache=args.feature_cache)
+        print(f"training on {len(train)} sequences ({args.held_out} held out), {trainer.total_steps} steps")
+        trainer.train()
+        if trainer.rank == 0:
+            plot_training_curves(trainer.output_dir / "metrics.jsonl", trainer.output_dir / "curves.png")
+            print(f"drafter written to {trainer.output_dir / 'final'}")
+    finally:
+        if distributed:
+            dist.destroy_process_group()
+
+
+def _run_capture(args: argparse.Namespace) -> None:
+    loaded = load_target(args.target, dtype=args.dtype, device=args.device)
+    train, _ = _split(args)
+    captured = capture_features(
+        TargetModel(loaded.model),
+        args.target_layer_ids,
+        ((s.sample_id, s.token_ids) for s in train),
+        args.feature_cache,
+        total=len(train),
+    )
+    print(f"captured {captured} new sequences into {args.feature_cache}")
+
+
+def _run_eval(args: argparse.Namespace) -> None:
+    loaded = load_target(args.target, dtype=args.dtype, device=args.device)
+    _, held_out = _split(args)
+    drafter = load_draft_model(args.drafter)
+    result = evaluate_drafter(
+        drafter, TargetModel(loaded.model), held_out, tuple(args.budgets), args.max_new_tokens
+    )
+    text = json.dumps(result.to_dict(), indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")

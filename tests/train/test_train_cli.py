@@ -1,0 +1,220 @@
+"""``diffdraft train prompts|regenerate`` and ``--config`` files, on a parser built as cli.py builds it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+from transformers import AutoTokenizer
+
+from diffdraft.bench.datasets import Sample
+from diffdraft.errors import InvalidRequestError
+from diffdraft.train import cli as train_cli
+from diffdraft.train.cli import add_train_parser, run_train
+
+from conftest import make_checkpoint
+
+COPIED = " ".join(f"word{i}" for i in range(13))
+HELD_OUT = [Sample("p2", "sharegpt", messages=[{"role": "user", "content": "Q: " + COPIED}])]
+
+
+@pytest.fixture(autouse=True)
+def small_held_out_slice(monkeypatch):
+    """The bench's real ShareGPT slice costs a read of the whole dump."""
+    monkeypatch.setattr(train_cli, "sharegpt_held_out", lambda: HELD_OUT)
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser(prog="diffdraft")
+    add_train_parser(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(argv)
+
+
+@pytest.fixture
+def source(tmp_path):
+    path = tmp_path / "src.jsonl"
+    records = [
+        {"id": "p1", "prompt": "hello"},
+        {"id": "p1", "prompt": "hello"},
+        {"id": "p2", "prompt": "kept out by id"},
+        "oops",
+        {"prompt": "fox"},
+        {"prompt": "the bench asks: " + COPIED},
+    ]
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+def test_prompts_writes_cleaned_prompts_and_prints_counts(source, tmp_path, capsys):
+    out = tmp_path / "prompts.jsonl"
+    run_train(parse(["train", "prompts", "--source", str(source), "--out", str(out)]))
+    printed = capsys.readouterr().out
+    assert "5 prompts, skipped 1 malformed records" in printed
+    assert "dropped 1 duplicate prompts" in printed
+    assert "dropped 1 prompts of the bench's ShareGPT slice" in printed
+    assert "dropped 1 prompts sharing a 13-gram with HumanEval, MT-Bench or that slice" in printed
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["p1", "src:5"]
+
+
+def test_config_values_are_defaults_that_flags_override(tmp_path):
+    config = tmp_path / "train.json"
+    config.write_text(json.dumps({"out": "from_config.jsonl", "batch_size": 3, "temperature": 0.2}))
+    args = parse(["train", "regenerate", "--config", str(config), "--batch-size", "5"])
+    assert (args.out, args.batch_size, args.temperature) == ("from_config.jsonl", 5, 0.2)
+    assert args.max_new_tokens > 0  # untouched options keep their defaults
+
+
+def test_toml_tables_apply_to_their_sub_command_only(tmp_path):
+    config = tmp_path / "train.toml"
+    config.write_text(
+        'out = "shared.jsonl"\nsource = "sharegpt"\nbatch-size = 4\n\n'
+        '[regenerate]\nout = "responses.jsonl"\ndtype = "float32"\n'
+    )
+    regen = parse(["train", "regenerate", "--config", str(config)])
+    assert (regen.out, regen.source, regen.batch_size, regen.dtype) == (
+        "responses.jsonl",
+        ["sharegpt"],
+        4,
+        "float32",
+    )
+    prompts = parse(["train", "prompts", "--config", str(config)])
+    assert prompts.out == "shared.jsonl" and not hasattr(prompts, "batch_size")
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ('{"regenerate": {"batchsize": 4}}', "not an option of 'regenerate'"),
+        ('{"dtype": "float64"}', "dtype must be one of"),
+        ('{"batch_size": "many"}', "is not a valid int"),
+        ("[1, 2]", "must hold an object"),
+        ("{broken", "is not valid JSON"),
+    ],
+)
+def test_bad_config_files_exit_with_a_message(tmp_path, capsys, content, message):
+    config = tmp_path / "train.json"
+    config.write_text(content)
+    with pytest.raises(SystemExit) as exit_info:
+        parse(["train", "regenerate", "--out", "x.jsonl", "--config", str(config)])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_regenerate_resumes_with_the_same_command(source, tmp_path, capsys):
+    target = make_checkpoint(tmp_path / "target")
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tokenizer.save_pretrained(target)
+    out = tmp_path / "responses.jsonl"
+    config = tmp_path / "regen.toml"
+    config.write_text(
+        f'target = "{target}"\nout = "{out}"\nsource = "{source}"\n'
+        'dtype = "float32"\nmax-new-tokens = 4\nbatch-size = 2\n'
+    )
+    argv = ["train", "regenerate", "--config", str(config)]
+    run_train(parse(argv))
+    assert "2 samples written" in capsys.readouterr().out
+    run_train(parse(argv))
+    assert "0 samples written (0 tokens, 0.0 tok/s), 2 already done" in capsys.readouterr().out
+    assert len(out.read_text().splitlines()) == 2
+
+
+def test_limit_keeps_the_first_prompts_and_must_be_positive(source, tmp_path):
+    out = tmp_path / "prompts.jsonl"
+    run_train(parse(["train", "prompts", "--source", str(source), "--out", str(out), "--limit", "1"]))
+    assert len(out.read_text().splitlines()) == 1
+    with pytest.raises(InvalidRequestError, match="--limit must be at least 1"):
+        run_train(parse(["train", "prompts", "--source", str(source), "--out", str(out), "--limit", "0"]))
+
+
+@pytest.fixture
+def responses(tmp_path):
+    """A tiny target and a responses file of its own greedy continuations."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    target_dir = make_checkpoint(tmp_path / "target", "llama")
+    model = AutoModelForCausalLM.from_pretrained(target_dir)
+    path = tmp_path / "responses.jsonl"
+    g = torch.Generator().manual_seed(0)
+    with path.open("w") as f:
+        for i in range(10):
+            prompt = torch.randint(3, 300, (5,), generator=g)
+            out = model.generate(
+                prompt[None], max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0
+            )
+            record = {
+                "id": f"r{i}",
+                "prompt_token_ids": prompt.tolist(),
+                "response_token_ids": out[0, 5:].tolist(),
+            }
+            f.write(json.dumps(record) + "\n")
+    return target_dir, path
+
+
+def test_fit_then_eval_write_a_drafter_curves_and_an_evaluation(responses, tmp_path, capsys):
+    from diffdraft.cli import main
+
+    target_dir, data = responses
+    common = ["--data", str(data), "--target", str(target_dir), "--held-out", "2"]
+    out = tmp_path / "run"
+    fit = [
+        "train",
+        "fit",
+        *common,
+        "--output-dir",
+        str(out),
+        "--num-layers",
+        "1",
+        "--block-size",
+        "4",
+        "--batch-size",
+        "2",
+        "--epochs",
+        "1",
+        "--mask-token-id",
+        "5",
+        "--target-layer-ids",
+        "0",
+        "1",
+    ]
+    assert main(fit) == 0
+    assert (out / "final" / "model.safetensors").is_file()
+    assert (out / "curves.png").is_file()
+    assert "training on 8 sequences (2 held out), 4 steps" in capsys.readouterr().out
+
+    report = tmp_path / "eval.json"
+    evaluate = [
+        "train",
+        "eval",
+        *common,
+        "--drafter",
+        str(out / "final"),
+        "--budgets",
+        "4",
+        "--max-new-tokens",
+        "8",
+        "--out",
+        str(report),
+    ]
+    assert main(evaluate) == 0
+    result = json.loads(report.read_text())
+    assert len(result["accuracy_by_position"]) == 3
+    assert set(result["tau"]) == {"chain", "ddtree-4"}
+    assert all(t >= 1.0 for t in result["tau"].values())
+
+
+def test_fit_rejects_malformed_data_and_unwritable_output(responses, tmp_path, capsys):
+    from diffdraft.cli import main
+
+    target_dir, data = responses
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "x", "prompt_token_ids": [1, 2]}\n')
+    base = ["train", "fit", "--target", str(target_dir), "--mask-token-id", "5", "--held-out", "0"]
+    assert main([*base, "--data", str(bad), "--output-dir", str(tmp_path / "o")]) == 2
+    assert "bad.jsonl:1 is not a regenerated sample" in capsys.readouterr().err
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main([*base, "--data", str(data), "--output-dir", str(blocker / "o"), "--batch-size", "2"]) == 2
+    assert "cannot write to the output directory" in capsys.readouterr().err
