@@ -374,7 +374,9 @@ def _run_fit(args: argparse.Namespace) -> None:
                 loaded.tokenizer, end_token_ids(loaded.model, loaded.tokenizer)
             )
         trainer = Trainer(config, TargetModel(loaded.model), train, feature_cache=args.feature_cache)
-        print(f"training on {len(train)} sequences ({args.held_out} held out), {trainer.total_steps} steps")
+        if trainer.rank == 0:
+            steps = trainer.total_steps
+            print(f"training on {len(train)} sequences ({args.held_out} held out), {steps} steps")
         trainer.train()
         if trainer.rank == 0:
             plot_training_curves(trainer.output_dir / "metrics.jsonl", trainer.output_dir / "curves.png")

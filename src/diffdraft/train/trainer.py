@@ -230,6 +230,11 @@ class Trainer:
             self.scheduler.step()
             self.state.step += 1
             self.state.elapsed_seconds += time.perf_counter() - begin
+            if self.world > 1:  # log the global batch, not rank 0's share
+                summed = torch.cat([torch.tensor([total_loss]), hits, counts])
+                dist.all_reduce(summed)
+                total_loss = float(summed[0]) / self.world
+                hits, counts = summed[1:].split(self.drafter.block_size)
             accuracy = (hits / counts.clamp_min(1))[1:].tolist()
             if self.rank == 0:
                 record = {
