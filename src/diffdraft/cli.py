@@ -1,4 +1,4 @@
-"""``diffdraft`` command line: ``diffdraft generate`` runs one request through the speculative loop."""
+"""``diffdraft`` command line: ``generate`` a request, ``train`` drafters, ``bench`` methods side by side."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from diffdraft.bench.cli import add_bench_parser, run_bench
 from diffdraft.errors import DiffdraftError, InvalidRequestError
 from diffdraft.generator import METHODS, load
 from diffdraft.train.cli import add_train_parser, run_train
@@ -85,8 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     add_train_parser(sub)
+    add_bench_parser(sub)
     args = parser.parse_args(argv)
     try:
+        if args.command == "bench":
+            return run_bench(args)
         run_train(args) if args.command == "train" else _run_generate(args)
     except DiffdraftError as err:
         print(f"diffdraft: error: {err}", file=sys.stderr)

@@ -100,11 +100,6 @@ def sharegpt_held_out() -> list[Sample]:
     return [Sample(id=p.id, dataset="sharegpt", messages=p.messages) for p in prompts]
 
 
-def sharegpt_held_out_ids() -> set[str]:
-    """Ids drafter training must skip so the ShareGPT bench slice stays unseen."""
-    return {sample.id for sample in sharegpt_held_out()}
-
-
 def read_jsonl(path: Path, dataset: str | None = None) -> list[Sample]:
     """Samples from a jsonl file (see :data:`JSONL_SHAPE`); a malformed line is an error naming it.
 

@@ -26,8 +26,10 @@ def load_responses(
 ) -> list[TrainingSample]:
     """Read a regeneration jsonl (``id``, ``prompt_token_ids``, ``response_token_ids`` per line).
 
-    Sequences are truncated to ``max_length``; those left with fewer than ``min_response_tokens``
-    response tokens teach nothing and are skipped.
+    Sequences longer than ``max_length`` keep their response and the *end* of their prompt: the
+    prompt gets at least a quarter of the window, the response the rest (response tokens are what
+    the drafter learns from; dropping long-prompt samples lost a third of ShareGPT). Samples with
+    fewer than ``min_response_tokens`` response tokens teach nothing and are skipped.
     """
     path = Path(path)
     if not path.is_file():
@@ -48,6 +50,8 @@ def load_responses(
                     f"{path}:{number} is not a regenerated sample (want a JSON object with id, "
                     f"prompt_token_ids and response_token_ids): {err}"
                 ) from err
+            prompt_room = max(min(len(prompt), max_length // 4), max_length - len(response))
+            prompt = prompt[len(prompt) - prompt_room :] if prompt_room < len(prompt) else prompt
             ids = torch.tensor((prompt + response)[:max_length], dtype=torch.long)
             if ids.shape[0] - len(prompt) >= min_response_tokens:
                 samples.append(TrainingSample(sample_id, ids, len(prompt)))

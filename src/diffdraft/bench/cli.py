@@ -1,0 +1,309 @@
+"""``diffdraft bench``: every method side by side on real prompts, lossless-checked, with a report."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+from diffdraft.bench.datasets import BUILTIN, load_samples
+from diffdraft.bench.lossless import TIE_TOLERANCE, LosslessChecker
+from diffdraft.bench.methods import (
+    REFERENCE,
+    BenchModels,
+    MethodSpec,
+    MethodUnavailable,
+    build_method,
+    default_specs,
+    registered,
+)
+from diffdraft.bench.runner import BenchOptions, run_benchmark
+from diffdraft.bench.summary import checks, summarize
+from diffdraft.errors import InvalidRequestError
+
+# Defaults of a full run and of --quick (a couple of minutes on 2 cores); explicit flags win over both.
+FULL = {
+    "datasets": "humaneval,mtbench,sharegpt",
+    "samples": 8,
+    "max_new_tokens": 256,
+    "repeats": 3,
+    "budgets": "8,16,32,64,128,auto",
+}
+QUICK = {
+    "datasets": "humaneval,mtbench",
+    "samples": 2,
+    "max_new_tokens": 32,
+    "repeats": 2,
+    "budgets": "32,auto",
+}
+
+
+def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "bench",
+        help="benchmark every method side by side (speed, acceptance, losslessness) and write a report",
+        description=__doc__,
+    )
+    p.add_argument("--target", default="default", help="model directory, .gguf file, or 'default'")
+    p.add_argument(
+        "--drafter", default=None, help="DFlash/DFlare checkpoint directory (enables chain, ddtree)"
+    )
+    p.add_argument("--assistant", default=None, help="small model directory for HF assisted generation")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
+    p.add_argument("--device", default=None)
+    p.add_argument(
+        "--methods",
+        default=None,
+        help=f"comma list of name[:arg][@dtype] (registered: {', '.join(registered())}); 'ddtree' alone "
+        "expands to --budgets; default: every method the given models allow",
+    )
+    p.add_argument(
+        "--budgets", default=None, help=f"DDTree budgets, 'auto' included (default {FULL['budgets']})"
+    )
+    p.add_argument(
+        "--datasets",
+        default=None,
+        help=f"comma list of {', '.join(BUILTIN)} or jsonl paths (default {FULL['datasets']})",
+    )
+    p.add_argument(
+        "--samples", type=int, default=None, help=f"samples per dataset (default {FULL['samples']})"
+    )
+    p.add_argument("--max-new-tokens", type=int, default=None, help=f"default {FULL['max_new_tokens']}")
+    p.add_argument("--temperatures", default="0", help="comma list; 0 = greedy (default 0)")
+    p.add_argument(
+        "--repeats", type=int, default=None, help=f"timed repeats per prompt (default {FULL['repeats']})"
+    )
+    p.add_argument("--seed", type=int, default=0, help="repeat r of a sampled run uses seed + r")
+    p.add_argument("--warmup-tokens", type=int, default=16, help="tokens of the untimed warm-up per method")
+    p.add_argument(
+        "--tie-tolerance",
+        type=float,
+        default=None,
+        help="largest float32 logit gap a bf16 divergence may have (default: 0 in float32, 0.5 in bfloat16)",
+    )
+    p.add_argument("--out", default="bench-results", help="output directory (default bench-results)")
+    p.add_argument("--quick", action="store_true", help=f"a couple of minutes: {QUICK}")
+    p.add_argument(
+        "--refresh-cost", action="store_true", help="re-measure the cached verification cost curve"
+    )
+    p.add_argument(
+        "--cost-cache", default=None, help="where cost curves are cached (default: the diffdraft cache)"
+    )
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: torch's choice, one per core)"
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return p
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Run the benchmark and write the outputs; exit code 1 when a lossless check failed."""
+    from diffdraft.bench.report import write_outputs  # matplotlib loads only when a benchmark runs
+
+    started = time.time()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    busy_before = _cpu_busy()
+    options = _resolve(args)
+    progress = not args.no_progress
+    models = BenchModels(
+        args.target,
+        dtype=args.dtype,
+        device=args.device,
+        drafter=args.drafter,
+        assistant=args.assistant,
+        cost_cache=args.cost_cache,
+        refresh_cost=args.refresh_cost,
+        progress=progress,
+    )
+    if args.methods is None and models.dtype_name != "float32":
+        # the baseline users know, in whichever dtype is fastest for it on this machine
+        options["methods"].append(MethodSpec("hf", dtype="float32"))
+    runners = _build_runners(models, options["methods"], explicit=args.methods is not None)
+    samples = [s for name in options["datasets"] for s in load_samples(name, options["samples"])]
+    tolerance = args.tie_tolerance
+    if tolerance is None:
+        tolerance = TIE_TOLERANCE[models.main.model.dtype]
+    checker = LosslessChecker(lambda: models.target("float32").model, tolerance)
+    bench = BenchOptions(
+        max_new_tokens=options["max_new_tokens"],
+        temperatures=options["temperatures"],
+        repeats=options["repeats"],
+        seed=args.seed,
+        warmup_tokens=args.warmup_tokens,
+        progress=progress,
+    )
+    curve = models.cost_curve()
+    run = run_benchmark(runners, samples, models.tokenizer, checker, bench)
+    summaries = summarize(run.records, curve, models.dtype_name)
+    found = checks(summaries)
+    header = {
+        "command": _command(args, options),
+        "target": models.main.source,
+        "dtype": models.dtype_name,
+        "drafter": args.drafter,
+        "assistant": args.assistant,
+        "methods": [r.spec.label for r in runners],
+        "options": {k: v for k, v in options.items() if k != "methods"} | {"tie_tolerance": tolerance},
+        "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
+        "elapsed_seconds": time.time() - started,
+        "environment": _environment(models, busy_before),
+        "auto_budget": {r.spec.label: r.auto.planner.describe() for r in runners if getattr(r, "auto", None)},
+    }
+    written = write_outputs(args.out, header, run, summaries, found, curve, models.tokenizer)
+    for summary in summaries:
+        print(
+            f"{summary.dataset:>10} T={summary.temperature:g} {summary.method:>16}: "
+            f"{summary.tokens_per_second.mean:6.1f} tok/s  {summary.speedup.mean:5.2f}x  "
+            f"tau {summary.tau:.2f}"
+        )
+    for check in found:
+        print(
+            f"{'PASS' if check.passed else 'FAIL'} {check.name} [{check.dataset}]: {check.value:.3g} "
+            f"(target {check.target:g}) {check.detail}"
+        )
+    print("wrote " + ", ".join(str(p) for p in written))
+    if run.violations:
+        print(
+            f"diffdraft: error: LOSSLESS CHECK FAILED: {len(run.violations)} outputs diverge from plain AR "
+            f"at a clear float32 margin (see 'Divergences' in {Path(args.out) / 'report.md'})",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+def _resolve(args: argparse.Namespace) -> dict:
+    """Explicit flags, else the --quick or full defaults."""
+    defaults = QUICK if args.quick else FULL
+
+    def pick(name: str):
+        value = getattr(args, name)
+        return defaults[name] if value is None else value
+
+    budgets = _split(pick("budgets"))
+    if args.methods is None:
+        specs = default_specs(budgets)
+    else:
+        specs = []
+        for text in _split(args.methods):
+            spec = MethodSpec.parse(text)
+            expand = spec.name == "ddtree" and spec.arg is None
+            specs += [MethodSpec(spec.name, b, spec.dtype) for b in budgets] if expand else [spec]
+    if MethodSpec(REFERENCE) not in specs:
+        specs.insert(0, MethodSpec(REFERENCE))
+    try:
+        temperatures = [float(t) for t in _split(args.temperatures)]
+    except ValueError as error:
+        raise InvalidRequestError(f"--temperatures must be numbers, e.g. 0,0.7: {error}") from error
+    for name in ("samples", "max_new_tokens", "repeats"):
+        if pick(name) < 1:
+            raise InvalidRequestError(f"--{name.replace('_', '-')} must be at least 1")
+    return {
+        "methods": list(dict.fromkeys(specs)),
+        "datasets": _split(pick("datasets")),
+        "samples": pick("samples"),
+        "max_new_tokens": pick("max_new_tokens"),
+        "repeats": pick("repeats"),
+        "budgets": budgets,
+        "temperatures": temperatures,
+    }
+
+
+def _split(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _build_runners(models: BenchModels, specs: list[MethodSpec], explicit: bool) -> list:
+    runners = []
+    for spec in specs:
+        try:
+            runners.append(build_method(models, spec))
+        except MethodUnavailable as error:
+            if explicit and spec != MethodSpec(REFERENCE):
+                raise
+            print(f"diffdraft bench: skipping {spec.label}: {error}", file=sys.stderr)
+    return runners
+
+
+def _command(args: argparse.Namespace, options: dict) -> str:
+    """The command that reproduces this run, every resolved option spelled out."""
+    parts = ["diffdraft", "bench", "--target", str(args.target), "--dtype", args.dtype]
+    for flag, value in (
+        ("--drafter", args.drafter),
+        ("--assistant", args.assistant),
+        ("--device", args.device),
+    ):
+        if value is not None:
+            parts += [flag, str(value)]
+    parts += ["--methods", ",".join(s.label for s in options["methods"])]
+    parts += ["--datasets", ",".join(options["datasets"]), "--samples", str(options["samples"])]
+    parts += ["--max-new-tokens", str(options["max_new_tokens"]), "--repeats", str(options["repeats"])]
+    parts += ["--temperatures", ",".join(f"{t:g}" for t in options["temperatures"]), "--seed", str(args.seed)]
+    parts += ["--warmup-tokens", str(args.warmup_tokens)]
+    for flag, value in (("--tie-tolerance", args.tie_tolerance), ("--threads", args.threads)):
+        if value is not None:
+            parts += [flag, str(value)]
+    parts += ["--out", str(args.out)]
+    return shlex.join(parts)
+
+
+def _environment(models: BenchModels, busy_before: float | None) -> dict:
+    return {
+        "cpu": _cpu_name(),
+        "cores": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "device": str(models.device),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "busy_before": busy_before,
+        "busy_after": _cpu_busy(),
+        "load_average": _load_average(),
+    }
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cpu_busy(seconds: float = 0.5) -> float | None:
+    """Share of all cores busy over ``seconds`` while this process idles: other jobs on the machine.
+
+    On a small machine another torch process makes timings meaningless (two processes with a
+    thread per core each slow each other down many times over), so the report says so.
+    """
+    try:
+        first = _cpu_times()
+        time.sleep(seconds)
+        second = _cpu_times()
+    except (OSError, ValueError):
+        return None
+    total = sum(second) - sum(first)
+    idle = (second[3] + second[4]) - (first[3] + first[4])
+    return 1.0 - idle / total if total > 0 else None
+
+
+def _cpu_times() -> list[int]:
+    with open("/proc/stat") as stat:
+        return [int(x) for x in stat.readline().split()[1:]]
+
+
+def _load_average() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"

@@ -1,0 +1,318 @@
+"""What a DDTree round costs on this machine, and the budget that buys the most tokens per second.
+
+The best budget depends on the hardware: verifying q tokens in one forward costs t(q), nearly flat
+up to some q and then growing, and the curve's shape differs between CPUs, GPUs and dtypes. So
+t(q) is measured once per model shape, dtype and device and cached. The drafter's side is the
+DDTree surrogate: the optimal B-node tree's expected acceptance length is 1 + the sum of its B
+prefix probabilities, which the best-first order gives for every B at once. Realized acceptance
+rescales the surrogate (drafters are rarely calibrated), and the chosen budget maximizes
+
+    expected tokens per second (B) = tau(B) / (t(B + 1) + per-round cost outside verification).
+
+t(q) is the whole verification stage of a round with q tree tokens: ancestor mask, the target
+forward and greedy acceptance, so host-side costs that grow with the tree are in the curve.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from diffdraft.default_model import cache_root
+from diffdraft.drafters.base import Proposal
+from diffdraft.sampling import SamplingParams
+from diffdraft.target import TargetModel
+from diffdraft.trees import DDTreeBuilder, DraftTree
+from diffdraft.verify import accept
+
+DEFAULT_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+DEFAULT_CONTEXT = 512
+MAX_BUDGET = 256
+_GREEDY = SamplingParams()
+
+
+@dataclass
+class VerifyCostCurve:
+    """Measured seconds t(q) of verifying a q-token tree (mask, forward, acceptance), ``context`` cached."""
+
+    sizes: list[int]
+    seconds: list[float]
+    context: int
+    key: str = ""
+    measured_at: str = ""
+
+    def __call__(self, q: float) -> float:
+        """t(q), linear between measured sizes and extrapolated linearly past the largest."""
+        if q > self.sizes[-1] and len(self.sizes) > 1:
+            slope = (self.seconds[-1] - self.seconds[-2]) / (self.sizes[-1] - self.sizes[-2])
+            return self.seconds[-1] + slope * (q - self.sizes[-1])
+        return float(np.interp(q, self.sizes, self.seconds))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def measure_verify_cost(
+    target: TargetModel,
+    sizes: Sequence[int] = DEFAULT_SIZES,
+    context: int = DEFAULT_CONTEXT,
+    repeats: int = 5,
+    progress: bool = False,
+) -> VerifyCostCurve:
+    """Median time of a verification stage per size, sizes interleaved so drift hits all alike.
+
+    Verifying more tokens never costs less, so a dip in the medians is noise: each size is charged
+    at least what any smaller size measured.
+    """
+    sizes = sorted({q for q in sizes if q <= target.max_context // 2} | {1})  # short-context models
+    context = min(context, target.max_context - sizes[-1])
+    seconds = np.maximum.accumulate(_time_verify(target, sizes, context, repeats, progress))
+    return VerifyCostCurve(
+        sizes=list(sizes),
+        seconds=seconds.tolist(),
+        context=context,
+        key=curve_key(target, context),
+        measured_at=time.strftime("%Y-%m-%d %H:%M:%S"),
+    )
+
+
+def _time_verify(
+    target: TargetModel, sizes: Sequence[int], context: int, repeats: int, progress: bool
+) -> list[float]:
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, target.vocab_size, (context + max(sizes),), generator=generator)
+    cache = target.new_cache()
+    target.prefill(cache, ids[:context].to(target.device), [])
+    timings: dict[int, list[float]] = {q: [] for q in sizes}
+    steps = tqdm(total=(repeats + 1) * len(sizes), desc="verify cost t(q)", disable=not progress, leave=False)
+    for repeat in range(repeats + 1):  # the first pass warms kernels up and is not kept
+        for q in sizes:
+            tree = _synthetic_tree(ids[context : context + q].to(target.device))
+            begin = time.perf_counter()
+            mask = tree.ancestor_mask() if q > 1 else None
+            out = target.verify(cache, tree.tokens, tree.position_ids(context), mask, [])
+            accept(tree, out.logits, _GREEDY, None)
+            if target.device.type == "cuda":
+                torch.cuda.synchronize()
+            if repeat:
+                timings[q].append(time.perf_counter() - begin)
+            cache.crop(-q)
+            steps.update()
+    steps.close()
+    return [float(np.median(timings[q])) for q in sizes]
+
+
+def _synthetic_tree(tokens: torch.Tensor) -> DraftTree:
+    """A tree of the given tokens shaped like a DDTree: node i hangs under node i - 16, so depth stays
+    within a drafter block however many nodes there are."""
+    nodes = torch.arange(tokens.shape[0], device=tokens.device)
+    parents = (nodes - 16).clamp_min(0)
+    parents[0] = -1
+    depths = (nodes + 15) // 16
+    return DraftTree(tokens, parents, depths)
+
+
+def still_valid(curve: VerifyCostCurve, target: TargetModel, tolerance: float = 0.25) -> bool:
+    """Spot-check a cached curve at two sizes: a curve measured while other jobs loaded the machine
+    (or before a hardware change) would mislead every budget choice."""
+    probes = sorted({curve.sizes[0], curve.sizes[len(curve.sizes) // 2]})
+    now = _time_verify(target, probes, curve.context, repeats=3, progress=False)
+    return all(abs(t - curve(q)) <= tolerance * curve(q) for q, t in zip(probes, now, strict=True))
+
+
+def curve_key(target: TargetModel, context: int) -> str:
+    """Identifies what t(q) depends on: model shape (not weights or path), dtype, device, threads, CPU."""
+    config = {k: v for k, v in target.model.config.to_dict().items() if k not in ("_name_or_path", "dtype")}
+    facts = {
+        "config": config,
+        "dtype": str(target.dtype),
+        "device": str(target.device),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "context": context,
+        "stage": "mask+forward+accept",  # what t(q) covers; a change must not reuse old curves
+    }
+    digest = hashlib.sha1(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    dtype = str(target.dtype).removeprefix("torch.")
+    return f"{config.get('model_type', 'model')}-{dtype}-{target.device.type}-{digest}"
+
+
+def load_or_measure(
+    target: TargetModel,
+    context: int = DEFAULT_CONTEXT,
+    refresh: bool = False,
+    cache_dir: str | os.PathLike | None = None,
+    progress: bool = False,
+) -> VerifyCostCurve:
+    """The cached curve for this model shape and device, measuring (and caching) it when absent or
+    when a spot check no longer matches it."""
+    folder = Path(cache_dir) if cache_dir is not None else cache_root() / "verify_cost"
+    file = folder / f"{curve_key(target, context)}.json"
+    if file.is_file() and not refresh:
+        cached = VerifyCostCurve(**json.loads(file.read_text()))
+        if still_valid(cached, target):
+            return cached
+    curve = measure_verify_cost(target, context=context, progress=progress)
+    folder.mkdir(parents=True, exist_ok=True)
+    temporary = file.with_suffix(f".tmp{os.getpid()}")
+    temporary.write_text(json.dumps(curve.to_dict(), indent=1) + "\n")
+    temporary.replace(file)
+    return curve
+
+
+def surrogate_acceptance(tree: DraftTree, log_probs: torch.Tensor) -> list[float]:
+    """Expected acceptance length (bonus included) of the first B nodes of a best-first DDTree, per B.
+
+    Entry B is ``1 + sum of the first B prefix probabilities`` under the drafter's factorized
+    surrogate; entry 0 is 1 (the bonus token alone). Best-first order makes every prefix of the
+    node list the optimal tree of that size.
+    """
+    depths = tree.depths.cpu()
+    node_log_probs = log_probs.float().cpu()[(depths[1:] - 1).clamp_min(0), tree.tokens[1:].cpu()]
+    prefix = torch.zeros(depths.shape[0])
+    parents = tree.parents.cpu()
+    for level in range(1, int(depths.max()) + 1):
+        nodes = (depths == level).nonzero().squeeze(-1)
+        prefix[nodes] = prefix[parents[nodes]] + node_log_probs[nodes - 1]
+    return [1.0, *(1.0 + prefix[1:].exp().cumsum(0)).tolist()]
+
+
+@dataclass
+class BudgetChoice:
+    budget: int
+    tokens_per_second: float
+    """Expected tokens per second at the chosen budget."""
+    expected: dict[int, float] = field(default_factory=dict)
+    """Expected tokens per second for every candidate budget."""
+
+
+def choose_budget(
+    curve: VerifyCostCurve,
+    expected_tau: Sequence[float],
+    fixed_seconds: float = 0.0,
+    budgets: Sequence[int] | None = None,
+) -> BudgetChoice:
+    """The budget B maximizing ``expected_tau[B] / (t(B + 1) + fixed_seconds)``.
+
+    ``expected_tau[B]`` is the expected acceptance length with B drafted nodes; candidates default
+    to every B it covers. ``fixed_seconds`` is the per-round cost outside verification (drafter
+    forward, tree build, commit, loop overhead), which barely depends on the budget.
+    """
+    candidates = budgets or range(1, len(expected_tau))
+    expected = {
+        b: expected_tau[b] / (curve(b + 1) + fixed_seconds) for b in candidates if b < len(expected_tau)
+    }
+    if not expected:
+        raise ValueError("no candidate budget has an expected acceptance length")
+    best = max(expected, key=lambda b: (expected[b], -b))
+    return BudgetChoice(best, expected[best], expected)
+
+
+class BudgetPlanner:
+    """Chooses the DDTree budget from the cost curve and the drafter's recent proposals and rounds."""
+
+    def __init__(self, curve: VerifyCostCurve, max_budget: int = MAX_BUDGET, window: int = 64) -> None:
+        self.curve = curve
+        self.max_budget = min(max_budget, curve.sizes[-1] - 1)  # never extrapolate the cost curve
+        self._surrogates: deque[list[float]] = deque(maxlen=window)
+        self._realized: deque[tuple[float, float]] = deque(maxlen=window)  # (predicted - 1, realized - 1)
+        self.fixed_seconds = 0.0
+        """Seconds per round outside verification (see choose_budget)."""
+
+    def observe_proposal(self, surrogate: Sequence[float]) -> None:
+        padded = list(surrogate[: self.max_budget + 1])
+        padded += [padded[-1]] * (self.max_budget + 1 - len(padded))
+        self._surrogates.append(padded)
+
+    def observe_rounds(self, budgets: Sequence[int], lengths: Sequence[int], fixed_seconds: float) -> None:
+        """Realized acceptance lengths of rounds verified at ``budgets``, and their cost outside verify."""
+        surrogate = self.surrogate()
+        for budget, length in zip(budgets, lengths, strict=False):
+            self._realized.append((surrogate[min(budget, self.max_budget)] - 1.0, length - 1.0))
+        self.fixed_seconds = fixed_seconds
+
+    def surrogate(self) -> list[float]:
+        """Mean surrogate acceptance per budget over recent proposals (1.0 everywhere before any)."""
+        if not self._surrogates:
+            return [1.0] * (self.max_budget + 1)
+        return np.mean(np.asarray(self._surrogates), axis=0).tolist()
+
+    def calibration(self) -> float:
+        """Realized / predicted drafted-token acceptance over recent rounds (1 before any round)."""
+        predicted = sum(p for p, _ in self._realized)
+        return sum(r for _, r in self._realized) / predicted if predicted > 1e-6 else 1.0
+
+    def expected_tau(self) -> list[float]:
+        scale = self.calibration()
+        return [1.0 + scale * (value - 1.0) for value in self.surrogate()]
+
+    def choose(self) -> BudgetChoice:
+        return choose_budget(self.curve, self.expected_tau(), self.fixed_seconds)
+
+    def describe(self) -> dict:
+        """The planner's current model, for reports: what it expects at each power-of-two budget."""
+        choice = self.choose()
+        shown = [b for b in choice.expected if b & (b - 1) == 0 or b == choice.budget]
+        return {
+            "budget": choice.budget,
+            "calibration": self.calibration(),
+            "fixed_ms": 1e3 * self.fixed_seconds,
+            "expected_tau": {b: self.expected_tau()[b] for b in shown},
+            "expected_tokens_per_second": {b: choice.expected[b] for b in shown},
+        }
+
+
+class AutoBudgetBuilder:
+    """A DDTree builder whose budget the planner re-chooses every ``refresh`` rounds.
+
+    On a refresh round it builds the largest candidate tree once, feeds its surrogate to the
+    planner, and keeps the chosen budget's best-first prefix; other rounds build at the current
+    budget directly, so the surrogate's extra cost is paid on one round in ``refresh``.
+    """
+
+    def __init__(self, planner: BudgetPlanner, initial_budget: int = 32, refresh: int = 8) -> None:
+        self.planner = planner
+        self.budget = initial_budget
+        self.refresh = refresh
+        self.used: list[int] = []
+        """Budget of every tree built since the last :meth:`observe_generation`."""
+        self._rounds = 0
+
+    def build(
+        self,
+        root_token: int,
+        proposal: Proposal,
+        sampling: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> DraftTree:
+        self._rounds += 1
+        if self._rounds % self.refresh != 1 or proposal.log_probs is None:
+            tree = DDTreeBuilder(self.budget).build(root_token, proposal, sampling, generator)
+        else:
+            largest = DDTreeBuilder(self.planner.max_budget).build(root_token, proposal, sampling, generator)
+            self.planner.observe_proposal(surrogate_acceptance(largest, proposal.log_probs))
+            self.budget = self.planner.choose().budget
+            keep = slice(0, self.budget + 1)  # best-first order: a prefix is the optimal smaller tree
+            tree = DraftTree(largest.tokens[keep], largest.parents[keep], largest.depths[keep])
+        self.used.append(self.budget)
+        return tree
+
+    def observe_generation(self, lengths: Sequence[int], fixed_seconds: float) -> list[int]:
+        """Feed a finished generation back: its rounds' acceptance lengths (in order) and the mean
+        seconds per round spent outside verification. Returns the budgets its rounds used."""
+        used, self.used = self.used, []
+        self.planner.observe_rounds(used, lengths, fixed_seconds)
+        return used

@@ -1,0 +1,362 @@
+"""The methods a benchmark compares: a registry of named runners over one shared set of models.
+
+A method is a name plus a factory. Ours wrap :class:`~diffdraft.generator.SpeculativeGenerator`;
+the Hugging Face ones wrap ``model.generate``. A spec on the command line is ``name[:arg][@dtype]``:
+``ddtree:32`` (budget 32), ``ddtree:auto`` (budget chosen by the cost model), ``hf-pld:3`` (3 lookup
+tokens), ``hf@float32`` (HF greedy on a float32 copy of the target). Adding a drafter later is one
+:func:`register` call; the runner and the report never learn method names.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
+
+from diffdraft.bench.cost_model import AutoBudgetBuilder, BudgetPlanner, VerifyCostCurve, load_or_measure
+from diffdraft.bench.probes import ForwardProbe, rounds_from_calls
+from diffdraft.drafters.checkpoint import load_draft_model
+from diffdraft.drafters.dflash_model import DFlashDraftModel
+from diffdraft.errors import InvalidRequestError
+from diffdraft.generator import SpeculativeGenerator
+from diffdraft.loading import DTYPES, LoadedModel, end_token_ids, load_target
+from diffdraft.stats import STAGES
+from diffdraft.target import TargetModel
+
+REFERENCE = "ar"
+"""The method every other is timed and checked against."""
+STAGE_NAMES = ("prefill", "draft", "tree", "verify_forward", "verify_other", "commit", "other")
+"""Per-generation time split: ``verify_other`` is mask building and acceptance, ``other`` the rest."""
+
+
+class MethodUnavailable(InvalidRequestError):
+    """The method cannot run with what was given (e.g. no drafter); default method lists skip it."""
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    name: str
+    arg: str | None = None
+    dtype: str | None = None
+    """None: the benchmark's dtype."""
+
+    @classmethod
+    def parse(cls, text: str) -> MethodSpec:
+        rest, _, dtype = text.strip().partition("@")
+        name, _, arg = rest.partition(":")
+        if not name or (dtype and dtype not in DTYPES):
+            raise InvalidRequestError(
+                f"bad method spec {text!r}: write name[:arg][@dtype], e.g. ddtree:32, hf-pld:3 or hf@float32 "
+                f"(dtype one of {', '.join(DTYPES)})"
+            )
+        return cls(name, arg or None, dtype or None)
+
+    @property
+    def label(self) -> str:
+        return self.name + (f":{self.arg}" if self.arg else "") + (f"@{self.dtype}" if self.dtype else "")
+
+
+@dataclass
+class Request:
+    prompt_token_ids: list[int]
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    seconds: float
+    """Wall time of the whole call, prefill included."""
+    acceptance_lengths: list[int]
+    """Tokens committed per verification round, bonus included."""
+    stages: dict[str, float]
+    """Seconds per stage (see :data:`STAGE_NAMES`) over the whole generation."""
+    verify_sizes: list[int] = field(default_factory=list)
+    """Tokens in each round's verification forward."""
+    verify_seconds: list[float] = field(default_factory=list)
+    """Seconds of each round's verification forward."""
+    budgets: list[int] = field(default_factory=list)
+    """DDTree budget of each round (auto budget only)."""
+
+
+class MethodRunner(Protocol):
+    """Generates one request and accounts for where the time went."""
+
+    spec: MethodSpec
+    dtype: torch.dtype
+
+    def generate(self, request: Request) -> Completion: ...
+
+
+class BenchModels:
+    """Every model a benchmark needs, each loaded once and shared by all methods that use it."""
+
+    def __init__(
+        self,
+        target: str | os.PathLike,
+        dtype: str = "auto",
+        device: str | None = None,
+        drafter: str | os.PathLike | None = None,
+        assistant: str | os.PathLike | None = None,
+        cost_cache: str | os.PathLike | None = None,
+        refresh_cost: bool = False,
+        progress: bool = False,
+    ) -> None:
+        self.target_spec = target
+        self.drafter_path = drafter
+        self.assistant_path = assistant
+        self.cost_cache = cost_cache
+        self.refresh_cost = refresh_cost
+        self.progress = progress
+        main = load_target(target, dtype=dtype, device=device)
+        self.dtype_name = str(main.model.dtype).removeprefix("torch.")
+        self.device = main.model.device
+        self._targets: dict[str, LoadedModel] = {self.dtype_name: main}
+        self._drafters: dict[str, DFlashDraftModel] = {}
+        self._assistants: dict[str, PreTrainedModel] = {}
+        self._curve: VerifyCostCurve | None = None
+        self.tokenizer = main.tokenizer
+        self.end_token_ids = end_token_ids(main.model, main.tokenizer)
+
+    @property
+    def main(self) -> LoadedModel:
+        return self._targets[self.dtype_name]
+
+    def target(self, dtype: str | None = None) -> LoadedModel:
+        dtype = dtype or self.dtype_name
+        if dtype not in self._targets:
+            self._targets[dtype] = load_target(self.target_spec, dtype=dtype, device=self.device)
+        return self._targets[dtype]
+
+    def draft_model(self, dtype: str | None = None) -> DFlashDraftModel:
+        """One drafter per dtype: the generator casts it to its target's dtype in place."""
+        dtype = dtype or self.dtype_name
+        if self.drafter_path is None:
+            raise MethodUnavailable("this method needs a drafter checkpoint: pass --drafter PATH")
+        if dtype not in self._drafters:
+            self._drafters[dtype] = load_draft_model(self.drafter_path)
+        return self._drafters[dtype]
+
+    def assistant(self, dtype: str | None = None) -> PreTrainedModel:
+        dtype = dtype or self.dtype_name
+        if self.assistant_path is None:
+            raise MethodUnavailable("hf-assisted needs an assistant model directory: pass --assistant PATH")
+        if dtype not in self._assistants:
+            self._assistants[dtype] = AutoModelForCausalLM.from_pretrained(
+                self.assistant_path, dtype=DTYPES[dtype], device_map=self.device, local_files_only=True
+            ).eval()
+        return self._assistants[dtype]
+
+    def cost_curve(self) -> VerifyCostCurve:
+        """t(q) of the main target on this machine (measured once, then read from the cache)."""
+        if self._curve is None:
+            self._curve = load_or_measure(
+                TargetModel(self.main.model),
+                refresh=self.refresh_cost,
+                cache_dir=self.cost_cache,
+                progress=self.progress,
+            )
+        return self._curve
+
+
+MethodFactory = Callable[[BenchModels, MethodSpec], MethodRunner]
+
+
+@dataclass
+class MethodEntry:
+    factory: MethodFactory
+    default_args: tuple[str | None, ...] = (None,)
+    """Specs a default run includes, one per arg (``budget`` means the run's budget list)."""
+
+
+_REGISTRY: dict[str, MethodEntry] = {}
+
+
+def register(name: str, factory: MethodFactory, default_args: tuple[str | None, ...] = (None,)) -> None:
+    """Make ``name`` runnable by the benchmark (replacing an entry of the same name)."""
+    _REGISTRY[name] = MethodEntry(factory, default_args)
+
+
+def registered() -> list[str]:
+    return list(_REGISTRY)
+
+
+def default_specs(budgets: list[str]) -> list[MethodSpec]:
+    """Every registered method once, with ``budget`` args expanded to each budget."""
+    specs = []
+    for name, entry in _REGISTRY.items():
+        for arg in entry.default_args:
+            args = budgets if arg == "budget" else [arg]
+            specs.extend(MethodSpec(name, a) for a in args)
+    return specs
+
+
+def build_method(models: BenchModels, spec: MethodSpec) -> MethodRunner:
+    entry = _REGISTRY.get(spec.name)
+    if entry is None:
+        raise InvalidRequestError(f"unknown method {spec.name!r}; registered: {', '.join(_REGISTRY)}")
+    return entry.factory(models, spec)
+
+
+class OursRunner:
+    """A method of this project: :class:`SpeculativeGenerator` with the matching drafter and tree rule."""
+
+    def __init__(self, models: BenchModels, spec: MethodSpec, needs_drafter: bool) -> None:
+        self.spec = spec
+        loaded = models.target(spec.dtype)
+        self.dtype = loaded.model.dtype
+        budget = 32 if spec.arg in (None, "auto") else _positive_int(spec)
+        drafter = models.draft_model(spec.dtype) if needs_drafter else None
+        self.generator = SpeculativeGenerator(loaded, spec.name, drafter=drafter, budget=budget)
+        self.auto: AutoBudgetBuilder | None = None
+        if spec.arg == "auto":
+            if spec.name != "ddtree":
+                raise InvalidRequestError(f"{spec.label}: only ddtree takes an auto budget")
+            self.auto = AutoBudgetBuilder(BudgetPlanner(models.cost_curve()), initial_budget=budget)
+            self.generator.engine.builder = self.auto
+
+    def generate(self, request: Request) -> Completion:
+        target = self.generator.target.model
+        with ForwardProbe(target) as probe:
+            begin = time.perf_counter()
+            result = self.generator.generate(
+                prompt_token_ids=request.prompt_token_ids,
+                max_new_tokens=request.max_new_tokens,
+                temperature=request.temperature,
+                top_p=request.top_p,
+                top_k=request.top_k,
+                seed=request.seed,
+            )
+            seconds = time.perf_counter() - begin
+        stats = result.stats
+        verified = probe.calls[1:]  # the first forward is the prefill
+        stages = {name: stats.timings[name] for name in STAGES}
+        stages["verify_forward"] = sum(call.seconds for call in verified)
+        stages["verify_other"] = max(0.0, stages.pop("verify") - stages["verify_forward"])
+        stages["other"] = max(0.0, seconds - sum(stages.values()))
+        budgets = []
+        if self.auto is not None:
+            outside = stages["draft"] + stages["tree"] + stages["commit"] + stages["other"]
+            budgets = self.auto.observe_generation(stats.acceptance_lengths, outside / max(1, stats.rounds))
+        return Completion(
+            token_ids=result.token_ids,
+            seconds=seconds,
+            acceptance_lengths=list(stats.acceptance_lengths),
+            stages=stages,
+            verify_sizes=[call.tokens for call in verified],
+            verify_seconds=[call.seconds for call in verified],
+            budgets=budgets,
+        )
+
+
+class HFRunner:
+    """Hugging Face ``generate``: greedy / sampling, prompt lookup, or assisted by a smaller model."""
+
+    def __init__(
+        self, models: BenchModels, spec: MethodSpec, lookup: int | None = None, assisted: bool = False
+    ) -> None:
+        self.spec = spec
+        self.model = models.target(spec.dtype).model
+        self.dtype = self.model.dtype
+        self.assistant = models.assistant(spec.dtype) if assisted else None
+        self.lookup = lookup
+        self.end_token_ids = models.end_token_ids
+        self.pad_token_id = models.tokenizer.pad_token_id
+        if self.pad_token_id is None:
+            self.pad_token_id = self.end_token_ids[0]
+
+    def generate(self, request: Request) -> Completion:
+        sampled = request.temperature > 0
+        config = GenerationConfig(
+            max_new_tokens=request.max_new_tokens,
+            do_sample=sampled,
+            temperature=request.temperature if sampled else None,
+            top_p=request.top_p if sampled else None,
+            top_k=request.top_k if sampled else None,
+            eos_token_id=self.end_token_ids,
+            pad_token_id=self.pad_token_id,
+            prompt_lookup_num_tokens=self.lookup,
+        )
+        ids = torch.tensor([request.prompt_token_ids], device=self.model.device)
+        if sampled:
+            torch.manual_seed(request.seed)
+        with ForwardProbe(self.model) as probe, ForwardProbe(self.assistant) as drafting:
+            begin = time.perf_counter()
+            out = self.model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                generation_config=config,
+                assistant_model=self.assistant,
+            )
+            seconds = time.perf_counter() - begin
+        token_ids = out[0, ids.shape[1] :].tolist()
+        calls = probe.calls
+        prompt_length = ids.shape[1]
+        # Assisted decoding verifies its first candidates in the prefill forward: that forward is
+        # a round (it commits them) but its time is the prefill's, and it verified candidates + 1.
+        prefill_only = calls[0].tokens == prompt_length
+        rounds = calls[1:] if prefill_only else calls
+        sizes = [call.tokens for call in rounds]
+        if not prefill_only:
+            sizes[0] -= prompt_length - 1
+        stages = dict.fromkeys(STAGE_NAMES, 0.0)
+        stages["prefill"] = calls[0].seconds
+        stages["verify_forward"] = sum(call.seconds for call in calls[1:])
+        stages["draft"] = drafting.seconds
+        stages["other"] = max(0.0, seconds - sum(stages.values()))
+        return Completion(
+            token_ids=token_ids,
+            seconds=seconds,
+            acceptance_lengths=rounds_from_calls(calls, prompt_length, len(token_ids)),
+            stages=stages,
+            verify_sizes=sizes,
+            verify_seconds=[call.seconds for call in rounds],
+        )
+
+
+def _positive_int(spec: MethodSpec) -> int:
+    try:
+        value = int(spec.arg)
+    except (TypeError, ValueError):
+        value = 0
+    if value < 1:
+        raise InvalidRequestError(
+            f"{spec.label}: the argument must be a positive integer (or auto for ddtree)"
+        )
+    return value
+
+
+def _ours(needs_drafter: bool) -> MethodFactory:
+    return lambda models, spec: OursRunner(models, spec, needs_drafter)
+
+
+def _hf(models: BenchModels, spec: MethodSpec) -> MethodRunner:
+    if spec.arg is not None:
+        raise InvalidRequestError(f"{spec.label}: hf takes no argument")
+    return HFRunner(models, spec)
+
+
+def _hf_pld(models: BenchModels, spec: MethodSpec) -> MethodRunner:
+    return HFRunner(models, spec, lookup=_positive_int(spec) if spec.arg else 3)
+
+
+def _hf_assisted(models: BenchModels, spec: MethodSpec) -> MethodRunner:
+    return HFRunner(models, spec, assisted=True)
+
+
+register("ar", _ours(needs_drafter=False))
+register("hf", _hf)
+register("hf-pld", _hf_pld, default_args=("3", "10"))  # HF PLD at its usual best settings
+register("hf-assisted", _hf_assisted)
+register("pld", _ours(needs_drafter=False))
+register("chain", _ours(needs_drafter=True))
+register("ddtree", _ours(needs_drafter=True), default_args=("budget",))

@@ -1,0 +1,242 @@
+"""From raw records to the figures a reader wants: speed, speedup, acceptance, stage times, bounds.
+
+Speedup is a method's tokens per second over plain AR's on the same prompts in the same repeat,
+which equals AR time / method time whenever the outputs are identical and stays fair when a bf16
+near-tie changes an output's length. Each figure is the mean over repeats with the min-max spread.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from diffdraft.bench.cost_model import VerifyCostCurve
+from diffdraft.bench.methods import REFERENCE, STAGE_NAMES, MethodSpec
+from diffdraft.bench.runner import Record
+
+ROUND_STAGES = tuple(s for s in STAGE_NAMES if s != "prefill")
+AUTO_TOLERANCE = 0.95
+"""Auto must reach this fraction of the best swept budget's tokens per second."""
+
+
+@dataclass
+class Spread:
+    mean: float
+    low: float
+    high: float
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Spread:
+        return cls(float(np.mean(values)), float(min(values)), float(max(values)))
+
+
+@dataclass
+class MethodSummary:
+    method: str
+    dataset: str
+    temperature: float
+    generations: int
+    tokens: int
+    seconds: float
+    tokens_per_second: Spread
+    speedup: Spread
+    """Over plain AR, per repeat."""
+    speedup_vs_hf: float | None
+    """Over the fastest Hugging Face greedy ``generate`` entry (any dtype) on the same prompts."""
+    rounds: int
+    tau: float
+    histogram: dict[int, int]
+    position_acceptance: list[float]
+    """Entry d-1: fraction of rounds that accepted draft position d among those that reached it."""
+    prefill_ms: float
+    """Per generation."""
+    stage_ms: dict[str, float]
+    """Per verification round."""
+    mean_verify_tokens: float
+    bound: float | None
+    """tau * t(1) / (t(q) + t_draft): the speedup if everything but drafting and verifying were free."""
+    bound_fraction: float | None
+    compared: int = 0
+    identical: int = 0
+    near_ties: int = 0
+    violations: int = 0
+    budgets: dict[int, int] = field(default_factory=dict)
+    """Rounds per budget (auto budget only)."""
+
+
+@dataclass
+class Check:
+    """A pass/fail line of the report, e.g. auto budget within 5% of the best swept one."""
+
+    name: str
+    dataset: str
+    temperature: float
+    value: float
+    target: float
+    passed: bool
+    detail: str
+
+
+def summarize(
+    records: Sequence[Record], curve: VerifyCostCurve | None, main_dtype: str
+) -> list[MethodSummary]:
+    """One summary per (dataset, temperature, method), in first-seen order."""
+    groups: dict[tuple[str, float, str], list[Record]] = defaultdict(list)
+    for record in records:
+        groups[(record.dataset, record.temperature, record.method)].append(record)
+    rates = {key: _rates_per_repeat(group) for key, group in groups.items()}
+    summaries = []
+    for (dataset, temperature, method), group in groups.items():
+        mine = rates[(dataset, temperature, method)]
+        reference = rates.get((dataset, temperature, REFERENCE))
+        speedups = [mine[r] / reference[r] for r in mine if reference and r in reference and reference[r] > 0]
+        hf_rate = max(
+            (
+                float(np.mean(list(values.values())))
+                for (d, t, m), values in rates.items()
+                if d == dataset and t == temperature and MethodSpec.parse(m).name == "hf"
+            ),
+            default=0.0,
+        )
+        summaries.append(_summary(group, mine, speedups, hf_rate, curve, main_dtype))
+    return summaries
+
+
+def _rates_per_repeat(group: Sequence[Record]) -> dict[int, float]:
+    tokens: Counter[int] = Counter()
+    seconds: Counter[int] = Counter()
+    for record in group:
+        tokens[record.repeat] += len(record.completion.token_ids)
+        seconds[record.repeat] += record.completion.seconds
+    return {r: tokens[r] / seconds[r] for r in tokens if seconds[r] > 0}
+
+
+def _summary(
+    group: Sequence[Record],
+    rates: dict[int, float],
+    speedups: list[float],
+    hf_rate: float,
+    curve: VerifyCostCurve | None,
+    main_dtype: str,
+) -> MethodSummary:
+    first = group[0]
+    lengths = [n for record in group for n in record.completion.acceptance_lengths]
+    histogram = dict(sorted(Counter(lengths).items()))
+    rounds = len(lengths)
+    stages = {s: sum(r.completion.stages.get(s, 0.0) for r in group) for s in STAGE_NAMES}
+    sizes = [q for record in group for q in record.completion.verify_sizes]
+    tau = sum(lengths) / rounds if rounds else 0.0
+    tokens_per_second = Spread.of(list(rates.values()))
+    speedup = Spread.of(speedups) if speedups else Spread(float("nan"), float("nan"), float("nan"))
+    bound = None
+    spec = MethodSpec.parse(first.method)
+    if curve is not None and sizes and rounds and spec.dtype in (None, main_dtype):
+        draft_per_round = stages["draft"] / rounds
+        bound = tau * curve(1) / (float(np.mean([curve(q) for q in sizes])) + draft_per_round)
+    compared = [r for r in group if r.compared]
+    return MethodSummary(
+        method=first.method,
+        dataset=first.dataset,
+        temperature=first.temperature,
+        generations=len(group),
+        tokens=sum(len(r.completion.token_ids) for r in group),
+        seconds=sum(r.completion.seconds for r in group),
+        tokens_per_second=tokens_per_second,
+        speedup=speedup,
+        speedup_vs_hf=tokens_per_second.mean / hf_rate if hf_rate else None,
+        rounds=rounds,
+        tau=tau,
+        histogram=histogram,
+        position_acceptance=_position_acceptance(lengths),
+        prefill_ms=1e3 * stages["prefill"] / len(group),
+        stage_ms={s: 1e3 * stages[s] / rounds for s in ROUND_STAGES} if rounds else {},
+        mean_verify_tokens=float(np.mean(sizes)) if sizes else 0.0,
+        bound=bound,
+        bound_fraction=speedup.mean / bound if bound else None,
+        compared=len(compared),
+        identical=sum(r.divergence is None for r in compared),
+        near_ties=sum(r.divergence is not None and r.divergence["explained"] for r in compared),
+        violations=sum(r.divergence is not None and not r.divergence["explained"] for r in compared),
+        budgets=dict(sorted(Counter(b for r in group for b in r.completion.budgets).items())),
+    )
+
+
+def _position_acceptance(lengths: Sequence[int]) -> list[float]:
+    """A round of length n accepted draft positions 1..n-1; position d was reached when n >= d."""
+    longest = max(lengths, default=1)
+    rates = []
+    for d in range(1, longest):
+        reached = sum(n >= d for n in lengths)
+        rates.append(sum(n > d for n in lengths) / reached if reached else 0.0)
+    return rates
+
+
+def checks(summaries: Sequence[MethodSummary]) -> list[Check]:
+    """The issue's pass/fail lines: auto budget vs the sweep, and DDTree vs the HF baselines and bound."""
+    found = []
+    by_condition: dict[tuple[str, float], list[MethodSummary]] = defaultdict(list)
+    for summary in summaries:
+        by_condition[(summary.dataset, summary.temperature)].append(summary)
+    for (dataset, temperature), group in by_condition.items():
+        compared = [s for s in group if s.compared]
+        if compared:
+            bad = sum(s.violations for s in compared)
+            detail = f"{sum(s.identical for s in compared)} identical, {sum(s.near_ties for s in compared)} "
+            detail += f"near-ties, {bad} unexplained divergences"
+            found.append(Check("lossless vs plain AR", dataset, temperature, bad, 0, bad == 0, detail))
+        ddtree = [s for s in group if MethodSpec.parse(s.method).name == "ddtree"]
+        swept = [s for s in ddtree if MethodSpec.parse(s.method).arg != "auto"]
+        auto = next((s for s in ddtree if MethodSpec.parse(s.method).arg == "auto"), None)
+        if auto is not None and swept:
+            best = max(swept, key=lambda s: s.tokens_per_second.mean)
+            ratio = auto.tokens_per_second.mean / best.tokens_per_second.mean
+            detail = f"{auto.method} {auto.tokens_per_second.mean:.1f} tok/s vs {best.method} "
+            detail += f"{best.tokens_per_second.mean:.1f} tok/s"
+            found.append(
+                Check(
+                    "auto budget / best swept",
+                    dataset,
+                    temperature,
+                    ratio,
+                    AUTO_TOLERANCE,
+                    ratio >= AUTO_TOLERANCE,
+                    detail,
+                )
+            )
+        if not ddtree or temperature != 0:
+            continue
+        top = max(ddtree, key=lambda s: s.tokens_per_second.mean)
+        for name, target in (("hf", 2.5), ("hf-pld", 1.5)):
+            rivals = [s for s in group if MethodSpec.parse(s.method).name == name]
+            if rivals:
+                rival = max(rivals, key=lambda s: s.tokens_per_second.mean)
+                ratio = top.tokens_per_second.mean / rival.tokens_per_second.mean
+                detail = f"{top.method} {top.tokens_per_second.mean:.1f} tok/s vs {rival.method} "
+                detail += f"{rival.tokens_per_second.mean:.1f} tok/s"
+                found.append(
+                    Check(
+                        f"{top.method} / best {name}",
+                        dataset,
+                        temperature,
+                        ratio,
+                        target,
+                        ratio >= target,
+                        detail,
+                    )
+                )
+        if top.bound_fraction is not None:
+            found.append(
+                Check(
+                    f"{top.method} speedup / physical bound",
+                    dataset,
+                    temperature,
+                    top.bound_fraction,
+                    0.85,
+                    top.bound_fraction >= 0.85,
+                    f"speedup {top.speedup.mean:.2f}x, bound {top.bound:.2f}x",
+                )
+            )
+    return found

@@ -1,0 +1,93 @@
+"""``diffdraft bench`` end to end on tiny saved models: all three outputs, and a planted mismatch fails."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from diffdraft.bench import methods
+from diffdraft.bench.cli import add_bench_parser, run_bench
+from diffdraft.bench.methods import MethodSpec, OursRunner, register
+from diffdraft.drafters.checkpoint import save_draft_model
+from diffdraft.loading import load_target
+
+from conftest import make_checkpoint, tiny_drafter
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench")
+    target = make_checkpoint(root / "target", "llama")
+    save_draft_model(tiny_drafter(load_target(target).model, block_size=4).float(), root / "drafter")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hello world, the quick"}\n{"prompt": "the quick brown fox"}\n')
+    return root, target, prompts
+
+
+def bench(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers())
+    return run_bench(parser.parse_args(["bench", *argv]))
+
+
+def common(setup, out) -> list[str]:
+    root, target, prompts = setup
+    return [
+        "--target", str(target), "--datasets", str(prompts), "--max-new-tokens", "10", "--repeats", "2",
+        "--warmup-tokens", "2", "--cost-cache", str(root / "cost"), "--out", str(out), "--no-progress",
+    ]  # fmt: skip
+
+
+def test_the_bench_writes_results_report_and_plots(setup, tmp_path, capsys):
+    root, *_ = setup
+    out = tmp_path / "out"
+    code = bench([*common(setup, out), "--drafter", str(root / "drafter"), "--budgets", "2,4,auto"])
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["methods"] == [
+        "ar",
+        "hf",
+        "hf-pld:3",
+        "hf-pld:10",
+        "pld",
+        "chain",
+        "ddtree:2",
+        "ddtree:4",
+        "ddtree:auto",
+    ]
+    assert len(results["records"]) == 2 * 2 * 9
+    assert all(r["compared"] == (r["method"] != "ar") and r["divergence"] is None for r in results["records"])
+    assert results["cost_curve"]["sizes"][0] == 1
+    report = (out / "report.md").read_text()
+    assert "diffdraft bench --target" in report and "| ddtree:auto |" in report and "## Checks" in report
+    assert "## ddtree:auto: the cost model's view" in report
+    assert results["auto_budget"]["ddtree:auto"]["budget"] >= 1
+    for plot in ("budget_sweep.png", "acceptance_histograms.png", "stage_times.png"):
+        assert (out / plot).read_bytes()[:4] == b"\x89PNG"
+    assert "skipping hf-assisted" in capsys.readouterr().err
+
+
+class OffByOne:
+    """Plain AR with its third token replaced: the kind of bug the lossless check exists for."""
+
+    def __init__(self, models, spec):
+        self.inner = OursRunner(models, MethodSpec("ar"), needs_drafter=False)
+        self.spec, self.dtype = spec, self.inner.dtype
+
+    def generate(self, request):
+        done = self.inner.generate(request)
+        if len(done.token_ids) > 2:
+            done.token_ids[2] = (done.token_ids[2] + 1) % 320
+        return done
+
+
+def test_a_planted_mismatch_fails_the_run_loudly(setup, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(methods, "_REGISTRY", dict(methods._REGISTRY))
+    register("broken", OffByOne)
+    out = tmp_path / "out"
+    assert bench([*common(setup, out), "--methods", "broken"]) == 1
+    assert "LOSSLESS CHECK FAILED" in capsys.readouterr().err
+    report = (out / "report.md").read_text()
+    assert "**BUG: clear margin**" in report and "**FAIL: 4 unexplained**" in report

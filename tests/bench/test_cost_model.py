@@ -1,0 +1,108 @@
+"""The cost model: budget choice on synthetic cost curves, the DDTree surrogate, measurement and cache."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from diffdraft.bench import cost_model
+from diffdraft.bench.cost_model import (
+    AutoBudgetBuilder,
+    BudgetPlanner,
+    VerifyCostCurve,
+    choose_budget,
+    load_or_measure,
+    measure_verify_cost,
+    surrogate_acceptance,
+)
+from diffdraft.drafters.base import Proposal
+from diffdraft.sampling import SamplingParams
+from diffdraft.target import TargetModel
+from diffdraft.trees import DDTreeBuilder
+
+from conftest import tiny_target
+
+
+def saturating_tau(max_budget: int, scale: float = 16.0) -> list[float]:
+    return [1.0 + 3.0 * (1.0 - math.exp(-b / scale)) for b in range(max_budget + 1)]
+
+
+def test_a_flat_then_steep_curve_picks_the_last_flat_budget():
+    # verifying up to 33 tokens costs the same; 34 costs double: with acceptance still growing, B = 32 wins
+    curve = VerifyCostCurve(sizes=[1, 33, 34, 256], seconds=[0.01, 0.01, 0.02, 1.0], context=512)
+    assert choose_budget(curve, saturating_tau(255)).budget == 32
+
+
+def test_the_choice_is_the_brute_force_optimum_and_moves_with_the_per_round_costs():
+    sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    curve = VerifyCostCurve(sizes=sizes, seconds=[0.02 * (1 + q / 48) for q in sizes], context=512)
+    tau = saturating_tau(255)
+    choice = choose_budget(curve, tau)
+    brute = max(range(1, 256), key=lambda b: tau[b] / curve(b + 1))
+    assert choice.budget == brute
+    assert choice.tokens_per_second == pytest.approx(tau[brute] / curve(brute + 1))
+    # a big fixed cost per round (a slow drafter) makes each round worth filling: the budget grows
+    assert choose_budget(curve, tau, fixed_seconds=0.2).budget > choice.budget
+
+
+def test_the_curve_interpolates_and_extrapolates_linearly():
+    curve = VerifyCostCurve(sizes=[1, 3, 5], seconds=[1.0, 2.0, 4.0], context=8)
+    assert curve(2) == pytest.approx(1.5)
+    assert curve(7) == pytest.approx(6.0)
+
+
+def test_the_surrogate_sums_the_best_prefix_probabilities():
+    log_probs = torch.tensor([[0.6, 0.3, 0.1], [0.5, 0.4, 0.1]]).log()
+    tree = DDTreeBuilder(9).build(0, Proposal(log_probs=log_probs), SamplingParams(), None)
+    # prefixes by probability: a .6, then b .3 and aa .3, ab .24, ba .15, bb .12, c .1 ...
+    assert surrogate_acceptance(tree, log_probs)[:6] == pytest.approx([1.0, 1.6, 1.9, 2.2, 2.44, 2.59])
+
+
+def test_the_planner_calibrates_the_surrogate_with_realized_rounds():
+    curve = VerifyCostCurve(sizes=[1, 64], seconds=[0.01, 0.01], context=512)
+    planner = BudgetPlanner(curve, max_budget=32)
+    planner.observe_proposal([1.0 + 0.1 * b for b in range(40)])
+    assert planner.max_budget == 32
+    assert planner.expected_tau()[10] == pytest.approx(2.0)
+    # the surrogate promised 1 drafted token per round at budget 10; rounds realized 0 and 1
+    planner.observe_rounds([10, 10], [1, 2], fixed_seconds=0.0)
+    assert planner.calibration() == pytest.approx(0.5)
+    assert planner.expected_tau()[10] == pytest.approx(1.5)
+
+
+def test_the_auto_builder_keeps_the_best_first_prefix_of_the_chosen_size():
+    # t(q) flat up to 9 tokens then steep: the planner should settle on 8 nodes
+    curve = VerifyCostCurve(sizes=[1, 9, 10, 64], seconds=[0.01, 0.01, 0.05, 1.0], context=512)
+    builder = AutoBudgetBuilder(BudgetPlanner(curve), initial_budget=2, refresh=2)
+    log_probs = torch.randn(3, 50).mul(2).log_softmax(-1)
+    proposal = Proposal(log_probs=log_probs)
+    tree = builder.build(5, proposal, SamplingParams(), None)
+    expected = DDTreeBuilder(8).build(5, proposal, SamplingParams(), None)
+    assert builder.budget == 8
+    assert torch.equal(tree.tokens, expected.tokens) and torch.equal(tree.parents, expected.parents)
+    assert builder.build(5, proposal, SamplingParams(), None).num_nodes == 8
+    assert builder.observe_generation([2, 1, 1], fixed_seconds=0.001) == [8, 8]
+    assert builder.used == [] and builder.planner.fixed_seconds == 0.001
+
+
+def test_measuring_gives_every_size_and_the_cache_is_reused_until_it_stops_matching(tmp_path, monkeypatch):
+    target = TargetModel(tiny_target(dtype=torch.float32, max_positions=64))
+    curve = measure_verify_cost(target, sizes=(1, 4, 16, 64), repeats=1)
+    assert curve.sizes == [1, 4, 16]  # sizes past half the context are dropped
+    assert all(t > 0 for t in curve.seconds) and curve.seconds == sorted(curve.seconds)
+
+    monkeypatch.setattr(cost_model, "DEFAULT_SIZES", (1, 4, 8))
+    first = load_or_measure(target, cache_dir=tmp_path)
+    [file] = tmp_path.glob("*.json")
+    monkeypatch.setattr(cost_model, "still_valid", lambda curve, target: True)
+    assert load_or_measure(target, cache_dir=tmp_path) == first
+
+    monkeypatch.undo()
+    stale = json.loads(file.read_text())
+    stale["seconds"] = [100 * t for t in stale["seconds"]]  # as if measured on a much slower machine
+    file.write_text(json.dumps(stale))
+    assert not cost_model.still_valid(VerifyCostCurve(**stale), target)
+    assert load_or_measure(target, cache_dir=tmp_path).seconds != stale["seconds"]

@@ -1,0 +1,36 @@
+"""Forward probes: rounds and verification sizes recovered from the forwards a generation made."""
+
+from __future__ import annotations
+
+import torch
+
+from diffdraft.bench.probes import ForwardCall, ForwardProbe, rounds_from_calls
+
+from conftest import tiny_target
+
+
+def test_rounds_are_recovered_from_cache_lengths():
+    # prompt of 5; prefill, then rounds committing 3, 1 and (the last, ending at 5 + 7 tokens) 2 tokens
+    calls = [ForwardCall(0, 5, 0.1), ForwardCall(5, 4, 0.1), ForwardCall(8, 4, 0.1), ForwardCall(9, 4, 0.1)]
+    assert rounds_from_calls(calls, prompt_length=5, generated=7) == [3, 1, 2]
+
+
+def test_a_prefill_that_also_verified_candidates_is_a_round():
+    # HF assisted decoding verifies its first candidates in the prefill forward (5 prompt + 3 drafted)
+    calls = [ForwardCall(0, 8, 0.1), ForwardCall(7, 4, 0.1)]
+    assert rounds_from_calls(calls, prompt_length=5, generated=4) == [3, 1]
+
+
+def test_the_probe_sees_every_forward_of_hf_generate_and_detaches():
+    model = tiny_target(dtype=torch.float32)
+    prompt = torch.tensor([[1, 2, 3, 4]])
+    with ForwardProbe(model) as probe:
+        out = model.generate(
+            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False
+        )
+    generated = out.shape[1] - prompt.shape[1]
+    assert [(c.cached, c.tokens) for c in probe.calls[:2]] == [(0, 4), (4, 1)]
+    assert rounds_from_calls(probe.calls, 4, generated) == [1] * (generated - 1)
+    assert all(c.seconds > 0 for c in probe.calls)
+    model(prompt)
+    assert len(probe.calls) == generated  # hooks are gone after the block

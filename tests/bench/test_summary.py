@@ -1,0 +1,60 @@
+"""Summaries from raw records: speedups per repeat, acceptance statistics, bounds and pass/fail checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from diffdraft.bench.cost_model import VerifyCostCurve
+from diffdraft.bench.methods import STAGE_NAMES, Completion
+from diffdraft.bench.runner import Record
+from diffdraft.bench.summary import checks, summarize
+
+
+def record(method: str, repeat: int, seconds: float, lengths: list[int], sizes: int = 1, draft: float = 0.0):
+    tokens = list(range(1 + sum(lengths)))
+    stages = dict.fromkeys(STAGE_NAMES, 0.0) | {"draft": draft}
+    done = Completion(tokens, seconds, lengths, stages, [sizes] * len(lengths), [0.01] * len(lengths))
+    return Record("set", "s", 0, 0.0, repeat, method, 5, done, compared=method != "ar")
+
+
+CURVE = VerifyCostCurve(sizes=[1, 64], seconds=[0.01, 0.02], context=512)
+
+
+def test_speedup_is_per_repeat_with_spread_and_acceptance_is_counted():
+    records = [
+        record("ar", 0, 1.0, [1] * 9),
+        record("ar", 1, 2.0, [1] * 9),
+        record("ddtree:8", 0, 0.5, [3, 1, 2, 3], sizes=8),
+        record("ddtree:8", 1, 0.5, [3, 1, 2, 3], sizes=8),
+        record("hf", 0, 1.0, [1] * 9),
+        record("hf", 1, 1.0, [1] * 9),
+    ]
+    by_method = {s.method: s for s in summarize(records, CURVE, "float32")}
+    tree = by_method["ddtree:8"]
+    assert tree.tokens_per_second.mean == pytest.approx(20.0)  # 10 tokens in 0.5 s
+    assert (tree.speedup.low, tree.speedup.high) == pytest.approx((2.0, 4.0))
+    assert tree.speedup_vs_hf == pytest.approx(2.0)
+    assert tree.tau == pytest.approx(2.25) and tree.histogram == {1: 2, 2: 2, 3: 4}
+    # position 1 accepted in 6 of 8 rounds; position 2 in 4 of the 6 that got there
+    assert tree.position_acceptance == pytest.approx([0.75, 4 / 6])
+    # bound = tau t(1) / t(q) with q = 8 verified tokens and no drafter time
+    assert tree.bound == pytest.approx(2.25 * 0.01 / CURVE(8))
+    assert by_method["ar"].bound == pytest.approx(1.0)
+    assert tree.compared == tree.identical == 2
+
+
+def test_checks_compare_auto_with_the_sweep_and_ddtree_with_the_baselines():
+    records = [
+        record("ar", 0, 1.0, [1] * 8),
+        record("hf", 0, 1.0, [1] * 8),
+        record("hf-pld:3", 0, 0.5, [2] * 4),
+    ]
+    records += [record("ddtree:8", 0, 0.25, [3, 3, 2]), record("ddtree:auto", 0, 0.26, [3, 3, 2])]
+    found = {c.name: c for c in checks(summarize(records, CURVE, "float32"))}
+    assert found["auto budget / best swept"].passed
+    assert found["ddtree:8 / best hf"].value == pytest.approx(4.0) and found["ddtree:8 / best hf"].passed
+    assert found["ddtree:8 / best hf-pld"].value == pytest.approx(2.0)
+    assert found["lossless vs plain AR"].passed
+    records[-1] = record("ddtree:auto", 0, 0.4, [3, 3, 2])
+    found = {c.name: c for c in checks(summarize(records, CURVE, "float32"))}
+    assert not found["auto budget / best swept"].passed
