@@ -191,3 +191,9 @@ def test_bad_inputs_are_clear_errors(target, tmp_path):
     blocker.write_text("")
     with pytest.raises(InvalidRequestError, match="cannot write to the output directory"):
         Trainer(config(blocker / "out"), TargetModel(target), samples)
+
+
+def test_a_new_drafter_starts_with_unit_scale_logits_through_the_target_head(target, tmp_path):
+    trainer = Trainer(config(tmp_path), TargetModel(target), make_samples(target, 4, seed=7))
+    rows = target.get_output_embeddings().weight.detach().float().norm(dim=1)
+    assert torch.allclose(trainer.drafter.norm.weight * rows.pow(2).mean().sqrt(), torch.tensor(1.0))
