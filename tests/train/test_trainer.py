@@ -129,24 +129,12 @@ def test_cached_features_train_exactly_like_online_features(target, tmp_path):
     samples = make_samples(target, 8, seed=4)
     online = Trainer(config(tmp_path / "online", epochs=2), TargetModel(target), samples)
     online.train()
-    captured = capture_features(
-        TargetModel(target),
-        [0, 2],
-        ((s.sample_id, s.token_ids) for s in samples),
-        tmp_path / "cache",
-        shard_size=3,
-        dtype=torch.float64,
-    )
-    assert captured == 8
-    again = capture_features(
-        TargetModel(target),
-        [0, 2],
-        ((s.sample_id, s.token_ids) for s in samples),
-        tmp_path / "cache",
-        shard_size=3,
-        dtype=torch.float64,
-    )
-    assert again == 0  # resumable: nothing left to capture
+    def capture() -> int:
+        pairs = ((s.sample_id, s.token_ids) for s in samples)
+        return capture_features(TargetModel(target), [0, 2], pairs, tmp_path / "cache", 3, torch.float64)
+
+    assert capture() == 8
+    assert capture() == 0  # resumable: nothing left to capture
     cached = Trainer(
         config(tmp_path / "cached", epochs=2), TargetModel(target), samples, feature_cache=tmp_path / "cache"
     )
