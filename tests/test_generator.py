@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -150,3 +152,44 @@ def test_default_target_every_method_matches_transformers_greedy(tmp_path):
         if expected is None:
             expected = hf_greedy(model, result.prompt_token_ids, 24, eos=gen.end_token_ids)
         assert result.token_ids == expected, method
+
+
+def test_ddtree_auto_budget_is_lossless_and_learns_from_each_request(
+    checkpoint, drafter_dir, monkeypatch, tmp_path
+):
+    from diffdraft import budget
+
+    monkeypatch.setenv("DIFFDRAFT_CACHE", str(tmp_path))
+    monkeypatch.setattr(budget, "DEFAULT_SIZES", (1, 4, 8, 16))
+    generator = diffdraft.load(checkpoint, drafter=drafter_dir, method="ddtree", budget="auto")
+    result = generator.generate("hello world, the quick", max_new_tokens=16, ignore_eos=True)
+    reference = hf_greedy(generator.loaded.model, result.prompt_token_ids, 16, eos=None)
+    assert result.token_ids == reference[:16]
+    assert list(tmp_path.glob("verify_cost/*.json"))  # the measured curve is cached
+    assert generator.engine.builder.used == []  # consumed by the planner after the request
+
+
+def test_cli_accepts_an_auto_budget(checkpoint, drafter_dir, monkeypatch, tmp_path, capsys):
+    from diffdraft import budget
+    from diffdraft.cli import main
+
+    monkeypatch.setenv("DIFFDRAFT_CACHE", str(tmp_path))
+    monkeypatch.setattr(budget, "DEFAULT_SIZES", (1, 4, 8))
+    args = [
+        "generate",
+        "--target",
+        str(checkpoint),
+        "--drafter",
+        str(drafter_dir),
+        "--method",
+        "ddtree",
+        "--budget",
+        "auto",
+        "--prompt",
+        "hello",
+        "--max-new-tokens",
+        "6",
+        "--json",
+    ]
+    assert main(args) == 0
+    assert len(json.loads(capsys.readouterr().out)["token_ids"]) >= 1

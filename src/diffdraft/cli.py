@@ -21,7 +21,12 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
         "--drafter", default="none", help="DFlash/DFlare checkpoint directory, 'default' or 'none'"
     )
     p.add_argument("--method", choices=METHODS, default="ar", help="decoding method (default: ar)")
-    p.add_argument("--budget", type=int, default=32, help="DDTree node budget (default: 32)")
+    p.add_argument(
+        "--budget",
+        type=lambda v: v if v == "auto" else int(v),
+        default=32,
+        help="DDTree node budget, or 'auto' to pick it from this machine's verification cost (default: 32)",
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from diffdraft.budget import AutoBudgetBuilder, BudgetPlanner, load_or_measure
 from diffdraft.chat import encode_chat, encode_prompt
 from diffdraft.drafters.base import Drafter
 from diffdraft.drafters.checkpoint import DEFAULT_DRAFTER_DIR, load_draft_model
@@ -81,8 +82,12 @@ def _make_drafter(method: str, drafter: str | os.PathLike | DFlashDraftModel | N
     return DFlashDrafter(model, target)
 
 
-def _make_builder(method: str, budget: int) -> TreeBuilder:
-    return DDTreeBuilder(budget) if method == "ddtree" else ChainBuilder()
+def _make_builder(method: str, budget: int | str, target: TargetModel) -> TreeBuilder:
+    if method != "ddtree":
+        return ChainBuilder()
+    if budget == "auto":
+        return AutoBudgetBuilder(BudgetPlanner(load_or_measure(target, progress=True)))
+    return DDTreeBuilder(budget)
 
 
 class SpeculativeGenerator:
@@ -93,7 +98,7 @@ class SpeculativeGenerator:
         target: LoadedModel,
         method: str = "ar",
         drafter: str | os.PathLike | DFlashDraftModel | None = None,
-        budget: int = 32,
+        budget: int | str = 32,
     ) -> None:
         if method not in METHODS:
             raise InvalidRequestError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
@@ -102,7 +107,9 @@ class SpeculativeGenerator:
         self.target = TargetModel(target.model)
         self.method = method
         self.drafter: Drafter | None = _make_drafter(method, drafter, self.target)
-        self.engine = SpeculativeEngine(self.target, self.drafter, _make_builder(method, budget))
+        builder = _make_builder(method, budget, self.target)
+        self.engine = SpeculativeEngine(self.target, self.drafter, builder)
+        self._auto_budget = builder if isinstance(builder, AutoBudgetBuilder) else None
         self.end_token_ids = end_token_ids(target.model, target.tokenizer)
 
     def generate(self, prompt: str | None = None, **kwargs) -> GenerationResult:
@@ -149,6 +156,10 @@ class SpeculativeGenerator:
             if len(text) > len(shown):
                 yield GenerationChunk(text=text[len(shown) :], token_ids=pending)
                 shown, pending = text, []
+        if self._auto_budget is not None:
+            # the budget planner learns how much this drafter's surrogate over- or under-promises
+            outside = sum(stats.timings[stage] for stage in ("draft", "tree", "commit"))
+            self._auto_budget.observe_generation(stats.acceptance_lengths, outside / max(1, stats.rounds))
         text = stop_conditions.cut_text(self._decode(generated))
         result = GenerationResult(list(prompt_ids), generated, text, stats)
         yield GenerationChunk(text=text[len(shown) :], token_ids=pending, result=result)
@@ -183,11 +194,14 @@ def load(
     target: str | os.PathLike = "default",
     drafter: str | os.PathLike | None = None,
     method: str = "ar",
-    budget: int = 32,
+    budget: int | str = 32,
     dtype: str = "auto",
     device: str | None = None,
 ) -> SpeculativeGenerator:
-    """Load a target (``"default"``, a model directory or a ``.gguf`` file) and a drafter once."""
+    """Load a target (``"default"``, a model directory or a ``.gguf`` file) and a drafter once.
+
+    ``budget="auto"`` picks the DDTree budget from this machine's measured verification cost.
+    """
     if method not in METHODS:
         raise InvalidRequestError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     return SpeculativeGenerator(load_target(target, dtype=dtype, device=device), method, drafter, budget)

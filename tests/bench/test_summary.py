@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from diffdraft.bench.cost_model import VerifyCostCurve
 from diffdraft.bench.methods import STAGE_NAMES, Completion
 from diffdraft.bench.runner import Record
 from diffdraft.bench.summary import checks, summarize
+from diffdraft.budget import VerifyCostCurve
 
 
 def record(method: str, repeat: int, seconds: float, lengths: list[int], sizes: int = 1, draft: float = 0.0):

@@ -2,5 +2,5 @@
 
 datasets -> methods (a registry of named runners) -> runner (interleaved, warmed-up timing) ->
 lossless (divergences explained in float32) -> summary -> report (results.json, report.md, PNGs).
-cost_model measures the target's verification cost curve and picks the DDTree budget (``auto``).
+The verification cost curve and the ``auto`` budget live in :mod:`diffdraft.budget` (core uses them).
 """

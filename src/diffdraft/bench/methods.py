@@ -18,8 +18,8 @@ from typing import Protocol
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
-from diffdraft.bench.cost_model import AutoBudgetBuilder, BudgetPlanner, VerifyCostCurve, load_or_measure
 from diffdraft.bench.probes import ForwardProbe, rounds_from_calls
+from diffdraft.budget import AutoBudgetBuilder, BudgetPlanner, VerifyCostCurve, load_or_measure
 from diffdraft.drafters.checkpoint import load_draft_model
 from diffdraft.drafters.dflash_model import DFlashDraftModel
 from diffdraft.errors import InvalidRequestError

@@ -16,10 +16,10 @@ import matplotlib.pyplot as plt
 from matplotlib.ticker import MaxNLocator, ScalarFormatter
 from transformers import PreTrainedTokenizerBase
 
-from diffdraft.bench.cost_model import VerifyCostCurve
 from diffdraft.bench.methods import REFERENCE, MethodSpec
 from diffdraft.bench.runner import BenchRun
 from diffdraft.bench.summary import ROUND_STAGES, Check, MethodSummary, Spread
+from diffdraft.budget import VerifyCostCurve
 
 STAGE_LABELS = {
     "draft": "draft",

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from diffdraft.bench.cost_model import VerifyCostCurve
 from diffdraft.bench.methods import REFERENCE, STAGE_NAMES, MethodSpec
 from diffdraft.bench.runner import Record
+from diffdraft.budget import VerifyCostCurve
 
 ROUND_STAGES = tuple(s for s in STAGE_NAMES if s != "prefill")
 AUTO_TOLERANCE = 0.95

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from diffdraft.bench import cost_model
-from diffdraft.bench.cost_model import (
+from diffdraft import budget
+from diffdraft.budget import (
     AutoBudgetBuilder,
     BudgetPlanner,
     VerifyCostCurve,
@@ -94,15 +94,15 @@ def test_measuring_gives_every_size_and_the_cache_is_reused_until_it_stops_match
     assert curve.sizes == [1, 4, 16]  # sizes past half the context are dropped
     assert all(t > 0 for t in curve.seconds) and curve.seconds == sorted(curve.seconds)
 
-    monkeypatch.setattr(cost_model, "DEFAULT_SIZES", (1, 4, 8))
+    monkeypatch.setattr(budget, "DEFAULT_SIZES", (1, 4, 8))
     first = load_or_measure(target, cache_dir=tmp_path)
     [file] = tmp_path.glob("*.json")
-    monkeypatch.setattr(cost_model, "still_valid", lambda curve, target: True)
+    monkeypatch.setattr(budget, "still_valid", lambda curve, target: True)
     assert load_or_measure(target, cache_dir=tmp_path) == first
 
     monkeypatch.undo()
     stale = json.loads(file.read_text())
     stale["seconds"] = [100 * t for t in stale["seconds"]]  # as if measured on a much slower machine
     file.write_text(json.dumps(stale))
-    assert not cost_model.still_valid(VerifyCostCurve(**stale), target)
+    assert not budget.still_valid(VerifyCostCurve(**stale), target)
     assert load_or_measure(target, cache_dir=tmp_path).seconds != stale["seconds"]
