@@ -61,6 +61,11 @@ class GenerationChunk:
     result: GenerationResult | None = None
 
 
+def _check_method(method: str) -> None:
+    if method not in METHODS:
+        raise InvalidRequestError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+
+
 def _make_drafter(method: str, drafter: str | os.PathLike | DFlashDraftModel | None, target: TargetModel):
     if method == "ar":
         return None
@@ -100,8 +105,7 @@ class SpeculativeGenerator:
         drafter: str | os.PathLike | DFlashDraftModel | None = None,
         budget: int | str = 32,
     ) -> None:
-        if method not in METHODS:
-            raise InvalidRequestError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+        _check_method(method)
         self.loaded = target
         self.tokenizer = target.tokenizer
         self.target = TargetModel(target.model)
@@ -202,6 +206,5 @@ def load(
 
     ``budget="auto"`` picks the DDTree budget from this machine's measured verification cost.
     """
-    if method not in METHODS:
-        raise InvalidRequestError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    _check_method(method)  # before the (slow) model load
     return SpeculativeGenerator(load_target(target, dtype=dtype, device=device), method, drafter, budget)
