@@ -36,7 +36,8 @@ def test_every_method_gives_the_same_greedy_text(checkpoint, drafter_dir, method
     assert len(result.token_ids) == 20
     assert result.text == generator.tokenizer.decode(result.token_ids, skip_special_tokens=True)
     assert result.stats.rounds == len(result.stats.acceptance_lengths) > 0
-    assert set(result.stats.timings) == {"prefill", "draft", "tree", "verify", "commit"}
+    assert set(result.stats.timings) == {"prefill", "draft", "tree", "mask", "verify", "accept", "commit"}
+    assert len(result.stats.tree_sizes) == len(result.stats.draft_depths) == result.stats.rounds
     fields = result.to_dict()
     assert {"prompt_token_ids", "token_ids", "text", "tau", "rounds", "timings"} <= set(fields)
 

@@ -23,6 +23,10 @@ def branching_tree() -> DraftTree:
     )
 
 
+def mask(target: TargetModel, cache, tree: DraftTree) -> torch.Tensor:
+    return target.attention_mask(cache, tree.ancestor_mask())
+
+
 def path_tokens(tree: DraftTree, node: int) -> list[int]:
     tokens = []
     while node >= 0:
@@ -38,7 +42,7 @@ def test_tree_logits_equal_plain_forward_of_each_branch(family):
     tree = branching_tree()
     cache = target.new_cache()
     target.prefill(cache, torch.tensor(PROMPT), [])
-    out = target.verify(cache, tree.tokens, tree.position_ids(len(PROMPT)), tree.ancestor_mask(), [])
+    out = target.verify(cache, tree.tokens, tree.position_ids(len(PROMPT)), mask(target, cache, tree), [])
     for node in range(len(tree.tokens)):
         sequence = torch.tensor([PROMPT + path_tokens(tree, node)])
         expected = model(sequence).logits[0, -1]
@@ -72,7 +76,7 @@ def test_cache_after_keep_path_equals_fresh_forward_over_accepted_tokens(accepte
     tree = branching_tree()
     cache = target.new_cache()
     target.prefill(cache, torch.tensor(PROMPT), [])
-    target.verify(cache, tree.tokens, tree.position_ids(len(PROMPT)), tree.ancestor_mask(), [])
+    target.verify(cache, tree.tokens, tree.position_ids(len(PROMPT)), mask(target, cache, tree), [])
     path = []
     node = accepted_leaf
     while node >= 0:

@@ -100,7 +100,7 @@ def _time_verify(
         for q in sizes:
             tree = _synthetic_tree(ids[context : context + q].to(target.device))
             begin = time.perf_counter()
-            mask = tree.ancestor_mask() if q > 1 else None
+            mask = target.attention_mask(cache, tree.ancestor_mask()) if q > 1 else None
             out = target.verify(cache, tree.tokens, tree.position_ids(context), mask, [])
             accept(tree, out.logits, _GREEDY, None)
             if target.device.type == "cuda":

@@ -64,9 +64,11 @@ class SpeculativeEngine:
                 proposal = self.drafter.propose(all_ids, depth) if depth > 0 else Proposal()
             with timer("tree"):
                 tree = self._build(generated[-1], proposal, sampling, generator)
+            with timer("mask"):
+                mask = self.target.attention_mask(cache, tree.ancestor_mask()) if tree.num_nodes else None
             with timer("verify"):
-                mask = tree.ancestor_mask() if tree.num_nodes else None
                 out = self.target.verify(cache, tree.tokens, tree.position_ids(start), mask, self.layer_ids)
+            with timer("accept"):
                 result = accept(tree, out.logits, sampling, generator)
             with timer("commit"):
                 self.target.keep_path(cache, start, result.path)
@@ -76,6 +78,8 @@ class SpeculativeEngine:
                 new = [*tree.tokens[result.path[1:]].tolist(), result.next_token]
             stats.rounds += 1
             stats.acceptance_lengths.append(len(new))
+            stats.draft_depths.append(proposal.depth)
+            stats.tree_sizes.append(tree.num_nodes)
             generated.extend(new)
             decision = stop.check(generated, len(new))
             if decision is not None:

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-STAGES = ("prefill", "draft", "tree", "verify", "commit")
+STAGES = ("prefill", "draft", "tree", "mask", "verify", "accept", "commit")
+"""verify is the target forward alone; mask builds its tree mask, accept walks the result."""
 
 
 @dataclass
@@ -19,6 +20,10 @@ class GenerationStats:
     """Verification forwards after the prefill."""
     acceptance_lengths: list[int] = field(default_factory=list)
     """Tokens committed per round, counting the bonus token (1 = nothing accepted)."""
+    draft_depths: list[int] = field(default_factory=list)
+    """Positions the drafter proposed per round (per-position acceptance needs the denominator)."""
+    tree_sizes: list[int] = field(default_factory=list)
+    """Drafted nodes verified per round (the root not counted)."""
     timings: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
     """Seconds spent per stage over the whole generation."""
     total_seconds: float = 0.0
@@ -38,6 +43,8 @@ class GenerationStats:
             "rounds": self.rounds,
             "tau": self.tau,
             "acceptance_lengths": self.acceptance_lengths,
+            "draft_depths": self.draft_depths,
+            "tree_sizes": self.tree_sizes,
             "acceptance_histogram": {str(k): v for k, v in self.acceptance_histogram.items()},
             "timings": dict(self.timings),
             "total_seconds": self.total_seconds,

@@ -61,33 +61,27 @@ class TargetModel:
         positions = torch.arange(token_ids.shape[0], device=self.device)
         return self._forward(cache, token_ids, positions, None, layer_ids, logits_to_keep=1)
 
+    def attention_mask(self, cache: DynamicCache, tree_mask: torch.Tensor) -> torch.Tensor:
+        """The additive 4D mask for :meth:`verify`: every node sees the whole cached context, and
+        the tree nodes ``tree_mask`` [n, n] allows (its ancestors and itself)."""
+        past = cache.get_seq_length()
+        context = torch.ones(tree_mask.shape[0], past, dtype=torch.bool, device=self.device)
+        visible = torch.cat([context, tree_mask.to(self.device)], dim=1)
+        mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
+        mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
+        return mask[None, None]
+
     @torch.inference_mode()
     def verify(
         self,
         cache: DynamicCache,
         token_ids: torch.Tensor,
         position_ids: torch.Tensor,
-        tree_mask: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
         layer_ids: list[int],
     ) -> TargetOutput:
-        """Score tree nodes in one forward; ``tree_mask`` [n, n] says which nodes each node sees.
-
-        Every node also sees the whole cached context. ``None`` means a single token.
-        """
-        mask = None
-        if tree_mask is not None:
-            past = cache.get_seq_length()
-            visible = torch.cat(
-                [
-                    torch.ones(tree_mask.shape[0], past, dtype=torch.bool, device=self.device),
-                    tree_mask.to(self.device),
-                ],
-                dim=1,
-            )
-            mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
-            mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
-            mask = mask[None, None]
-        return self._forward(cache, token_ids, position_ids, mask, layer_ids, logits_to_keep=0)
+        """Score tree nodes in one forward, under a mask from :meth:`attention_mask` (None: one token)."""
+        return self._forward(cache, token_ids, position_ids, attention_mask, layer_ids, logits_to_keep=0)
 
     def _forward(
         self,

@@ -129,6 +129,7 @@ def test_cached_features_train_exactly_like_online_features(target, tmp_path):
     samples = make_samples(target, 8, seed=4)
     online = Trainer(config(tmp_path / "online", epochs=2), TargetModel(target), samples)
     online.train()
+
     def capture() -> int:
         pairs = ((s.sample_id, s.token_ids) for s in samples)
         return capture_features(TargetModel(target), [0, 2], pairs, tmp_path / "cache", 3, torch.float64)

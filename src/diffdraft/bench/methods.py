@@ -30,8 +30,19 @@ from diffdraft.target import TargetModel
 
 REFERENCE = "ar"
 """The method every other is timed and checked against."""
-STAGE_NAMES = ("prefill", "draft", "tree", "verify_forward", "verify_other", "commit", "other")
-"""Per-generation time split: ``verify_other`` is mask building and acceptance, ``other`` the rest."""
+STAGE_NAMES = (
+    "prefill",
+    "draft",
+    "tree",
+    "mask",
+    "verify_forward",
+    "verify_other",
+    "accept",
+    "commit",
+    "other",
+)
+"""Per-generation time split: ``verify_other`` is host time around the target forward inside the
+verify stage, ``other`` everything outside the engine's stages."""
 
 
 class MethodUnavailable(InvalidRequestError):

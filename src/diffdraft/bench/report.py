@@ -24,8 +24,10 @@ from diffdraft.budget import VerifyCostCurve
 STAGE_LABELS = {
     "draft": "draft",
     "tree": "tree build",
+    "mask": "tree mask",
     "verify_forward": "verify forward",
-    "verify_other": "mask + accept",
+    "verify_other": "verify (host)",
+    "accept": "accept",
     "commit": "commit",
     "other": "other",
 }
