@@ -13,7 +13,15 @@ from diffdraft.budget import VerifyCostCurve
 def record(method: str, repeat: int, seconds: float, lengths: list[int], sizes: int = 1, draft: float = 0.0):
     tokens = list(range(1 + sum(lengths)))
     stages = dict.fromkeys(STAGE_NAMES, 0.0) | {"draft": draft}
-    done = Completion(tokens, seconds, lengths, stages, [sizes] * len(lengths), [0.01] * len(lengths))
+    done = Completion(
+        tokens,
+        seconds,
+        lengths,
+        stages,
+        [sizes] * len(lengths),
+        [0.01] * len(lengths),
+        draft_depths=[sizes - 1] * len(lengths),
+    )
     return Record("set", "s", 0, 0.0, repeat, method, 5, done, compared=method != "ar")
 
 
@@ -35,8 +43,9 @@ def test_speedup_is_per_repeat_with_spread_and_acceptance_is_counted():
     assert (tree.speedup.low, tree.speedup.high) == pytest.approx((2.0, 4.0))
     assert tree.speedup_vs_hf == pytest.approx(2.0)
     assert tree.tau == pytest.approx(2.25) and tree.histogram == {1: 2, 2: 2, 3: 4}
-    # position 1 accepted in 6 of 8 rounds; position 2 in 4 of the 6 that got there
-    assert tree.position_acceptance == pytest.approx([0.75, 4 / 6])
+    # position 1 accepted in 6 of 8 rounds; position 2 in 4 of the 6 that got there; position 3
+    # (drafted, depth 7) reached by the 4 length-3 rounds and never accepted
+    assert tree.position_acceptance == pytest.approx([0.75, 4 / 6, 0.0])
     # bound = tau t(1) / t(q) with q = 8 verified tokens and no drafter time
     assert tree.bound == pytest.approx(2.25 * 0.01 / CURVE(8))
     assert by_method["ar"].bound == pytest.approx(1.0)
@@ -58,3 +67,11 @@ def test_checks_compare_auto_with_the_sweep_and_ddtree_with_the_baselines():
     records[-1] = record("ddtree:auto", 0, 0.4, [3, 3, 2])
     found = {c.name: c for c in checks(summarize(records, CURVE, "float32"))}
     assert not found["auto budget / best swept"].passed
+
+
+def test_positions_a_round_did_not_draft_do_not_count_against_it():
+    # a prompt-lookup round that drafted 1 token and had it accepted must not lower position 2
+    records = [record("ar", 0, 1.0, [1] * 4), record("pld", 0, 1.0, [2, 2, 3], sizes=2)]
+    records[1].completion.draft_depths = [1, 1, 2]
+    pld = {s.method: s for s in summarize(records, CURVE, "float32")}["pld"]
+    assert pld.position_acceptance == pytest.approx([1.0, 1.0])

@@ -97,6 +97,8 @@ class Completion:
     """Seconds of each round's verification forward."""
     budgets: list[int] = field(default_factory=list)
     """DDTree budget of each round (auto budget only)."""
+    draft_depths: list[int] = field(default_factory=list)
+    """Positions drafted in each round (one entry per acceptance length)."""
 
 
 class MethodRunner(Protocol):
@@ -266,6 +268,7 @@ class OursRunner:
             verify_sizes=[call.tokens for call in verified],
             verify_seconds=[call.seconds for call in verified],
             budgets=budgets,
+            draft_depths=list(stats.draft_depths),
         )
 
 
@@ -331,6 +334,7 @@ class HFRunner:
             stages=stages,
             verify_sizes=sizes,
             verify_seconds=[call.seconds for call in rounds],
+            draft_depths=[size - 1 for size in sizes],  # HF drafts chains: verified = root + drafts
         )
 
 

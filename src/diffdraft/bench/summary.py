@@ -50,7 +50,7 @@ class MethodSummary:
     tau: float
     histogram: dict[int, int]
     position_acceptance: list[float]
-    """Entry d-1: fraction of rounds that accepted draft position d among those that reached it."""
+    """Entry d-1: share of rounds accepting draft position d among those that drafted and reached it."""
     prefill_ms: float
     """Per generation."""
     stage_ms: dict[str, float]
@@ -124,6 +124,7 @@ def _summary(
 ) -> MethodSummary:
     first = group[0]
     lengths = [n for record in group for n in record.completion.acceptance_lengths]
+    depths = [d for record in group for d in record.completion.draft_depths]
     histogram = dict(sorted(Counter(lengths).items()))
     rounds = len(lengths)
     stages = {s: sum(r.completion.stages.get(s, 0.0) for r in group) for s in STAGE_NAMES}
@@ -150,7 +151,7 @@ def _summary(
         rounds=rounds,
         tau=tau,
         histogram=histogram,
-        position_acceptance=_position_acceptance(lengths),
+        position_acceptance=_position_acceptance(lengths, depths),
         prefill_ms=1e3 * stages["prefill"] / len(group),
         stage_ms={s: 1e3 * stages[s] / rounds for s in ROUND_STAGES} if rounds else {},
         mean_verify_tokens=float(np.mean(sizes)) if sizes else 0.0,
@@ -164,13 +165,14 @@ def _summary(
     )
 
 
-def _position_acceptance(lengths: Sequence[int]) -> list[float]:
-    """A round of length n accepted draft positions 1..n-1; position d was reached when n >= d."""
-    longest = max(lengths, default=1)
+def _position_acceptance(lengths: Sequence[int], depths: Sequence[int]) -> list[float]:
+    """Acceptance of draft position d among rounds that drafted it (depth >= d) and accepted
+    positions 1..d-1 (length >= d); a round of length n accepted positions 1..n-1."""
+    longest = max((min(n, depth) for n, depth in zip(lengths, depths, strict=True)), default=0)
     rates = []
-    for d in range(1, longest):
-        reached = sum(n >= d for n in lengths)
-        rates.append(sum(n > d for n in lengths) / reached if reached else 0.0)
+    for d in range(1, longest + 1):
+        reached = [n for n, depth in zip(lengths, depths, strict=True) if depth >= d and n >= d]
+        rates.append(sum(n > d for n in reached) / len(reached) if reached else 0.0)
     return rates
 
 
