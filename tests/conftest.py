@@ -58,7 +58,9 @@ def tiny_drafter(
     block_size: int = 4,
     variant: str = DFLASH,
     target_layer_ids: list[int] | None = None,
+    draft_vocab: list[int] | None = None,
 ) -> DFlashDraftModel:
+    """A random drafter; ``draft_vocab`` restricts it to scoring only those target tokens."""
     config = make_draft_config(
         target.config,
         num_layers=layers,
@@ -66,9 +68,13 @@ def tiny_drafter(
         mask_token_id=target.config.vocab_size - 2,
         target_layer_ids=target_layer_ids or [0, target.config.num_hidden_layers - 1],
         variant=variant,
+        draft_vocab_size=len(draft_vocab or []),
     )
     torch.manual_seed(seed)
-    return DFlashDraftModel(config).to(target.dtype)
+    model = DFlashDraftModel(config).to(target.dtype)
+    if draft_vocab:
+        model.draft_vocab.copy_(torch.tensor(sorted(draft_vocab)))
+    return model
 
 
 def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int, eos: int | None) -> list[int]:

@@ -78,8 +78,18 @@ def make_method(method: str, target, reference, prompt, block_size, seed):
         drafter = OracleDrafter(reference, len(prompt), target.config.vocab_size, block_size - 1, seed)
         return drafter, DDTreeBuilder(8) if method == "oracle-ddtree" else ChainBuilder()
     variant = DFLARE if seed % 2 else DFLASH
+    vocab = target.config.vocab_size
+    # every third drafter scores only a random half of the vocabulary (a draft vocabulary)
+    draft_vocab = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))[: vocab // 2]
     drafter = DFlashDrafter(
-        tiny_drafter(target, seed, block_size=block_size, variant=variant), TargetModel(target)
+        tiny_drafter(
+            target,
+            seed,
+            block_size=block_size,
+            variant=variant,
+            draft_vocab=draft_vocab.tolist() if seed % 3 == 0 else None,
+        ),
+        TargetModel(target),
     )
     if method == "chain":
         return drafter, ChainBuilder()

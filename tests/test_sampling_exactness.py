@@ -66,14 +66,19 @@ def assert_same_distribution(counts: torch.Tensor, probs: torch.Tensor) -> None:
 def methods(model):
     target = TargetModel(model)
     drafter = DFlashDrafter(tiny_drafter(model, seed=1, block_size=3), target)
+    # a drafter that can never propose three of the eight tokens: the residual must supply them
+    restricted = DFlashDrafter(tiny_drafter(model, seed=1, block_size=3, draft_vocab=[0, 2, 3, 5, 6]), target)
     return {
         "rejection-chain": (drafter, ChainBuilder()),
+        "rejection-chain-draft-vocab": (restricted, ChainBuilder()),
         "walk-ddtree": (drafter, DDTreeBuilder(6)),
         "walk-pld-chain": (PromptLookupDrafter(max_depth=2), ChainBuilder()),
     }
 
 
-@pytest.mark.parametrize("method", ["rejection-chain", "walk-ddtree", "walk-pld-chain"])
+@pytest.mark.parametrize(
+    "method", ["rejection-chain", "rejection-chain-draft-vocab", "walk-ddtree", "walk-pld-chain"]
+)
 @pytest.mark.parametrize(
     "sampling", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9)]
 )

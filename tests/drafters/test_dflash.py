@@ -174,3 +174,36 @@ def test_missing_and_corrupt_checkpoints_raise_checkpoint_errors(tmp_path):
     (tmp_path / "two" / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="unexpected"):
         load_draft_model(tmp_path / "two")
+
+
+def test_draft_vocabulary_scores_only_its_tokens_and_survives_a_bf16_round_trip(tmp_path):
+    target = tiny_target("llama")
+    wrapped = TargetModel(target)
+    vocab = [3, 5, 8, 13, 21, 34, 55]
+    model = tiny_drafter(target, layers=2, block_size=4, draft_vocab=vocab)
+    save_draft_model(model, tmp_path, dtype=torch.bfloat16)
+    assert json.loads((tmp_path / "config.json").read_text())["dflash_config"]["draft_vocab_size"] == 7
+    loaded = load_draft_model(tmp_path)
+    assert loaded.draft_vocab.dtype == torch.long and loaded.draft_vocab.tolist() == vocab
+
+    drafter = DFlashDrafter(model, wrapped)
+    taps = torch.randn(6, 2, target.config.hidden_size, dtype=target.dtype)
+    drafter.extend_context(taps, 0)
+    tokens = torch.randint(0, 60, (7,))
+    restricted = drafter.propose(tokens, 3).log_probs
+    outside = torch.ones(restricted.shape[1], dtype=torch.bool)
+    outside[vocab] = False
+    assert torch.isinf(restricted[:, outside]).all()
+    # inside the vocabulary: the full-head distribution renormalized over those tokens
+    unrestricted = DFlashDrafter(tiny_drafter(target, layers=2, block_size=4), wrapped)
+    unrestricted.extend_context(taps, 0)
+    full = unrestricted.propose(tokens, 3).log_probs
+    torch.testing.assert_close(restricted[:, vocab], full[:, vocab].log_softmax(-1))
+
+
+def test_a_draft_vocabulary_beyond_the_target_vocabulary_is_rejected():
+    target = tiny_target("llama", vocab=64)
+    model = tiny_drafter(target, draft_vocab=[1, 2])
+    model.draft_vocab[1] = 100  # as if it had been chosen for a bigger tokenizer
+    with pytest.raises(IncompatibleDrafterError, match="draft_vocab holds token ids outside"):
+        DFlashDrafter(model, TargetModel(target))

@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from diffdraft.train.blocks import IGNORE
 from diffdraft.train.loss import block_loss, gamma_at, position_weights
 
 
@@ -37,3 +38,12 @@ def test_loss_is_the_weighted_mean_cross_entropy_and_counts_hits_per_position():
         float(logits[1].argmax() == 2),
         float(logits[3].argmax() == 4),
     ]
+
+
+def test_a_label_outside_the_draft_vocabulary_adds_no_loss_but_counts_as_a_miss():
+    logits = torch.tensor([[5.0, 0.0, 0.0], [0.0, 0.0, 5.0]])
+    labels = torch.tensor([0, IGNORE])
+    loss, hits, counts = block_loss(logits, labels, torch.tensor([1, 2]), 3, gamma=3.0)
+    torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(logits[:1], labels[:1]))
+    assert hits.tolist() == [0, 1, 0]
+    assert counts.tolist() == [0, 1, 1]

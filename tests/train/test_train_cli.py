@@ -178,11 +178,17 @@ def test_fit_then_eval_write_a_drafter_curves_and_an_evaluation(responses, tmp_p
         "--target-layer-ids",
         "0",
         "1",
+        "--save-every",
+        "2",
+        "--draft-vocab-size",
+        "100",
     ]
     assert main(fit) == 0
     assert (out / "final" / "model.safetensors").is_file()
     assert (out / "curves.png").is_file()
-    assert "training on 8 sequences (2 held out), 4 steps" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "training on 8 sequences (2 held out), 4 steps" in printed
+    assert "draft vocabulary: 100 tokens, 100.0% of training response tokens" in printed
 
     report = tmp_path / "eval.json"
     evaluate = [
@@ -203,6 +209,13 @@ def test_fit_then_eval_write_a_drafter_curves_and_an_evaluation(responses, tmp_p
     assert len(result["accuracy_by_position"]) == 3
     assert set(result["tau"]) == {"chain", "ddtree-4"}
     assert all(t >= 1.0 for t in result["tau"].values())
+
+    curve = tmp_path / "curve.json"
+    assert main([*evaluate[:-4], "--drafter", str(out), "--out", str(curve)]) == 0
+    points = json.loads(curve.read_text())["learning_curve"]
+    assert [p["checkpoint"] for p in points] == ["checkpoint-2", "checkpoint-4"]
+    assert 0 < points[0]["tokens_seen"] < points[1]["tokens_seen"]
+    assert curve.with_suffix(".png").is_file()
 
 
 def test_fit_rejects_malformed_data_and_unwritable_output(responses, tmp_path, capsys):

@@ -16,6 +16,7 @@ from diffdraft.drafters.dflash_model import DFLARE, DFLASH
 from diffdraft.errors import InvalidRequestError
 from diffdraft.target import TargetModel
 from diffdraft.train.dataset import TrainingSample
+from diffdraft.train.draft_vocab import frequent_tokens
 from diffdraft.train.evaluate import evaluate_drafter
 from diffdraft.train.features import capture_features
 from diffdraft.train.trainer import TrainConfig, Trainer
@@ -85,12 +86,17 @@ def bigram_target():
     return model
 
 
-@pytest.mark.parametrize("variant", [DFLASH, DFLARE])
-def test_a_few_hundred_steps_clearly_beat_the_untrained_drafter(bigram_target, tmp_path, variant):
+@pytest.mark.parametrize(("variant", "draft_vocab_size"), [(DFLASH, 0), (DFLARE, 0), (DFLASH, 40)])
+def test_a_few_hundred_steps_clearly_beat_the_untrained_drafter(
+    bigram_target, tmp_path, variant, draft_vocab_size
+):
     target = bigram_target
     train = make_samples(target, 48, seed=1)
     held_out = make_samples(target, 6, seed=2)
-    trainer = Trainer(config(tmp_path, variant=variant, epochs=25, batch_size=4), TargetModel(target), train)
+    settings = config(tmp_path, variant=variant, epochs=25, batch_size=4, draft_vocab_size=draft_vocab_size)
+    trainer = Trainer(settings, TargetModel(target), train)
+    if draft_vocab_size:
+        assert trainer.drafter.draft_vocab.tolist() == frequent_tokens(train, 64, draft_vocab_size).tolist()
     untrained = chain_tau(target, load_draft_model_copy(trainer), held_out)
     trainer.train()
     trained = chain_tau(target, load_draft_model(tmp_path / "final").to(target.dtype), held_out)

@@ -84,7 +84,8 @@ def load_draft_model(path: str | os.PathLike) -> DFlashDraftModel:
             f"drafter checkpoint {path} does not match its config (variant {model.variant!r}): "
             f"missing {sorted(missing)[:6]}, unexpected {sorted(unexpected)[:6]}"
         )
-    model.to(next(iter(weights.values())).dtype).load_state_dict(weights)
+    dtype = next(w.dtype for w in weights.values() if w.is_floating_point())
+    model.to(dtype).load_state_dict(weights)
     return model
 
 
@@ -95,9 +96,12 @@ def save_draft_model(
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     state = {
-        k: (v.to(dtype) if dtype else v).detach().contiguous().cpu() for k, v in model.state_dict().items()
+        k: (v.to(dtype) if dtype and v.is_floating_point() else v).detach().contiguous().cpu()
+        for k, v in model.state_dict().items()
     }
     config = model.config.to_dict()
-    config["dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    config["dtype"] = str(next(v.dtype for v in state.values() if v.is_floating_point())).removeprefix(
+        "torch."
+    )
     (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     save_file(state, path / WEIGHTS_NAME, metadata={"format": "pt"})

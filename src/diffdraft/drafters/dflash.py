@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from diffdraft.drafters.base import Proposal
-from diffdraft.drafters.dflash_model import DFlashDraftModel
+from diffdraft.drafters.dflash_model import DFlashDraftModel, draft_head
 from diffdraft.errors import IncompatibleDrafterError
 from diffdraft.target import TargetModel
 
@@ -20,7 +20,8 @@ class DFlashDrafter:
         check_compatible(model, target)
         self.model = model.to(device=target.device, dtype=target.dtype).eval()
         self.embed: nn.Module = target.model.get_input_embeddings()
-        self.lm_head: nn.Module = target.model.get_output_embeddings()
+        self.head: nn.Module = draft_head(target.model.get_output_embeddings(), model.draft_vocab)
+        self.vocab_size = target.vocab_size
         self.target_layer_ids = list(model.target_layer_ids)
         self.max_depth = model.block_size - 1
         self._context_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -48,8 +49,12 @@ class DFlashDrafter:
         start = token_ids.shape[0] - 1
         positions = torch.arange(start, start + depth + 1, device=self._device)[None]
         hidden = self.model(self.embed(block[None]), positions, self._context_kv)
-        logits = self.lm_head(hidden[0, 1:])
-        return Proposal(log_probs=logits.float().log_softmax(-1))
+        log_probs = self.head(hidden[0, 1:]).float().log_softmax(-1)
+        vocab = self.model.draft_vocab
+        if vocab is not None:  # tokens outside the draft vocabulary get probability 0
+            full = torch.full((depth, self.vocab_size), float("-inf"), device=self._device)
+            log_probs = full.index_copy_(1, vocab, log_probs)
+        return Proposal(log_probs=log_probs)
 
 
 def check_compatible(model: DFlashDraftModel, target: TargetModel) -> None:
@@ -69,6 +74,16 @@ def check_compatible(model: DFlashDraftModel, target: TargetModel) -> None:
         raise IncompatibleDrafterError(
             f"drafter mask_token_id {model.mask_token_id} is outside the target vocabulary "
             f"(size {target.vocab_size}): the drafter belongs to another target"
+        )
+    vocab = model.draft_vocab
+    if (
+        vocab is not None
+        and vocab.numel()
+        and not 0 <= int(vocab.min()) <= int(vocab.max()) < target.vocab_size
+    ):
+        raise IncompatibleDrafterError(
+            f"drafter draft_vocab holds token ids outside the target vocabulary (size {target.vocab_size}): "
+            "the drafter belongs to another target"
         )
     recorded = getattr(config, "num_target_layers", None)
     if recorded is not None and recorded != target.num_layers:

@@ -12,6 +12,12 @@ every draft layer is conditioned on the target. Attention inside the block is bi
 
 Weight names follow the official DFlash checkpoint layout, so official checkpoints load unchanged.
 The network has no embedding and no LM head: it borrows the target's (frozen).
+
+Optional draft vocabulary (``dflash_config.draft_vocab_size``, our extension): the drafter scores
+only the K target tokens in its ``draft_vocab`` buffer, the rows of the borrowed LM head that the
+target actually emits (EAGLE-3 and FR-Spec shrink the draft head the same way). The LM head and
+softmax over the full vocabulary dominate a small drafter's cost, in training and at inference;
+verification stays exact because the target still scores every token.
 """
 
 from __future__ import annotations
@@ -119,6 +125,12 @@ class DFlashDraftModel(nn.Module):
         self.target_layer_ids: list[int] = list(draft_setting(config, "target_layer_ids"))
         self.block_size = int(draft_setting(config, "block_size", 16))
         self.mask_token_id = int(draft_setting(config, "mask_token_id"))
+        draft_vocab_size = int(draft_setting(config, "draft_vocab_size", 0) or 0)
+        self.draft_vocab: torch.Tensor | None
+        if draft_vocab_size:
+            self.register_buffer("draft_vocab", torch.zeros(draft_vocab_size, dtype=torch.long))
+        else:
+            self.draft_vocab = None
         num_taps = len(self.target_layer_ids)
         self.layers = nn.ModuleList(DraftLayer(config, self.variant) for _ in range(config.num_hidden_layers))
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -186,6 +198,22 @@ class DFlashDraftModel(nn.Module):
         return self.norm(x)
 
 
+def draft_head(lm_head: nn.Module, draft_vocab: torch.Tensor | None) -> nn.Module:
+    """The target's LM head restricted to ``draft_vocab`` rows (the head itself when None); frozen."""
+    if draft_vocab is None:
+        return lm_head
+    weight = lm_head.weight.detach()
+    bias = getattr(lm_head, "bias", None)
+    rows = draft_vocab.to(weight.device)
+    head = nn.Linear(
+        weight.shape[1], rows.shape[0], bias=bias is not None, device=weight.device, dtype=weight.dtype
+    )
+    head.weight = nn.Parameter(weight[rows], requires_grad=False)
+    if bias is not None:
+        head.bias = nn.Parameter(bias.detach()[rows], requires_grad=False)
+    return head
+
+
 def default_target_layer_ids(num_target_layers: int, count: int) -> list[int]:
     """``count`` layer ids spread evenly from layer 1 to layer L-3 (shallow to deep, as DFlash picks)."""
     if count == 1:
@@ -202,8 +230,12 @@ def make_draft_config(
     target_layer_ids: list[int] | None = None,
     variant: str = DFLASH,
     intermediate_size: int | None = None,
+    draft_vocab_size: int = 0,
 ) -> Qwen3Config:
-    """A fresh drafter config sized to ``target_config`` (hidden size, heads, vocab, rope)."""
+    """A fresh drafter config sized to ``target_config`` (hidden size, heads, vocab, rope).
+
+    ``draft_vocab_size`` > 0 gives the model a ``draft_vocab`` buffer to fill before training.
+    """
     num_target_layers = target_config.num_hidden_layers
     if target_layer_ids is None:
         target_layer_ids = default_target_layer_ids(num_target_layers, 9 if variant == DFLARE else num_layers)
@@ -229,5 +261,6 @@ def make_draft_config(
             "mask_token_id": mask_token_id,
             "target_layer_ids": list(target_layer_ids),
             "variant": variant,
+            **({"draft_vocab_size": draft_vocab_size} if draft_vocab_size else {}),
         },
     )

@@ -25,10 +25,11 @@ from diffdraft.errors import InvalidRequestError
 from diffdraft.loading import end_token_ids, load_target
 from diffdraft.target import TargetModel
 from diffdraft.train.dataset import load_responses
+from diffdraft.train.draft_vocab import coverage
 from diffdraft.train.evaluate import evaluate_drafter
 from diffdraft.train.features import capture_features
 from diffdraft.train.mask_token import pick_mask_token
-from diffdraft.train.plots import plot_training_curves
+from diffdraft.train.plots import plot_learning_curve, plot_training_curves
 from diffdraft.train.prompts import (
     SHAREGPT,
     Prompt,
@@ -45,7 +46,7 @@ from diffdraft.train.regenerate import (
     DEFAULT_MAX_PROMPT_TOKENS,
     regenerate,
 )
-from diffdraft.train.trainer import TrainConfig, Trainer
+from diffdraft.train.trainer import TrainConfig, Trainer, saved_checkpoints, tokens_seen_at
 
 
 def load_config(path: str | Path) -> dict:
@@ -262,7 +263,12 @@ def _add_capture_parser(steps: argparse._SubParsersAction) -> None:
 def _add_eval_parser(steps: argparse._SubParsersAction) -> None:
     evaluate = steps.add_parser("eval", help="per-position accuracy and chain/DDTree tau of a drafter")
     _add_data_options(evaluate)
-    evaluate.add_argument("--drafter", required=True, help="drafter checkpoint directory")
+    evaluate.add_argument(
+        "--drafter",
+        required=True,
+        help="drafter checkpoint directory, or a `train fit` output directory: every checkpoint "
+        "in it is evaluated and --out gets a learning curve (tau vs training tokens, JSON + PNG)",
+    )
     evaluate.add_argument("--budgets", type=int, nargs="+", default=[8, 32, 128], help="DDTree budgets")
     evaluate.add_argument("--max-new-tokens", type=int, default=64, help="per held-out prompt (default: 64)")
     evaluate.add_argument("--out", default=None, help="also write the result as JSON here")
@@ -377,6 +383,10 @@ def _run_fit(args: argparse.Namespace) -> None:
         if trainer.rank == 0:
             steps = trainer.total_steps
             print(f"training on {len(train)} sequences ({args.held_out} held out), {steps} steps")
+            vocab = trainer.drafter.draft_vocab
+            if vocab is not None:
+                share = coverage(train, vocab.cpu(), trainer.target.vocab_size)
+                print(f"draft vocabulary: {vocab.shape[0]} tokens, {share:.1%} of training response tokens")
         trainer.train()
         if trainer.rank == 0:
             plot_training_curves(trainer.output_dir / "metrics.jsonl", trainer.output_dir / "curves.png")
@@ -400,13 +410,28 @@ def _run_capture(args: argparse.Namespace) -> None:
 
 
 def _run_eval(args: argparse.Namespace) -> None:
+    """One checkpoint, or every checkpoint of a run directory as a learning curve (tau vs tokens)."""
     loaded = load_target(args.target, dtype=args.dtype, device=args.device)
     _, held_out = _split(args)
-    drafter = load_draft_model(args.drafter)
-    result = evaluate_drafter(
-        drafter, TargetModel(loaded.model), held_out, tuple(args.budgets), args.max_new_tokens
-    )
-    text = json.dumps(result.to_dict(), indent=2)
+    target = TargetModel(loaded.model)
+    checkpoints = saved_checkpoints(Path(args.drafter))
+    if not checkpoints:
+        result = evaluate_drafter(
+            load_draft_model(args.drafter), target, held_out, tuple(args.budgets), args.max_new_tokens
+        ).to_dict()
+    else:
+        print(f"learning curve: evaluating {len(checkpoints)} checkpoints of {args.drafter}", flush=True)
+        result = {"learning_curve": []}
+        for checkpoint in checkpoints:
+            evaluation = evaluate_drafter(
+                load_draft_model(checkpoint), target, held_out, tuple(args.budgets), args.max_new_tokens
+            )
+            point = {"checkpoint": checkpoint.name, "tokens_seen": tokens_seen_at(checkpoint)}
+            result["learning_curve"].append(point | evaluation.to_dict())
+            print(json.dumps(result["learning_curve"][-1]), flush=True)
+    text = json.dumps(result, indent=2)
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
+        if checkpoints:
+            plot_learning_curve(result["learning_curve"], Path(args.out).with_suffix(".png"))

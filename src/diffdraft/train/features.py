@@ -36,16 +36,23 @@ class OnlineFeatures:
 
 
 class CachedFeatures:
-    """Reads taps captured by :func:`capture_features`; fails clearly on a sample it lacks."""
+    """Reads taps captured by :func:`capture_features`; fails clearly on a sample it lacks.
+
+    The cache may hold more layers than the drafter taps (capture DFlare's nine once, train a
+    DFlash drafter on five of them): the requested layers are picked out in order.
+    """
 
     def __init__(self, cache_dir: str | os.PathLike, layer_ids: list[int]) -> None:
         self.dir = Path(cache_dir)
         index = read_index(self.dir)
-        if index["layer_ids"] != list(layer_ids):
+        cached = index["layer_ids"] or []
+        missing = [layer for layer in layer_ids if layer not in cached]
+        if missing:
             raise ValueError(
-                f"feature cache {self.dir} holds layers {index['layer_ids']}, "
-                f"the drafter taps {list(layer_ids)}: capture again into another directory"
+                f"feature cache {self.dir} holds layers {cached}, the drafter also taps {missing}: "
+                "capture again (into another directory) with every layer the drafter taps"
             )
+        self.columns = [cached.index(layer) for layer in layer_ids]
         self.shard_of: dict[str, str] = index["samples"]
         self._loaded_name: str | None = None
         self._loaded: dict[str, torch.Tensor] = {}
@@ -59,7 +66,7 @@ class CachedFeatures:
         if name != self._loaded_name:
             self._loaded, self._loaded_name = load_file(self.dir / name), name
         hidden = self._loaded[sample_id]
-        return hidden[: token_ids.shape[0]]
+        return hidden[: token_ids.shape[0], self.columns]
 
 
 def read_index(cache_dir: Path) -> dict:

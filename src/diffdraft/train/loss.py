@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
+from diffdraft.train.blocks import IGNORE
+
 
 def gamma_at(step: int, total_steps: int, gamma_0: float, gamma_max: float) -> float:
     return gamma_0 + (step / max(total_steps, 1)) * (gamma_max - gamma_0)
@@ -29,10 +31,12 @@ def block_loss(
     """Weighted mean CE over labelled rows, plus per-position top-1 hits and counts [B].
 
     Only labelled rows are passed (``logits`` [r, V], ``labels`` [r], ``block_positions`` [r] in
-    1..B-1): the LM head over anchors and past-the-end rows would be wasted work.
+    1..B-1): the LM head over anchors and past-the-end rows would be wasted work. A label of
+    ``IGNORE`` (a token outside the draft vocabulary) adds no loss but counts as a miss.
     """
-    ce = F.cross_entropy(logits.float(), labels, reduction="none")
+    ce = F.cross_entropy(logits.float(), labels, reduction="none", ignore_index=IGNORE)
     weights = position_weights(block_size, gamma).to(logits.device)[block_positions]
+    weights = weights * (labels != IGNORE)
     loss = (ce * weights).sum() / weights.sum().clamp_min(1e-8)
     hits = torch.zeros(block_size, device=logits.device).index_add_(
         0, block_positions, (logits.argmax(-1) == labels).float()

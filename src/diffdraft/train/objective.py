@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from diffdraft.drafters.dflash_model import DFlashDraftModel
+from diffdraft.drafters.dflash_model import DFlashDraftModel, draft_head
 from diffdraft.train.blocks import IGNORE, make_blocks
 from diffdraft.train.loss import block_loss
 
@@ -21,7 +21,16 @@ class BlockObjective(nn.Module):
     def __init__(self, drafter: DFlashDraftModel, target_model: nn.Module) -> None:
         super().__init__()
         self.drafter = drafter
-        self.frozen = [target_model.get_input_embeddings(), target_model.get_output_embeddings()]
+        self.frozen = [
+            target_model.get_input_embeddings(),
+            draft_head(target_model.get_output_embeddings(), drafter.draft_vocab),
+        ]
+        # Labels index the head's rows: target id -> draft vocabulary index (IGNORE outside it).
+        vocab = drafter.draft_vocab
+        self.label_index = None
+        if vocab is not None:
+            self.label_index = torch.full((target_model.config.vocab_size,), IGNORE, dtype=torch.long)
+            self.label_index[vocab.cpu()] = torch.arange(vocab.shape[0])
 
     def forward(
         self, token_ids: torch.Tensor, anchors: torch.Tensor, taps: torch.Tensor, gamma: float
@@ -41,6 +50,11 @@ class BlockObjective(nn.Module):
             context_kv,
             blocks.attention_mask.to(device)[None, None],
         )[0]
-        rows = (blocks.labels != IGNORE).nonzero().squeeze(-1).to(device)
-        logits = nn.functional.linear(hidden[rows], lm_head.weight.to(dtype))
-        return block_loss(logits, blocks.labels.to(device)[rows], rows % block_size, block_size, gamma)
+        labelled = (blocks.labels != IGNORE).nonzero().squeeze(-1)
+        labels = blocks.labels[labelled]
+        if self.label_index is not None:
+            labels = self.label_index[labels]
+        rows = labelled.to(device)
+        bias = None if lm_head.bias is None else lm_head.bias.to(dtype)
+        logits = nn.functional.linear(hidden[rows], lm_head.weight.to(dtype), bias)
+        return block_loss(logits, labels.to(device), rows % block_size, block_size, gamma)

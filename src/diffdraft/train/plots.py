@@ -1,4 +1,4 @@
-"""Training curves as a PNG: loss and per-position accuracy against tokens seen."""
+"""Training curves as PNGs: loss, per-position accuracy and held-out tau against tokens seen."""
 
 from __future__ import annotations
 
@@ -35,6 +35,25 @@ def plot_training_curves(
         acc_ax.plot(tokens, smoothed([r["accuracy_by_position"][k] for r in rows]), label=f"pos {k + 1}")
     acc_ax.set(title="top-1 accuracy by block position", xlabel="training tokens (M)", ylim=(0, 1))
     acc_ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(out_file, dpi=110)
+    plt.close(fig)
+
+
+def plot_learning_curve(points: list[dict], out_file: str | os.PathLike) -> None:
+    """Held-out tau of each tree rule against training tokens, one point per checkpoint."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tokens = [p["tokens_seen"] / 1e6 for p in points]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for rule in points[0]["tau"]:
+        ax.plot(tokens, [p["tau"][rule] for p in points], marker="o", label=rule)
+    ax.set(title="held-out acceptance length", xlabel="training tokens (M)", ylabel="tau (with bonus token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
     fig.tight_layout()
     fig.savefig(out_file, dpi=110)
     plt.close(fig)

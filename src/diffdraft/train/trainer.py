@@ -33,6 +33,7 @@ from diffdraft.errors import InvalidRequestError
 from diffdraft.target import TargetModel
 from diffdraft.train.blocks import sample_anchors
 from diffdraft.train.dataset import TrainingSample
+from diffdraft.train.draft_vocab import frequent_tokens
 from diffdraft.train.features import CachedFeatures, OnlineFeatures
 from diffdraft.train.loss import gamma_at
 from diffdraft.train.objective import BlockObjective
@@ -49,6 +50,8 @@ class TrainConfig:
     target_layer_ids: list[int] | None = None
     mask_token_id: int | None = None
     intermediate_size: int | None = None
+    draft_vocab_size: int = 0
+    """0 = score the whole target vocabulary (as the papers); K = only the K most frequent response tokens."""
     max_length: int = 1024
     anchors_per_sequence: int = 0
     """0 = one anchor per 6 sequence tokens, the paper's 512 anchors per 3072 tokens."""
@@ -81,9 +84,20 @@ def _rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
+def saved_checkpoints(output_dir: Path) -> list[Path]:
+    """Complete ``checkpoint-<step>`` directories of a run, by step."""
+    candidates = [p for p in Path(output_dir).glob("checkpoint-*") if (p / STATE_FILE).is_file()]
+    return sorted(candidates, key=lambda p: int(p.name.split("-")[1]))
+
+
 def latest_checkpoint(output_dir: Path) -> Path | None:
-    candidates = [p for p in output_dir.glob("checkpoint-*") if (p / STATE_FILE).is_file()]
-    return max(candidates, key=lambda p: int(p.name.split("-")[1]), default=None)
+    checkpoints = saved_checkpoints(output_dir)
+    return checkpoints[-1] if checkpoints else None
+
+
+def tokens_seen_at(checkpoint: Path) -> int:
+    """Training tokens the run had consumed when ``checkpoint`` was written."""
+    return int(torch.load(checkpoint / STATE_FILE, weights_only=False)["state"]["tokens_seen"])
 
 
 class Trainer:
@@ -156,6 +170,11 @@ class Trainer:
         c = self.config
         if c.mask_token_id is None:
             raise InvalidRequestError("mask_token_id is required to build a new drafter")
+        vocab = (
+            frequent_tokens(self.samples, self.target.vocab_size, c.draft_vocab_size)
+            if c.draft_vocab_size
+            else None
+        )
         draft_config = make_draft_config(
             self.target.config,
             num_layers=c.num_layers,
@@ -164,9 +183,12 @@ class Trainer:
             target_layer_ids=c.target_layer_ids,
             variant=c.variant,
             intermediate_size=c.intermediate_size,
+            draft_vocab_size=0 if vocab is None else vocab.shape[0],
         )
         torch.manual_seed(c.seed)
         drafter = DFlashDraftModel(draft_config)
+        if vocab is not None:
+            drafter.draft_vocab.copy_(vocab)
         # Start with logits of unit scale through the borrowed LM head: a unit final norm against
         # SmolLM2's head gave an initial loss of 48.8 nats (uniform: 10.8); this scale gave 17.6.
         head = self.target.model.get_output_embeddings().weight.detach().float()
