@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from diffdraft.drafters.base import Proposal
 from diffdraft.drafters.dflash import DFlashDrafter
 from diffdraft.drafters.dflash_model import DFLARE, DFLASH
+from diffdraft.drafters.lookup_boost import LookupBoostedDrafter
 from diffdraft.drafters.prompt_lookup import PromptLookupDrafter
 from diffdraft.engine import SpeculativeEngine
 from diffdraft.sampling import SamplingParams
@@ -30,6 +31,8 @@ METHODS = [
     "ddtree-256",
     "oracle-ddtree",
     "oracle-chain",
+    "chain+pld",
+    "ddtree-8+pld",
 ]
 
 
@@ -91,6 +94,8 @@ def make_method(method: str, target, reference, prompt, block_size, seed):
         ),
         TargetModel(target),
     )
+    if method.endswith("+pld"):
+        drafter, method = LookupBoostedDrafter(drafter), method.removesuffix("+pld")
     if method == "chain":
         return drafter, ChainBuilder()
     return drafter, DDTreeBuilder(int(method.split("-")[1]))

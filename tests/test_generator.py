@@ -106,13 +106,20 @@ def test_requests_must_name_exactly_one_input(checkpoint):
     ("method", "drafter", "message"),
     [
         ("chain", None, "needs a drafter"),
-        ("ddtree", "default", "no default drafter"),
         ("beam", None, "unknown method"),
     ],
 )
 def test_methods_without_what_they_need_are_clear_errors(checkpoint, method, drafter, message):
     with pytest.raises(diffdraft.InvalidRequestError, match=message):
         diffdraft.load(checkpoint, drafter=drafter, method=method)
+
+
+def test_a_missing_default_drafter_is_a_clear_error(checkpoint, tmp_path, monkeypatch):
+    import diffdraft.drafters.checkpoint
+
+    monkeypatch.setattr(diffdraft.drafters.checkpoint, "DEFAULT_DRAFTER_DIR", tmp_path / "gone")
+    with pytest.raises(diffdraft.CheckpointError, match="default drafter is missing"):
+        diffdraft.load(checkpoint, drafter="default", method="ddtree")
 
 
 def test_ddtree_budget_below_one_is_rejected(checkpoint, drafter_dir):

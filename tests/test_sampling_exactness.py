@@ -12,6 +12,7 @@ import torch
 from scipy.stats import chisquare
 
 from diffdraft.drafters.dflash import DFlashDrafter
+from diffdraft.drafters.lookup_boost import LookupBoostedDrafter
 from diffdraft.drafters.prompt_lookup import PromptLookupDrafter
 from diffdraft.sampling import SamplingParams
 from diffdraft.target import TargetModel
@@ -71,13 +72,21 @@ def methods(model):
     return {
         "rejection-chain": (drafter, ChainBuilder()),
         "rejection-chain-draft-vocab": (restricted, ChainBuilder()),
+        "rejection-chain-lookup-boost": (LookupBoostedDrafter(drafter), ChainBuilder()),
         "walk-ddtree": (drafter, DDTreeBuilder(6)),
         "walk-pld-chain": (PromptLookupDrafter(max_depth=2), ChainBuilder()),
     }
 
 
 @pytest.mark.parametrize(
-    "method", ["rejection-chain", "rejection-chain-draft-vocab", "walk-ddtree", "walk-pld-chain"]
+    "method",
+    [
+        "rejection-chain",
+        "rejection-chain-draft-vocab",
+        "rejection-chain-lookup-boost",
+        "walk-ddtree",
+        "walk-pld-chain",
+    ],
 )
 @pytest.mark.parametrize(
     "sampling", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9)]

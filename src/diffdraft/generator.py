@@ -17,9 +17,10 @@ import torch
 from diffdraft.budget import AutoBudgetBuilder, BudgetPlanner, load_or_measure
 from diffdraft.chat import encode_chat, encode_prompt
 from diffdraft.drafters.base import Drafter
-from diffdraft.drafters.checkpoint import DEFAULT_DRAFTER_DIR, load_draft_model
+from diffdraft.drafters.checkpoint import load_draft_model
 from diffdraft.drafters.dflash import DFlashDrafter
 from diffdraft.drafters.dflash_model import DFlashDraftModel
+from diffdraft.drafters.lookup_boost import LookupBoostedDrafter
 from diffdraft.drafters.prompt_lookup import PromptLookupDrafter
 from diffdraft.engine import SpeculativeEngine
 from diffdraft.errors import InvalidRequestError
@@ -30,7 +31,8 @@ from diffdraft.stopping import StopConditions
 from diffdraft.target import TargetModel
 from diffdraft.trees import ChainBuilder, DDTreeBuilder, TreeBuilder
 
-METHODS = ("ar", "pld", "chain", "ddtree")
+METHODS = ("ar", "pld", "chain", "ddtree", "chain+pld", "ddtree+pld")
+"""``+pld``: the drafter's proposal boosted by prompt lookup's copied continuation (lookup_boost.py)."""
 """ar: plain decoding; pld: prompt lookup chain; chain: drafter argmax/sampled chain; ddtree: optimal tree."""
 
 
@@ -76,19 +78,13 @@ def _make_drafter(method: str, drafter: str | os.PathLike | DFlashDraftModel | N
             f"method {method!r} needs a drafter: pass a DFlash/DFlare checkpoint directory "
             "(--drafter PATH), or use --method ar or pld, which need none"
         )
-    if drafter == "default":
-        if not (DEFAULT_DRAFTER_DIR / "config.json").is_file():
-            raise InvalidRequestError(
-                "no default drafter ships with this version yet: pass a drafter checkpoint directory "
-                "(--drafter PATH), or use --method ar or pld"
-            )
-        drafter = DEFAULT_DRAFTER_DIR
     model = drafter if isinstance(drafter, DFlashDraftModel) else load_draft_model(drafter)
-    return DFlashDrafter(model, target)
+    dflash = DFlashDrafter(model, target)
+    return LookupBoostedDrafter(dflash) if method.endswith("+pld") else dflash
 
 
 def _make_builder(method: str, budget: int | str, target: TargetModel) -> TreeBuilder:
-    if method != "ddtree":
+    if not method.startswith("ddtree"):
         return ChainBuilder()
     if budget == "auto":
         return AutoBudgetBuilder(BudgetPlanner(load_or_measure(target, progress=True)))

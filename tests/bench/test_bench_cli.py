@@ -56,8 +56,10 @@ def test_the_bench_writes_results_report_and_plots(setup, tmp_path, capsys):
         "ddtree:2",
         "ddtree:4",
         "ddtree:auto",
+        "chain+pld",
+        "ddtree+pld:32",
     ]
-    assert len(results["records"]) == 2 * 2 * 9
+    assert len(results["records"]) == 2 * 2 * 11
     assert all(r["compared"] == (r["method"] != "ar") and r["divergence"] is None for r in results["records"])
     assert results["cost_curve"]["sizes"][0] == 1
     report = (out / "report.md").read_text()

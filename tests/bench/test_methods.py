@@ -58,6 +58,8 @@ def test_default_specs_expand_budgets_and_pick_up_new_registrations(monkeypatch)
         "chain",
         "ddtree:8",
         "ddtree:auto",
+        "chain+pld",
+        "ddtree+pld:32",
         "mine",
     ]
 

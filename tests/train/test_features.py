@@ -27,3 +27,12 @@ def test_a_drafter_tapping_an_uncached_layer_is_told_to_capture_again(target, tm
     capture_features(target, [0, 2], [("a", torch.arange(5))], tmp_path)
     with pytest.raises(ValueError, match=r"also taps \[1\]: capture again"):
         CachedFeatures(tmp_path, [0, 1])
+
+
+def test_samples_missing_from_the_cache_fall_back_to_online_capture_or_fail_clearly(target, tmp_path):
+    capture_features(target, [0, 2], [("a", torch.arange(5))], tmp_path, dtype=torch.float64)
+    online = OnlineFeatures(target, [0, 2])
+    ids = torch.arange(4, 11)
+    torch.testing.assert_close(CachedFeatures(tmp_path, [0, 2], fallback=online)("b", ids), online("b", ids))
+    with pytest.raises(KeyError, match="'b' is not in the feature cache"):
+        CachedFeatures(tmp_path, [0, 2])("b", ids)

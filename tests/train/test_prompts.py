@@ -33,7 +33,7 @@ def read_all(source):
     return list(read_source(str(source), report)), report
 
 
-def test_messages_records_end_at_the_first_user_turn(tmp_path):
+def test_messages_records_end_at_the_first_user_turn_and_keep_the_reply_beside(tmp_path):
     path = write_jsonl(
         tmp_path / "chat.jsonl",
         [
@@ -50,9 +50,12 @@ def test_messages_records_end_at_the_first_user_turn(tmp_path):
     )
     prompts, report = read_all(path)
     assert prompts == [
-        Prompt("a", [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+        Prompt("a", [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}], "Hello")
     ]
     assert (report.prompts, report.malformed) == (1, 0)
+    written = tmp_path / "written.jsonl"
+    write_prompts(prompts, written)
+    assert read_all(written)[0] == prompts  # the reply survives a write and a read
 
 
 def test_sharegpt_conversations_and_plain_prompts(tmp_path):

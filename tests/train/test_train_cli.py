@@ -210,6 +210,19 @@ def test_fit_then_eval_write_a_drafter_curves_and_an_evaluation(responses, tmp_p
     assert set(result["tau"]) == {"chain", "ddtree-4"}
     assert all(t >= 1.0 for t in result["tau"].values())
 
+    # fine-tuning starts from the given drafter, whose config (draft vocabulary too) carries over
+    tuned = tmp_path / "tuned"
+    base_fit = fit[: fit.index("--num-layers")]
+    assert (
+        main(
+            [*base_fit, "--output-dir", str(tuned), "--batch-size", "2", "--init-drafter", str(out / "final")]
+        )
+        == 0
+    )
+    from diffdraft.drafters.checkpoint import load_draft_model
+
+    assert load_draft_model(tuned / "final").draft_vocab.shape == (100,)
+
     curve = tmp_path / "curve.json"
     assert main([*evaluate[:-4], "--drafter", str(out), "--out", str(curve)]) == 0
     points = json.loads(curve.read_text())["learning_curve"]
@@ -231,3 +244,29 @@ def test_fit_rejects_malformed_data_and_unwritable_output(responses, tmp_path, c
     blocker.write_text("")
     assert main([*base, "--data", str(data), "--output-dir", str(blocker / "o"), "--batch-size", "2"]) == 2
     assert "cannot write to the output directory" in capsys.readouterr().err
+
+
+def test_source_replies_become_responses_without_generating(tmp_path, capsys):
+    target = make_checkpoint(tmp_path / "target")
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tokenizer.save_pretrained(target)
+    source = tmp_path / "chats.jsonl"
+    chats = [
+        {
+            "id": "a",
+            "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello there"}],
+        },
+        {"id": "b", "messages": [{"role": "user", "content": "no answer here"}]},
+    ]
+    source.write_text("".join(json.dumps(c) + "\n" for c in chats))
+    out = tmp_path / "replies.jsonl"
+    argv = ["train", "regenerate", "--source", str(source), "--target", str(target), "--out", str(out)]
+    run_train(parse([*argv, "--source-replies"]))
+    assert "1 samples written" in capsys.readouterr().out
+    (record,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert record["id"] == "a:reply"
+    assert record["prompt_token_ids"] == tokenizer.encode("hi", add_special_tokens=False)
+    assert tokenizer.decode(record["response_token_ids"][:-1]) == "hello there"
+    run_train(parse([*argv, "--source-replies"]))
+    assert "0 samples written" in capsys.readouterr().out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import os
 import socket
 
@@ -192,3 +193,13 @@ def test_a_new_drafter_starts_with_unit_scale_logits_through_the_target_head(tar
     trainer = Trainer(config(tmp_path), TargetModel(target), make_samples(target, 4, seed=7))
     rows = target.get_output_embeddings().weight.detach().float().norm(dim=1)
     assert torch.allclose(trainer.drafter.norm.weight * rows.pow(2).mean().sqrt(), torch.tensor(1.0))
+
+
+def test_max_steps_replaces_the_epoch_count_and_the_schedules_end_there(target, tmp_path):
+    trainer = Trainer(
+        config(tmp_path, epochs=5, max_steps=3), TargetModel(target), make_samples(target, 8, 8)
+    )
+    trainer.train()
+    assert trainer.state.step == 3  # 2 steps per epoch: the third step starts a second epoch
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 3 and records[-1]["lr"] == 0.0

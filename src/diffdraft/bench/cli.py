@@ -53,7 +53,10 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     )
     p.add_argument("--target", default="default", help="model directory, .gguf file, or 'default'")
     p.add_argument(
-        "--drafter", default=None, help="DFlash/DFlare checkpoint directory (enables chain, ddtree)"
+        "--drafter",
+        default=None,
+        help="DFlash/DFlare checkpoint directory, or 'default' (the shipped drafter of the default "
+        "target); enables chain and ddtree",
     )
     p.add_argument("--assistant", default=None, help="small model directory for HF assisted generation")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")

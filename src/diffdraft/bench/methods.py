@@ -232,7 +232,7 @@ class OursRunner:
         self.generator = SpeculativeGenerator(loaded, spec.name, drafter=drafter, budget=budget)
         self.auto: AutoBudgetBuilder | None = None
         if spec.arg == "auto":
-            if spec.name != "ddtree":
+            if not spec.name.startswith("ddtree"):
                 raise InvalidRequestError(f"{spec.label}: only ddtree takes an auto budget")
             self.auto = AutoBudgetBuilder(BudgetPlanner(models.cost_curve()), initial_budget=budget)
             self.generator.engine.builder = self.auto
@@ -375,3 +375,5 @@ register("hf-assisted", _hf_assisted)
 register("pld", _ours(needs_drafter=False))
 register("chain", _ours(needs_drafter=True))
 register("ddtree", _ours(needs_drafter=True), default_args=("budget",))
+register("chain+pld", _ours(needs_drafter=True))
+register("ddtree+pld", _ours(needs_drafter=True), default_args=("32",))

@@ -26,6 +26,18 @@ WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 
 
+def resolve_drafter_path(spec: str | os.PathLike) -> Path:
+    """``"default"`` -> the shipped drafter of the default target; anything else is a directory path."""
+    if str(spec) != "default":
+        return Path(spec)
+    if not (DEFAULT_DRAFTER_DIR / "config.json").is_file():
+        raise CheckpointError(
+            f"the default drafter is missing from this installation ({DEFAULT_DRAFTER_DIR}): reinstall "
+            "diffdraft, pass a drafter checkpoint directory, or use --method ar or pld"
+        )
+    return DEFAULT_DRAFTER_DIR
+
+
 def read_draft_config(path: Path) -> Qwen3Config:
     config_file = path / "config.json"
     if not path.is_dir():
@@ -72,8 +84,8 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 def load_draft_model(path: str | os.PathLike) -> DFlashDraftModel:
-    """Build the draft network from a checkpoint directory, checking every weight is accounted for."""
-    path = Path(path)
+    """Build the draft network from a checkpoint directory (or ``"default"``), checking every weight."""
+    path = resolve_drafter_path(path)
     config = read_draft_config(path)
     model = DFlashDraftModel(config)
     weights = _read_weights(path)

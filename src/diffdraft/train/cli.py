@@ -46,6 +46,7 @@ from diffdraft.train.regenerate import (
     DEFAULT_MAX_PROMPT_TOKENS,
     regenerate,
 )
+from diffdraft.train.source_replies import write_source_replies
 from diffdraft.train.trainer import TrainConfig, Trainer, saved_checkpoints, tokens_seen_at
 
 
@@ -184,6 +185,12 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         help="default: %(default)s, fastest on a 2-core CPU",
     )
     regen.add_argument("--seed", type=int, default=0, help="default: %(default)s")
+    regen.add_argument(
+        "--source-replies",
+        action="store_true",
+        help="generate nothing: tokenize each source's own assistant reply instead (EAGLE-1's "
+        "fixed-dataset route; seconds instead of hours, but not the target's own answers)",
+    )
     _add_fit_parser(steps)
     _add_capture_parser(steps)
     _add_eval_parser(steps)
@@ -218,6 +225,12 @@ def _add_fit_parser(steps: argparse._SubParsersAction) -> None:
     _add_data_options(fit)
     fit.add_argument("--output-dir", required=True, help="checkpoints, metrics.jsonl, curves.png, final/")
     fit.add_argument("--feature-cache", default=None, help="directory from `train capture` (default: online)")
+    fit.add_argument(
+        "--init-drafter",
+        default=None,
+        help="start from this drafter's weights (fine-tune it, e.g. on other data); its config decides "
+        "the architecture, block size, taps and draft vocabulary",
+    )
     defaults = TrainConfig(output_dir="")
     # every plain TrainConfig field becomes a flag with the dataclass default: one source of truth
     declared_elsewhere = {
@@ -334,6 +347,13 @@ def _run_prompts(args: argparse.Namespace) -> None:
 
 def _run_regenerate(args: argparse.Namespace) -> None:
     prompts = _load_prompts(args)
+    if args.source_replies:
+        print(f"tokenizing the sources' own replies to {len(prompts)} prompts into {args.out}", flush=True)
+        report = write_source_replies(
+            args.target, prompts, args.out, args.max_new_tokens, args.max_prompt_tokens
+        )
+        print(report.summary())
+        return
     print(f"regenerating responses for {len(prompts)} prompts into {args.out}", flush=True)
     try:
         report = regenerate(
@@ -375,14 +395,22 @@ def _run_fit(args: argparse.Namespace) -> None:
         train, _ = _split(args)
         fields = {f.name for f in dataclasses.fields(TrainConfig)}
         config = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
-        if config.mask_token_id is None:
+        initial = load_draft_model(args.init_drafter) if args.init_drafter else None
+        if initial is not None:
+            config.mask_token_id = initial.mask_token_id
+        elif config.mask_token_id is None:
             config.mask_token_id = pick_mask_token(
                 loaded.tokenizer, end_token_ids(loaded.model, loaded.tokenizer)
             )
-        trainer = Trainer(config, TargetModel(loaded.model), train, feature_cache=args.feature_cache)
+        trainer = Trainer(
+            config, TargetModel(loaded.model), train, feature_cache=args.feature_cache, drafter=initial
+        )
         if trainer.rank == 0:
             steps = trainer.total_steps
             print(f"training on {len(train)} sequences ({args.held_out} held out), {steps} steps")
+            if args.feature_cache:
+                cached = sum(s.sample_id in trainer.features.shard_of for s in train)
+                print(f"target features: {cached} sequences cached, {len(train) - cached} computed online")
             vocab = trainer.drafter.draft_vocab
             if vocab is not None:
                 share = coverage(train, vocab.cpu(), trainer.target.vocab_size)

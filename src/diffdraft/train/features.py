@@ -36,13 +36,17 @@ class OnlineFeatures:
 
 
 class CachedFeatures:
-    """Reads taps captured by :func:`capture_features`; fails clearly on a sample it lacks.
+    """Reads taps captured by :func:`capture_features`.
 
     The cache may hold more layers than the drafter taps (capture DFlare's nine once, train a
-    DFlash drafter on five of them): the requested layers are picked out in order.
+    DFlash drafter on five of them): the requested layers are picked out in order. A sample the
+    cache lacks goes to ``fallback`` (online capture), or fails clearly without one: cache the
+    samples seen every epoch, compute the ones seen once.
     """
 
-    def __init__(self, cache_dir: str | os.PathLike, layer_ids: list[int]) -> None:
+    def __init__(
+        self, cache_dir: str | os.PathLike, layer_ids: list[int], fallback: OnlineFeatures | None = None
+    ) -> None:
         self.dir = Path(cache_dir)
         index = read_index(self.dir)
         cached = index["layer_ids"] or []
@@ -54,11 +58,14 @@ class CachedFeatures:
             )
         self.columns = [cached.index(layer) for layer in layer_ids]
         self.shard_of: dict[str, str] = index["samples"]
+        self.fallback = fallback
         self._loaded_name: str | None = None
         self._loaded: dict[str, torch.Tensor] = {}
 
     def __call__(self, sample_id: str, token_ids: torch.Tensor) -> torch.Tensor:
         name = self.shard_of.get(sample_id)
+        if name is None and self.fallback is not None:
+            return self.fallback(sample_id, token_ids)
         if name is None:
             raise KeyError(
                 f"sample {sample_id!r} is not in the feature cache {self.dir}; run the capture again"

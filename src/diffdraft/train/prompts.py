@@ -1,8 +1,10 @@
 """Training prompts: read them from files or the built-in ShareGPT copy, and keep eval sets out of them.
 
-Only prompts are read (DFlare A.1 keeps the original prompts and regenerates every response with the
-target), so a prompt is every turn up to and including the first user turn. Every prompt carries a
-stable id: regeneration resumes by id, so the same source must give the same ids on every read.
+Only prompts are trained on by default (DFlare A.1 keeps the original prompts and regenerates every
+response with the target), so a prompt is every turn up to and including the first user turn; the
+source's own reply to it is kept beside it for the cheaper fixed-dataset route (``--source-replies``).
+Every prompt carries a stable id: regeneration resumes by id, so the same source must give the same
+ids on every read.
 """
 
 from __future__ import annotations
@@ -47,9 +49,14 @@ class Prompt:
 
     id: str
     messages: list[dict[str, str]]
+    reply: str | None = None
+    """The source's own assistant answer to the first user turn, when it has one."""
 
     def to_dict(self) -> dict:
-        return {"id": self.id, "messages": self.messages}
+        record: dict = {"id": self.id, "messages": self.messages}
+        if self.reply is not None:
+            record["messages"] = [*self.messages, {"role": "assistant", "content": self.reply}]
+        return record
 
 
 @dataclass
@@ -81,10 +88,11 @@ def prompt_from_record(record: object, fallback_id: str) -> Prompt:
     """Turn one record of any supported shape into a prompt; raises ``_Malformed`` with the reason."""
     if not isinstance(record, dict):
         raise _Malformed(f"expected a JSON object, got {type(record).__name__}")
+    reply = None
     if "messages" in record:
-        messages = _up_to_first_user_turn(record["messages"])
+        messages, reply = _up_to_first_user_turn(record["messages"])
     elif "conversations" in record:
-        messages = _up_to_first_user_turn(record["conversations"])
+        messages, reply = _up_to_first_user_turn(record["conversations"])
     elif "prompt" in record:
         text = record["prompt"]
         if not isinstance(text, str) or not text.strip():
@@ -95,10 +103,11 @@ def prompt_from_record(record: object, fallback_id: str) -> Prompt:
     record_id = record.get("id", fallback_id)
     if not isinstance(record_id, (str, int)) or isinstance(record_id, bool) or record_id == "":
         raise _Malformed(f"'id' must be a non-empty string or an integer, got {record_id!r}")
-    return Prompt(str(record_id), messages)
+    return Prompt(str(record_id), messages, reply)
 
 
-def _up_to_first_user_turn(turns: object) -> list[dict[str, str]]:
+def _up_to_first_user_turn(turns: object) -> tuple[list[dict[str, str]], str | None]:
+    """Turns up to the first user turn, and the assistant reply right after it (None if absent)."""
     if not isinstance(turns, list):
         raise _Malformed(f"expected a list of turns, got {type(turns).__name__}")
     messages = []
@@ -117,8 +126,17 @@ def _up_to_first_user_turn(turns: object) -> list[dict[str, str]]:
         if role == "user":
             if not content.strip():
                 raise _Malformed("the first user turn is empty")
-            return messages
+            return messages, _reply_after(turns, index)
     raise _Malformed("no user turn")
+
+
+def _reply_after(turns: list, index: int) -> str | None:
+    if index + 1 >= len(turns) or not isinstance(turns[index + 1], dict):
+        return None
+    turn = turns[index + 1]
+    role, content = turn.get("role", turn.get("from")), turn.get("content", turn.get("value"))
+    is_assistant = isinstance(role, str) and ROLES.get(role.lower()) == "assistant"
+    return content if is_assistant and isinstance(content, str) and content.strip() else None
 
 
 def read_jsonl(path: str | os.PathLike, report: ReadReport) -> Iterator[Prompt]:
@@ -313,7 +331,7 @@ def decontaminate(
         banned |= word_ngrams(text, n)
     kept, dropped = [], 0
     for prompt in prompts:
-        text = "\n".join(message["content"] for message in prompt.messages)
+        text = "\n".join([message["content"] for message in prompt.messages] + [prompt.reply or ""])
         if banned.isdisjoint(word_ngrams(text, n)):
             kept.append(prompt)
         else:

@@ -80,9 +80,9 @@ def regenerate(
     ``max_new_tokens``). ``temperature=0`` is greedy. ``seed`` seeds the run; a resumed run draws
     fresh samples for the prompts still to do.
     """
-    _check_options(temperature, top_p, max_new_tokens, max_prompt_tokens, batch_size)
+    check_options(temperature, top_p, max_new_tokens, max_prompt_tokens, batch_size)
     out_path = Path(out_path)
-    with _only_writer(out_path):
+    with only_writer(out_path):
         report = RegenerateReport()
         done = finished_ids(out_path)
         todo = [prompt for prompt in prompts if prompt.id not in done]
@@ -93,7 +93,7 @@ def regenerate(
         model, tokenizer = loaded.model, loaded.tokenizer
         encoded = []
         for prompt in todo:
-            ids = _encode(tokenizer, prompt)
+            ids = encode_for_target(tokenizer, prompt)
             if len(ids) > max_prompt_tokens:
                 report.too_long += 1
             else:
@@ -159,7 +159,7 @@ class SampleWriter:
 
 
 @contextmanager
-def _only_writer(path: Path) -> Iterator[None]:
+def only_writer(path: Path) -> Iterator[None]:
     """Two runs appending to one file would write samples twice, so a second run stops instead."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as handle:
@@ -213,7 +213,7 @@ def length_sorted_batches(
     return batches
 
 
-def _check_options(
+def check_options(
     temperature: float, top_p: float, max_new_tokens: int, max_prompt_tokens: int, batch_size: int
 ) -> None:
     if temperature < 0:
@@ -229,7 +229,7 @@ def _check_options(
             raise InvalidRequestError(f"{name} must be at least 1, got {value}")
 
 
-def _encode(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> list[int]:
+def encode_for_target(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> list[int]:
     """Chat-template the prompt; a tokenizer without a template (a base model) takes single-turn text."""
     if tokenizer.chat_template or len(prompt.messages) != 1:
         try:

@@ -57,13 +57,15 @@ class TrainConfig:
     """0 = one anchor per 6 sequence tokens, the paper's 512 anchors per 3072 tokens."""
     batch_size: int = 8
     epochs: int = 2
+    max_steps: int = 0
+    """0 = train ``epochs`` full epochs; N = exactly N optimizer steps (schedules span N steps)."""
     learning_rate: float = 6e-4
     warmup_ratio: float = 0.04
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     gamma_0: float = 4.5
     gamma_max: float | None = None
-    """None = gamma_0 + epochs - 1: the paper raises gamma by 1 per epoch."""
+    """None = gamma_0 + epochs trained - 1: the paper raises gamma by 1 per epoch."""
     save_every: int = 200
     seed: int = 0
 
@@ -109,7 +111,8 @@ class Trainer:
         feature_cache: str | os.PathLike | None = None,
         drafter: DFlashDraftModel | None = None,
     ) -> None:
-        """``feature_cache``: a directory filled by :func:`capture_features`; None = online capture."""
+        """``feature_cache``: a directory filled by :func:`capture_features` (samples missing from it
+        are captured online each time); None = online capture for all."""
         self.config = config
         self.target = target
         self.samples = samples
@@ -126,7 +129,7 @@ class Trainer:
                 f"{len(samples)} training samples are fewer than one batch ({config.batch_size}); "
                 "lower batch_size or add data"
             )
-        self.total_steps = self.steps_per_epoch * config.epochs
+        self.total_steps = config.max_steps or self.steps_per_epoch * config.epochs
         for p in target.model.parameters():
             p.requires_grad_(False)
 
@@ -138,9 +141,8 @@ class Trainer:
         check_compatible(drafter, target)
         self.drafter = drafter.to(device=target.device, dtype=torch.float32).train()
         layer_ids = self.drafter.target_layer_ids
-        self.features = (
-            CachedFeatures(feature_cache, layer_ids) if feature_cache else OnlineFeatures(target, layer_ids)
-        )
+        online = OnlineFeatures(target, layer_ids)
+        self.features = CachedFeatures(feature_cache, layer_ids, fallback=online) if feature_cache else online
         objective = BlockObjective(self.drafter, target.model)
         self.model = DistributedDataParallel(objective) if self.world > 1 else objective
         self.optimizer = torch.optim.AdamW(
@@ -228,7 +230,8 @@ class Trainer:
     def train(self, on_step=None) -> TrainState:
         """Run to the end (or resume to it); ``on_step(step)`` is a test hook called after each step."""
         c = self.config
-        gamma_max = c.gamma_max if c.gamma_max is not None else c.gamma_0 + c.epochs - 1
+        epochs = self.total_steps / self.steps_per_epoch
+        gamma_max = c.gamma_max if c.gamma_max is not None else c.gamma_0 + max(0.0, epochs - 1)
         progress = tqdm(
             total=self.total_steps, initial=self.state.step, desc="training drafter", disable=self.rank != 0
         )
