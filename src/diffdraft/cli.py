@@ -18,7 +18,10 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
         "--target", default="default", help="model directory, .gguf file, or 'default' (SmolLM2-135M)"
     )
     p.add_argument(
-        "--drafter", default="none", help="DFlash/DFlare checkpoint directory, 'default' or 'none'"
+        "--drafter",
+        default=None,
+        help="DFlash/DFlare checkpoint directory, 'default' or 'none' (default: the shipped drafter "
+        "with --target default, else none)",
     )
     p.add_argument("--method", choices=METHODS, default="ar", help="decoding method (default: ar)")
     p.add_argument(
@@ -56,7 +59,10 @@ def _read_messages() -> list[dict]:
 
 def _run_generate(args: argparse.Namespace) -> None:
     request = {"messages": _read_messages()} if args.chat else {"prompt": args.prompt}
-    generator = load(args.target, args.drafter, args.method, args.budget, args.dtype, args.device)
+    drafter = args.drafter
+    if drafter is None:
+        drafter = "default" if args.target == "default" else "none"
+    generator = load(args.target, drafter, args.method, args.budget, args.dtype, args.device)
     options = dict(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,

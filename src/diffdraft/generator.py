@@ -32,8 +32,8 @@ from diffdraft.target import TargetModel
 from diffdraft.trees import ChainBuilder, DDTreeBuilder, TreeBuilder
 
 METHODS = ("ar", "pld", "chain", "ddtree", "chain+pld", "ddtree+pld")
-"""``+pld``: the drafter's proposal boosted by prompt lookup's copied continuation (lookup_boost.py)."""
-"""ar: plain decoding; pld: prompt lookup chain; chain: drafter argmax/sampled chain; ddtree: optimal tree."""
+"""ar: plain decoding; pld: prompt lookup chain; chain: drafter argmax/sampled chain; ddtree: optimal
+tree; ``+pld``: the drafter's proposal boosted by prompt lookup's copied continuation (lookup_boost.py)."""
 
 
 @dataclass
