@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import torch
 
 from diffdraft.drafters.base import Drafter, Proposal
-from diffdraft.sampling import SamplingParams, sample_from
+from diffdraft.sampling import SamplingParams, greedy_tokens, sample_from
 from diffdraft.stats import GenerationStats, StageTimer
 from diffdraft.stopping import StopConditions
 from diffdraft.target import TargetModel
@@ -99,5 +99,5 @@ class SpeculativeEngine:
     @staticmethod
     def _pick(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> int:
         if sampling.greedy:
-            return int(logits.argmax())
+            return int(greedy_tokens(logits))
         return int(sample_from(sampling.probs(logits), generator))

@@ -16,6 +16,7 @@ import torch
 
 from diffdraft.budget import AutoBudgetBuilder, BudgetPlanner, load_or_measure
 from diffdraft.chat import encode_chat, encode_prompt
+from diffdraft.detokenize import INCOMPLETE, IncrementalDecoder
 from diffdraft.drafters.base import Drafter
 from diffdraft.drafters.checkpoint import load_draft_model
 from diffdraft.drafters.dflash import DFlashDrafter
@@ -137,13 +138,14 @@ class SpeculativeGenerator:
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
         if seed is None and not sampling.greedy:
             seed = int(torch.randint(0, 2**62, ()).item())
+        text_of = IncrementalDecoder(self._decode)  # the output's text each round, decoding its tail
         stop_conditions = StopConditions(
             end_token_ids=() if ignore_eos else self.end_token_ids,
             max_new_tokens=max_new_tokens,
             max_total_tokens=self.target.max_context,
             prompt_length=len(prompt_ids),
             stop_strings=stop,
-            decode=self._decode,
+            decode=text_of,
         )
         stats = GenerationStats()
         generated: list[int] = []
@@ -152,7 +154,7 @@ class SpeculativeGenerator:
         for new in self.engine.run(prompt_ids, stop_conditions, sampling, stats, seed):
             generated.extend(new)
             pending.extend(new)
-            text = self._visible_text(generated, stop_conditions)
+            text = self._visible_text(text_of(generated), stop_conditions)
             if len(text) > len(shown):
                 yield GenerationChunk(text=text[len(shown) :], token_ids=pending)
                 shown, pending = text, []
@@ -160,7 +162,7 @@ class SpeculativeGenerator:
             # the budget planner learns how much this drafter's surrogate over- or under-promises
             outside = sum(stats.timings[stage] for stage in ("draft", "tree", "commit"))
             self._auto_budget.observe_generation(stats.acceptance_lengths, outside / max(1, stats.rounds))
-        text = stop_conditions.cut_text(self._decode(generated))
+        text = stop_conditions.cut_text(text_of(generated))
         result = GenerationResult(list(prompt_ids), generated, text, stats)
         yield GenerationChunk(text=text[len(shown) :], token_ids=pending, result=result)
 
@@ -182,9 +184,10 @@ class SpeculativeGenerator:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _visible_text(self, generated: list[int], stop: StopConditions) -> str:
+    @staticmethod
+    def _visible_text(text: str, stop: StopConditions) -> str:
         """Text safe to show now: no half-decoded characters, no prefix of a stop string yet."""
-        text = stop.cut_text(self._decode(generated)).rstrip("\ufffd")
+        text = stop.cut_text(text).rstrip(INCOMPLETE)
         if stop.stop_strings:
             text = text[: max(0, len(text) - max(map(len, stop.stop_strings)) + 1)]
         return text

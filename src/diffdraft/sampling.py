@@ -45,7 +45,7 @@ class SamplingParams:
         """
         logits = logits.float()
         if self.greedy:
-            return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+            return torch.nn.functional.one_hot(greedy_tokens(logits), logits.shape[-1]).float()
         scores = logits / self.temperature
         if 0 < self.top_k < scores.shape[-1]:
             kth_best = scores.topk(self.top_k, dim=-1).values[..., -1:]
@@ -58,6 +58,16 @@ class SamplingParams:
             probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
             probs = probs / probs.sum(-1, keepdim=True)
         return probs
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """The argmax over the last dimension ([..., V] -> [...]), first index on ties.
+
+    Plain decoding and every verifier pick greedy tokens here, so they break ties alike. ``max``
+    returns the same index as ``argmax`` at 2x its speed on CPU bfloat16 logits, where ``argmax``
+    over a tree's rows was a visible part of each round.
+    """
+    return logits.max(-1).indices
 
 
 def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

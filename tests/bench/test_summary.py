@@ -60,13 +60,25 @@ def test_checks_compare_auto_with_the_sweep_and_ddtree_with_the_baselines():
     ]
     records += [record("ddtree:8", 0, 0.25, [3, 3, 2]), record("ddtree:auto", 0, 0.26, [3, 3, 2])]
     found = {c.name: c for c in checks(summarize(records, CURVE, "float32"))}
-    assert found["auto budget / best swept"].passed
+    assert found["ddtree:auto / best swept"].passed
     assert found["ddtree:8 / best hf"].value == pytest.approx(4.0) and found["ddtree:8 / best hf"].passed
     assert found["ddtree:8 / best hf-pld"].value == pytest.approx(2.0)
     assert found["lossless vs plain AR"].passed
     records[-1] = record("ddtree:auto", 0, 0.4, [3, 3, 2])
     found = {c.name: c for c in checks(summarize(records, CURVE, "float32"))}
-    assert not found["auto budget / best swept"].passed
+    assert not found["ddtree:auto / best swept"].passed
+
+
+def test_the_speed_checks_take_the_fastest_ddtree_with_or_without_the_lookup_boost():
+    records = [record("ar", 0, 1.0, [1] * 8), record("hf", 0, 1.0, [1] * 8)]
+    records += [record("ddtree:8", 0, 0.5, [3, 3, 2]), record("ddtree+pld:8", 0, 0.25, [4, 4])]
+    records += [record("ddtree+pld:auto", 0, 0.5, [4, 4])]
+    found = {c.name: c for c in checks(summarize(records, CURVE, "float32"))}
+    assert found["ddtree+pld:8 / best hf"].value == pytest.approx(4.0)
+    assert "ddtree:8 / best hf" not in found
+    # each family's auto budget is held against its own sweep
+    assert found["ddtree+pld:auto / best swept"].value == pytest.approx(0.5)
+    assert "ddtree:auto / best swept" not in found
 
 
 def test_positions_a_round_did_not_draft_do_not_count_against_it():

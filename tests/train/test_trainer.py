@@ -87,14 +87,24 @@ def bigram_target():
     return model
 
 
-@pytest.mark.parametrize(("variant", "draft_vocab_size"), [(DFLASH, 0), (DFLARE, 0), (DFLASH, 40)])
+@pytest.mark.parametrize(
+    ("variant", "draft_vocab_size", "compute_dtype"),
+    [(DFLASH, 0, "float32"), (DFLARE, 0, "float32"), (DFLASH, 40, "float32"), (DFLARE, 0, "bfloat16")],
+)
 def test_a_few_hundred_steps_clearly_beat_the_untrained_drafter(
-    bigram_target, tmp_path, variant, draft_vocab_size
+    bigram_target, tmp_path, variant, draft_vocab_size, compute_dtype
 ):
     target = bigram_target
     train = make_samples(target, 48, seed=1)
     held_out = make_samples(target, 6, seed=2)
-    settings = config(tmp_path, variant=variant, epochs=25, batch_size=4, draft_vocab_size=draft_vocab_size)
+    settings = config(
+        tmp_path,
+        variant=variant,
+        epochs=25,
+        batch_size=4,
+        draft_vocab_size=draft_vocab_size,
+        compute_dtype=compute_dtype,
+    )
     trainer = Trainer(settings, TargetModel(target), train)
     if draft_vocab_size:
         assert trainer.drafter.draft_vocab.tolist() == frequent_tokens(train, 64, draft_vocab_size).tolist()
@@ -187,6 +197,22 @@ def test_bad_inputs_are_clear_errors(target, tmp_path):
     blocker.write_text("")
     with pytest.raises(InvalidRequestError, match="cannot write to the output directory"):
         Trainer(config(blocker / "out"), TargetModel(target), samples)
+    with pytest.raises(InvalidRequestError, match="compute_dtype must be one of"):
+        config(tmp_path, compute_dtype="float16")
+
+
+def test_bfloat16_compute_runs_the_matmuls_in_bfloat16_and_keeps_float32_weights(target, tmp_path):
+    trainer = Trainer(
+        config(tmp_path, max_steps=1, compute_dtype="bfloat16"),
+        TargetModel(target),
+        make_samples(target, 4, 9),
+    )
+    seen = []
+    trainer.drafter.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, out: seen.append(out.dtype))
+    trainer.train()
+    assert seen and set(seen) == {torch.bfloat16}
+    assert {p.dtype for p in trainer.drafter.parameters()} == {torch.float32}
+    assert all(p.grad is None or p.grad.dtype == torch.float32 for p in trainer.drafter.parameters())
 
 
 def test_a_new_drafter_starts_with_unit_scale_logits_through_the_target_head(target, tmp_path):

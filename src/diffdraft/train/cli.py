@@ -47,7 +47,7 @@ from diffdraft.train.regenerate import (
     regenerate,
 )
 from diffdraft.train.source_replies import write_source_replies
-from diffdraft.train.trainer import TrainConfig, Trainer, saved_checkpoints, tokens_seen_at
+from diffdraft.train.trainer import COMPUTE_DTYPES, TrainConfig, Trainer, saved_checkpoints, tokens_seen_at
 
 
 def load_config(path: str | Path) -> dict:
@@ -241,6 +241,7 @@ def _add_fit_parser(steps: argparse._SubParsersAction) -> None:
         "mask_token_id",
         "gamma_max",
         "intermediate_size",
+        "compute_dtype",
     }
     for name, value in asdict(defaults).items():
         if name not in declared_elsewhere:
@@ -263,6 +264,13 @@ def _add_fit_parser(steps: argparse._SubParsersAction) -> None:
     fit.add_argument("--gamma-max", type=float, default=None, help="default: gamma-0 + epochs - 1")
     fit.add_argument(
         "--intermediate-size", type=int, default=None, help="draft MLP width (default: target's)"
+    )
+    fit.add_argument(
+        "--compute-dtype",
+        choices=sorted(COMPUTE_DTYPES),
+        default=defaults.compute_dtype,
+        help="bfloat16 = mixed precision (drafter matmuls in bf16, float32 weights and optimizer); "
+        "default: %(default)s",
     )
 
 
