@@ -53,3 +53,25 @@ def test_without_a_match_the_drafter_proposal_is_unchanged():
 def test_weights_outside_the_open_unit_interval_are_refused(weight):
     with pytest.raises(ValueError, match=r"in \(0, 1\)"):
         LookupBoostedDrafter(FixedDrafter(LOG_PROBS), weight=weight)
+
+
+def test_calibrated_weights_follow_how_often_the_target_confirmed_earlier_copies():
+    boosted = LookupBoostedDrafter(FixedDrafter(LOG_PROBS))
+    assert boosted.weights(1, 3).tolist() == [0.5, 0.5, 0.5]  # no evidence yet
+    # "1 2 3 4 0 1": a 1-gram match copies "2 3 4"; the target then emits "2 3 5"
+    context = [1, 2, 3, 4, 0, 1]
+    boosted.propose(torch.tensor(context), 3)
+    boosted.propose(torch.tensor([*context, 2, 3, 5]), 3)
+    # depth 1 and 2 confirmed once (2/3), depth 3 missed once (1/3); 2-gram matches untouched
+    assert boosted.weights(1, 3).tolist() == pytest.approx([2 / 3, 2 / 3, 1 / 3])
+    assert boosted.weights(2, 3).tolist() == [0.5, 0.5, 0.5]
+    boosted.reset()  # a new generation starts from no evidence
+    assert boosted.weights(1, 3).tolist() == [0.5, 0.5, 0.5]
+
+
+def test_calibrated_boost_keeps_every_row_a_distribution():
+    boosted = LookupBoostedDrafter(FixedDrafter(LOG_PROBS))
+    context = [1, 2, 3, 4, 0, 1]
+    boosted.propose(torch.tensor(context), 3)
+    proposal = boosted.propose(torch.tensor([*context, 2, 3, 5, 0, 1]), 3)
+    torch.testing.assert_close(proposal.log_probs.exp().sum(-1), torch.ones(3, dtype=LOG_PROBS.dtype))

@@ -2,14 +2,18 @@
 
 Code and chat answers repeat their context (identifiers, quoted text); prompt lookup finds those
 repeats for free, while a small drafter guesses everything else. Where lookup finds a match,
-depth d's marginal becomes ``(1 - w) * q_d + w * onehot(copy_d)``: with w = 1/2 the copied chain
-leads DDTree's best-first order and the chain's argmax, and the drafter's own guesses fill the
-rest of the budget. Every row stays a probability distribution, so all verifiers stay exact.
+depth d's marginal becomes ``(1 - w) * q_d + w * onehot(copy_d)``. By default w is calibrated
+on the current generation, per matched n-gram length n and depth d: the share of earlier such
+copies the target confirmed (given the shallower ones were), starting from 1/2. DDTree's tree is
+optimal for the marginals it is given, so marginals that say how often a copy really holds spend
+its budget better than a fixed w (1-gram matches are weak evidence, 3-gram ones strong). Measured
+on the default drafter (6 prompts x 96 tokens, mean acceptance length, fixed w = 1/2 ->
+calibrated): HumanEval budget 8 1.90 -> 2.04, 32 2.11 -> 2.15; MT-Bench budget 8 1.91 -> 1.93,
+16 1.99 -> 1.98. Every row stays a probability distribution, so all verifiers stay exact whatever
+the weights.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -19,34 +23,58 @@ from diffdraft.drafters.prompt_lookup import PromptLookupDrafter
 
 class LookupBoostedDrafter:
     def __init__(
-        self, drafter: Drafter, lookup: PromptLookupDrafter | None = None, weight: float = 0.5
+        self, drafter: Drafter, lookup: PromptLookupDrafter | None = None, weight: float | None = None
     ) -> None:
-        if not 0.0 < weight < 1.0:
+        """``weight``: a fixed w for every depth, or None to calibrate w_d on each generation."""
+        if weight is not None and not 0.0 < weight < 1.0:
             raise ValueError(f"lookup weight must be in (0, 1), got {weight}")
         self.drafter = drafter
         self.lookup = lookup or PromptLookupDrafter(max_depth=drafter.max_depth)
         self.weight = weight
         self.target_layer_ids = drafter.target_layer_ids
         self.max_depth = drafter.max_depth
+        self.reset()
 
     def reset(self) -> None:
         self.drafter.reset()
+        shape = (self.lookup.max_ngram + 1, self.max_depth)
+        self._confirmed = torch.zeros(shape)  # [n, d]: copies after an n-gram match the target emitted
+        self._checked = torch.zeros(shape)  # [n, d]: such copies whose position it has emitted
+        self._last_copy: tuple[int, int, list[int]] = (0, 0, [])  # root index, n, copied tokens
+
+    def weights(self, ngram: int, depth: int) -> torch.Tensor:
+        """w_d for depths 1..depth after an ``ngram`` match: fixed, or (confirmed + 1) / (checked + 2)."""
+        if self.weight is not None:
+            return torch.full((depth,), self.weight, dtype=torch.float64)
+        return ((self._confirmed[ngram, :depth] + 1) / (self._checked[ngram, :depth] + 2)).double()
+
+    def _score_last_copy(self, token_ids: list[int]) -> None:
+        """Compare last round's copy with what the target emitted since, up to its first miss."""
+        root, ngram, copied = self._last_copy
+        emitted = token_ids[root + 1 :]
+        for d, (guess, actual) in enumerate(zip(copied, emitted, strict=False)):
+            self._checked[ngram, d] += 1
+            if guess != actual:
+                return
+            self._confirmed[ngram, d] += 1
 
     def extend_context(self, hidden: torch.Tensor | None, start: int) -> None:
         self.drafter.extend_context(hidden, start)
 
     def propose(self, token_ids: torch.Tensor, depth: int) -> Proposal:
+        ids = token_ids.tolist()
+        self._score_last_copy(ids)
         proposal = self.drafter.propose(token_ids, depth)
-        copied = self.lookup.propose(token_ids, depth).tokens[: proposal.depth]
-        if copied.numel() == 0:
+        ngram, follow = self.lookup.match(ids, proposal.depth)
+        self._last_copy = (len(ids) - 1, ngram, follow)
+        if not follow:
             return proposal
-        rows = torch.arange(copied.shape[0], device=proposal.log_probs.device)
-        copied = copied.to(proposal.log_probs.device)
+        device = proposal.log_probs.device
+        rows = torch.arange(len(follow), device=device)
+        copied = torch.tensor(follow, device=device)
+        weight = self.weights(ngram, len(follow)).to(device)
         # log((1 - w) q + w * onehot) without leaving log space for the untouched entries
         mixed = proposal.log_probs.clone()
-        mixed[rows] += math.log1p(-self.weight)
-        boosted = torch.logaddexp(
-            mixed[rows, copied], torch.tensor(math.log(self.weight), device=mixed.device)
-        )
-        mixed[rows, copied] = boosted
+        mixed[rows] += torch.log1p(-weight).to(mixed.dtype)[:, None]
+        mixed[rows, copied] = torch.logaddexp(mixed[rows, copied], weight.log().to(mixed.dtype))
         return Proposal(log_probs=mixed)

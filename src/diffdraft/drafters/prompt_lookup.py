@@ -27,12 +27,16 @@ class PromptLookupDrafter:
         pass
 
     def propose(self, token_ids: torch.Tensor, depth: int) -> Proposal:
-        ids = token_ids.tolist()
+        _, follow = self.match(token_ids.tolist(), depth)
+        return Proposal(tokens=torch.tensor(follow, dtype=torch.long))
+
+    def match(self, ids: list[int], depth: int) -> tuple[int, list[int]]:
+        """(n, up to ``depth`` tokens that followed the latest earlier occurrence of the last n-gram),
+        longest n first; (0, []) without a match."""
         for n in range(min(self.max_ngram, len(ids) - 1), self.min_ngram - 1, -1):
             suffix = ids[-n:]
             # latest earlier occurrence wins: recent text predicts the continuation best
             for begin in range(len(ids) - n - 1, -1, -1):
                 if ids[begin : begin + n] == suffix:
-                    follow = ids[begin + n : begin + n + depth]
-                    return Proposal(tokens=torch.tensor(follow, dtype=torch.long))
-        return Proposal(tokens=torch.zeros(0, dtype=torch.long))
+                    return n, ids[begin + n : begin + n + depth]
+        return 0, []
