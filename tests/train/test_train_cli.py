@@ -230,6 +230,22 @@ def test_fit_then_eval_write_a_drafter_curves_and_an_evaluation(responses, tmp_p
     assert 0 < points[0]["tokens_seen"] < points[1]["tokens_seen"]
     assert curve.with_suffix(".png").is_file()
 
+    # eval may hold out the whole file (held-out samples only), not more than it has
+    whole = [
+        "train",
+        "eval",
+        "--data",
+        str(data),
+        "--target",
+        str(target_dir),
+        "--drafter",
+        str(out / "final"),
+    ]
+    whole += ["--budgets", "4", "--max-new-tokens", "4"]
+    assert main([*whole, "--held-out", "10"]) == 0
+    assert main([*whole, "--held-out", "11"]) != 0
+    assert "eval needs between 1 and the 10 samples" in capsys.readouterr().err
+
 
 def test_fit_rejects_malformed_data_and_unwritable_output(responses, tmp_path, capsys):
     from diffdraft.cli import main

@@ -383,10 +383,16 @@ def _run_regenerate(args: argparse.Namespace) -> None:
     print(report.summary())
 
 
-def _split(args: argparse.Namespace) -> tuple[list, list]:
-    """Training and held-out samples: the held-out ones are the last by id, a stable choice."""
+def _split(args: argparse.Namespace, for_eval: bool = False) -> tuple[list, list]:
+    """Training and held-out samples: the held-out ones are the last by id, a stable choice.
+
+    Evaluation may hold out the whole file (a file of held-out samples only)."""
     samples = sorted(load_responses(args.data, args.max_length), key=lambda s: s.sample_id)
-    if args.held_out >= len(samples):
+    if for_eval and not 0 < args.held_out <= len(samples):
+        raise InvalidRequestError(
+            f"--held-out {args.held_out}: eval needs between 1 and the {len(samples)} samples of {args.data}"
+        )
+    if not for_eval and args.held_out >= len(samples):
         raise InvalidRequestError(
             f"--held-out {args.held_out} leaves nothing to train on ({len(samples)} samples)"
         )
@@ -448,7 +454,7 @@ def _run_capture(args: argparse.Namespace) -> None:
 def _run_eval(args: argparse.Namespace) -> None:
     """One checkpoint, or every checkpoint of a run directory as a learning curve (tau vs tokens)."""
     loaded = load_target(args.target, dtype=args.dtype, device=args.device)
-    _, held_out = _split(args)
+    _, held_out = _split(args, for_eval=True)
     target = TargetModel(loaded.model)
     checkpoints = saved_checkpoints(Path(args.drafter))
     if not checkpoints:
