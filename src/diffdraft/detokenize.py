@@ -33,6 +33,8 @@ class IncrementalDecoder:
     def __call__(self, ids: list[int]) -> str:
         if len(ids) < self._read or ids[: self._read] != self._ids[: self._read]:
             return self.decode(list(ids))
+        if len(ids) == self._read:  # asked again this round (stop strings, then the stream)
+            return self._text
         known = self.decode(list(ids[self._context : self._read]))
         while not known and self._context > 0:  # context that shows no text (special tokens) is none
             self._context -= 1
@@ -41,8 +43,7 @@ class IncrementalDecoder:
         if not window.startswith(known):
             return self._restart(ids)
         text = self._text + window[len(known) :]
-        # advance only on new tokens (the window must keep context) whose last character is whole
-        if len(ids) > self._read and not text.endswith(INCOMPLETE):
+        if not text.endswith(INCOMPLETE):  # hold a cut character until its last byte arrives
             self._ids, self._text = list(ids), text
             self._context, self._read = self._read, len(ids)
         return text

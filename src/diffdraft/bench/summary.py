@@ -19,8 +19,9 @@ from diffdraft.budget import VerifyCostCurve
 
 ROUND_STAGES = tuple(s for s in STAGE_NAMES if s != "prefill")
 AUTO_TOLERANCE = 0.95
-DDTREE_FAMILIES = ("ddtree", "ddtree+pld")
 """Auto must reach this fraction of the best swept budget's tokens per second."""
+DDTREE_FAMILIES = ("ddtree", "ddtree+pld")
+"""Methods whose tree and verifier are DDTree's (the second with a lookup-boosted drafter)."""
 
 
 @dataclass
