@@ -25,6 +25,7 @@ def tiny_target(
     max_positions: int = 256,
     dtype: torch.dtype = torch.float64,
     init_std: float = 0.2,
+    **config_overrides,
 ) -> torch.nn.Module:
     """A random causal LM. float64 by default so greedy ties never depend on kernel rounding.
 
@@ -45,6 +46,7 @@ def tiny_target(
         eos_token_id=vocab - 1,
         bos_token_id=0,
         pad_token_id=0,
+        **config_overrides,
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")

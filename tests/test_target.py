@@ -96,3 +96,15 @@ def test_out_of_range_layer_ids_are_rejected_with_the_valid_range():
     target = TargetModel(tiny_target("llama", layers=4))
     with pytest.raises(IncompatibleDrafterError, match=r"\[0, 3\]"):
         target.check_layer_ids([1, 4])
+
+
+@pytest.mark.parametrize("layer_ids", [[0], [2, 0, 1], [1, 3], [3]])
+def test_taps_stop_early_and_equal_prefill_taps(layer_ids):
+    target = TargetModel(tiny_target("qwen3", seed=4))
+    ids = torch.tensor(PROMPT)
+    full = target.prefill(target.new_cache(), ids, layer_ids).hidden
+    ran = []
+    for layer in target.model.get_decoder().layers[max(layer_ids) + 1 :]:
+        layer.register_forward_hook(lambda *_: ran.append(1))
+    torch.testing.assert_close(target.taps(ids, layer_ids), full, rtol=0, atol=0)
+    assert not ran, "layers after the deepest tap ran"

@@ -27,6 +27,8 @@ class SpeculativeEngine:
         self.builder = builder
         self.layer_ids = list(drafter.target_layer_ids) if drafter is not None else []
         target.check_layer_ids(self.layer_ids)
+        if drafter is not None:
+            target.check_speculation_supported()
 
     def run(
         self,

@@ -15,3 +15,7 @@ class CheckpointError(DiffdraftError):
 
 class IncompatibleDrafterError(DiffdraftError):
     """A drafter does not fit its target (hidden size, vocabulary, layer ids)."""
+
+
+class UnsupportedModelError(DiffdraftError):
+    """The target uses an architecture feature speculative verification cannot reproduce exactly."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from diffdraft.errors import IncompatibleDrafterError
+from diffdraft.errors import IncompatibleDrafterError, UnsupportedModelError
 
 
 @dataclass
@@ -21,6 +21,10 @@ class TargetOutput:
     """[n, V] logits after each input token (only the last row after a prefill)."""
     hidden: torch.Tensor | None
     """[n, T, H] outputs of the tapped decoder layers, or None when nothing is tapped."""
+
+
+class _TapsComplete(Exception):
+    """Raised by the deepest tapped layer's hook to skip the layers and head after it."""
 
 
 class TargetModel:
@@ -34,6 +38,8 @@ class TargetModel:
         self.hidden_size: int = config.hidden_size
         self.vocab_size: int = model.get_output_embeddings().weight.shape[0]
         self.max_context: int = int(getattr(config, "max_position_embeddings", 1 << 30))
+        layers = self.new_cache().layers
+        self.sliding_window_layers: list[int] = [i for i, layer in enumerate(layers) if layer.is_sliding]
 
     @property
     def device(self) -> torch.device:
@@ -52,6 +58,18 @@ class TargetModel:
                 f"so ids must be in [0, {self.num_layers - 1}] (DFlash convention: id i = output of layer i)"
             )
 
+    def check_speculation_supported(self) -> None:
+        """Refuse sliding-window targets up front: verification scores drafts under its own 4D mask,
+        which ignores the window, and a sliding cache cannot be cropped back after a rejected draft,
+        so the output would drift from plain decoding once the context outgrows the window."""
+        if self.sliding_window_layers:
+            name = type(self.model).__name__
+            raise UnsupportedModelError(
+                f"{name} uses sliding-window attention in layers {self.sliding_window_layers}, which "
+                "speculative verification does not support yet: use method 'ar', or a configuration "
+                "without sliding windows (e.g. use_sliding_window=False when every prompt fits the window)"
+            )
+
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.model.config)
 
@@ -60,6 +78,38 @@ class TargetModel:
         """Run the prompt through the model; logits are kept for the last position only."""
         positions = torch.arange(token_ids.shape[0], device=self.device)
         return self._forward(cache, token_ids, positions, None, layer_ids, logits_to_keep=1)
+
+    @torch.inference_mode()
+    def taps(self, token_ids: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
+        """[n, T, H] taps of a whole sequence without a cache, for training: the decoder stops after
+        the deepest tapped layer (DFlare's taps end at 27 of SmolLM2's 30 layers).
+
+        Equal to :meth:`prefill`'s taps; a tap of the last layer takes the full forward, because
+        Hugging Face reports that layer after the final norm.
+        """
+        deepest = max(layer_ids)
+        if deepest == self.num_layers - 1:
+            return self.prefill(self.new_cache(), token_ids, layer_ids).hidden
+        layers = self.model.get_decoder().layers
+        outputs: dict[int, torch.Tensor] = {}
+
+        def recorder(index: int):
+            def record(module, args, output) -> None:
+                outputs[index] = output[0] if isinstance(output, tuple) else output
+                if index == deepest:
+                    raise _TapsComplete
+
+            return record
+
+        hooks = [layers[i].register_forward_hook(recorder(i)) for i in set(layer_ids)]
+        try:
+            self.model.get_decoder()(input_ids=token_ids[None].to(self.device), use_cache=False)
+        except _TapsComplete:
+            pass
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return torch.stack([outputs[i][0] for i in layer_ids], dim=1)
 
     def attention_mask(self, cache: DynamicCache, tree_mask: torch.Tensor) -> torch.Tensor:
         """The additive 4D mask for :meth:`verify`: every node sees the whole cached context, and
@@ -119,11 +169,6 @@ class TargetModel:
         if path != list(range(keep)):
             source = torch.tensor(path, device=cache.layers[0].keys.device) + start
             for layer in cache.layers:
-                if layer.is_sliding:
-                    raise NotImplementedError(
-                        "tree verification does not support sliding-window attention caches yet; "
-                        "use --method chain or a model without sliding-window layers"
-                    )
                 layer.keys[:, :, start : start + keep] = layer.keys.index_select(2, source)
                 layer.values[:, :, start : start + keep] = layer.values.index_select(2, source)
         excess = cache.get_seq_length() - (start + keep)
