@@ -9,6 +9,7 @@ import pytest
 
 from diffdraft.bench import methods
 from diffdraft.bench.cli import add_bench_parser, run_bench
+from diffdraft.bench.journal import JOURNAL
 from diffdraft.bench.methods import MethodSpec, OursRunner, register
 from diffdraft.drafters.checkpoint import save_draft_model
 from diffdraft.loading import load_target
@@ -69,6 +70,7 @@ def test_the_bench_writes_results_report_and_plots(setup, tmp_path, capsys):
     for plot in ("budget_sweep.png", "acceptance_histograms.png", "stage_times.png"):
         assert (out / plot).read_bytes()[:4] == b"\x89PNG"
     assert "skipping hf-assisted" in capsys.readouterr().err
+    assert not (out / JOURNAL).exists()  # only an unfinished run leaves its journal
 
 
 class OffByOne:

@@ -14,6 +14,7 @@ import torch
 import transformers
 
 from diffdraft.bench.datasets import BUILTIN, load_samples
+from diffdraft.bench.journal import Journal
 from diffdraft.bench.lossless import TIE_TOLERANCE, LosslessChecker
 from diffdraft.bench.methods import (
     REFERENCE,
@@ -94,6 +95,11 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--out", default="bench-results", help="output directory (default bench-results)")
     p.add_argument("--quick", action="store_true", help=f"a couple of minutes: {QUICK}")
     p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue an interrupted run in --out (same command, same machine): finished prompts are kept",
+    )
+    p.add_argument(
         "--refresh-cost", action="store_true", help="re-measure the cached verification cost curve"
     )
     p.add_argument(
@@ -144,11 +150,13 @@ def run_bench(args: argparse.Namespace) -> int:
         progress=progress,
     )
     curve = models.cost_curve()
-    run = run_benchmark(runners, samples, models.tokenizer, checker, bench)
+    command = _command(args, options)
+    journal = Journal(args.out, {"command": command} | _machine(models), resume=args.resume)
+    run = run_benchmark(runners, samples, models.tokenizer, checker, bench, journal)
     summaries = summarize(run.records, curve, models.dtype_name)
     found = checks(summaries)
     header = {
-        "command": _command(args, options),
+        "command": command,
         "target": models.main.source,
         "dtype": models.dtype_name,
         "drafter": args.drafter,
@@ -161,6 +169,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "auto_budget": {r.spec.label: r.auto.planner.describe() for r in runners if getattr(r, "auto", None)},
     }
     written = write_outputs(args.out, header, run, summaries, found, curve, models.tokenizer)
+    journal.close()
     for summary in summaries:
         print(
             f"{summary.dataset:>10} T={summary.temperature:g} {summary.method:>16}: "
@@ -258,7 +267,8 @@ def _command(args: argparse.Namespace, options: dict) -> str:
     return shlex.join(parts)
 
 
-def _environment(models: BenchModels, busy_before: float | None) -> dict:
+def _machine(models: BenchModels) -> dict:
+    """What timings depend on besides the command."""
     return {
         "cpu": _cpu_name(),
         "cores": os.cpu_count(),
@@ -267,6 +277,11 @@ def _environment(models: BenchModels, busy_before: float | None) -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
+    }
+
+
+def _environment(models: BenchModels, busy_before: float | None) -> dict:
+    return _machine(models) | {
         "busy_before": busy_before,
         "busy_after": _cpu_busy(),
         "load_average": _load_average(),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
@@ -19,6 +20,9 @@ from diffdraft.bench.lossless import LosslessChecker
 from diffdraft.bench.methods import REFERENCE, Completion, MethodRunner, MethodSpec, Request
 from diffdraft.chat import encode_chat, encode_prompt
 from diffdraft.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from diffdraft.bench.journal import Journal
 
 
 @dataclass
@@ -30,6 +34,10 @@ class BenchOptions:
     """Repeat r of a sampled run uses seed ``seed + r`` for every method."""
     warmup_tokens: int = 16
     progress: bool = True
+
+
+TurnKey = tuple[str, str, int, float, int]
+"""(dataset, sample id, turn, temperature, repeat): one prompt turn of one repeat."""
 
 
 @dataclass
@@ -47,6 +55,10 @@ class Record:
     compared: bool = False
     """Whether the tokens were checked against plain AR (greedy, same dtype)."""
     divergence: dict | None = None
+
+    @property
+    def key(self) -> TurnKey:
+        return (self.dataset, self.sample_id, self.turn, self.temperature, self.repeat)
 
     def to_dict(self) -> dict:
         fields = asdict(self)
@@ -70,8 +82,12 @@ def run_benchmark(
     tokenizer: PreTrainedTokenizerBase,
     checker: LosslessChecker,
     options: BenchOptions,
+    journal: Journal | None = None,
 ) -> BenchRun:
-    """Run every method on every sample turn; the plain AR runner must be among ``runners``."""
+    """Run every method on every sample turn; the plain AR runner must be among ``runners``.
+
+    Turns the ``journal`` holds from an interrupted run are replayed, not generated again.
+    """
     reference = next((r for r in runners if r.spec == MethodSpec(REFERENCE)), None)
     if reference is None:
         raise InvalidRequestError("the benchmark needs plain AR (method 'ar') as the reference")
@@ -89,29 +105,52 @@ def run_benchmark(
             for turn in range(sample.turns):
                 prompt = _encode(tokenizer, sample, messages)
                 for repeat in range(options.repeats):
-                    request = Request(prompt, options.max_new_tokens, temperature, seed=options.seed + repeat)
                     order = [*runners[rotation:], *runners[:rotation]]
                     rotation = (rotation + 1) % len(runners)
-                    done = {}
-                    for runner in order:
-                        bar.set_postfix_str(f"{sample.dataset} {runner.spec.label}", refresh=False)
-                        done[runner] = runner.generate(request)
-                        bar.update()
-                    for runner in runners:
-                        record = Record(
-                            sample.dataset, sample.id, turn, temperature, repeat, runner.spec.label,
-                            len(prompt), done[runner],
-                        )  # fmt: skip
-                        _check(record, runner, reference, done[reference], prompt, checker)
-                        run.records.append(record)
+                    key: TurnKey = (sample.dataset, sample.id, turn, temperature, repeat)
+                    records = journal.finished.get(key) if journal else None
+                    if records is None:
+                        records = _generate_turn(runners, order, prompt, key, options, checker, bar)
+                        if journal:
+                            journal.append(records)
+                    else:
+                        bar.update(len(records))
+                    run.records.extend(records)
+                    reply = next(r.completion for r in records if r.method == REFERENCE)
                 if turn + 1 < sample.turns:
-                    reply = tokenizer.decode(done[reference].token_ids, skip_special_tokens=True)
+                    text = tokenizer.decode(reply.token_ids, skip_special_tokens=True)
                     messages += [
-                        {"role": "assistant", "content": reply},
+                        {"role": "assistant", "content": text},
                         {"role": "user", "content": sample.followups[turn]},
                     ]
     bar.close()
     return run
+
+
+def _generate_turn(
+    runners: Sequence[MethodRunner],
+    order: Sequence[MethodRunner],
+    prompt: list[int],
+    key: TurnKey,
+    options: BenchOptions,
+    checker: LosslessChecker,
+    bar: tqdm,
+) -> list[Record]:
+    """Every method on one prompt turn, in ``order``; records in ``runners`` order, checked against AR."""
+    *_, temperature, repeat = key
+    request = Request(prompt, options.max_new_tokens, temperature, seed=options.seed + repeat)
+    reference = next(r for r in runners if r.spec == MethodSpec(REFERENCE))
+    done = {}
+    for runner in order:
+        bar.set_postfix_str(f"{key[0]} {runner.spec.label}", refresh=False)
+        done[runner] = runner.generate(request)
+        bar.update()
+    records = []
+    for runner in runners:
+        record = Record(*key, runner.spec.label, len(prompt), done[runner])
+        _check(record, runner, reference, done[reference], prompt, checker)
+        records.append(record)
+    return records
 
 
 def _check(
