@@ -75,3 +75,19 @@ def test_calibrated_boost_keeps_every_row_a_distribution():
     boosted.propose(torch.tensor(context), 3)
     proposal = boosted.propose(torch.tensor([*context, 2, 3, 5, 0, 1]), 3)
     torch.testing.assert_close(proposal.log_probs.exp().sum(-1), torch.ones(3, dtype=LOG_PROBS.dtype))
+
+
+def test_a_copy_longer_than_the_drafter_block_extends_the_proposal():
+    boosted = LookupBoostedDrafter(FixedDrafter(LOG_PROBS), weight=0.5)
+    assert boosted.max_depth == 10  # the drafter covers 3 positions, a copy up to 10
+    # context "1 2 3 4 5 0 1 2": the 2-gram "1 2" copies "3 4 5 0 1 2", six tokens
+    proposal = boosted.propose(torch.tensor([1, 2, 3, 4, 5, 0, 1, 2]), 8)
+    probs = proposal.log_probs.exp()
+    assert proposal.depth == 6
+    torch.testing.assert_close(probs.sum(-1), torch.ones(6))
+    rows, within = torch.arange(3), torch.tensor([3, 4, 5])
+    torch.testing.assert_close(probs[rows, within], 0.5 * LOG_PROBS.exp()[rows, within] + 0.5)
+    for row, copied in zip(probs[3:], [0, 1, 2], strict=True):  # past the block: w + (1 - w) / V
+        assert math.isclose(row[copied], 0.5 + 0.5 / 6, rel_tol=1e-5)
+        assert math.isclose(row.min(), 0.5 / 6, rel_tol=1e-5)
+    assert boosted.propose(torch.tensor([1, 2, 3, 4, 5, 0, 1, 2]), 4).depth == 4  # the engine's cap holds
