@@ -12,9 +12,10 @@ calibrated): HumanEval budget 8 1.90 -> 2.04, 32 2.11 -> 2.15; MT-Bench budget 8
 16 1.99 -> 1.98. Every row stays a probability distribution, so all verifiers stay exact whatever
 the weights.
 
-A copy may run past the drafter's block (prompt lookup alone accepted 10 tokens in 6% of its
-MT-Bench rounds, a block of 8 caps a round at 8): there the copied token gets w and the rest of
-the row is spread evenly, so the tree can follow a long copy while the drafter covers the start.
+A copy may run past the drafter's block (on MT-Bench 8% of budget-8 rounds hit a block of 8's cap,
+while prompt lookup alone went on to 10 copied tokens in 4% of its rounds): there the copied token
+gets w and the rest of the row is spread evenly, so the tree can follow a long copy while the
+drafter covers its start.
 """
 
 from __future__ import annotations
