@@ -93,4 +93,7 @@ def test_a_cut_short_last_line_runs_that_turn_again(tokenizer, tmp_path):
     )
     path = tmp_path / JOURNAL
     path.write_text(path.read_text()[:-20])
-    assert Journal(tmp_path, FINGERPRINT, resume=True).finished == {}
+    journal = Journal(tmp_path, FINGERPRINT, resume=True)
+    assert journal.finished == {}
+    run_benchmark([Stub("ar", [], [2, 3])], sample, tokenizer, checker(), options, journal)
+    assert len(Journal(tmp_path, FINGERPRINT, resume=True).finished) == 1  # appended after a clean cut

@@ -38,12 +38,15 @@ class Journal:
                 f"on another machine ({', '.join(changed)} differ), so its timings would not compare; "
                 "rerun with the original command on the original machine, or without --resume to start over"
             )
+        kept = 1
         for line in lines[1:]:
             entries = _decode(line).get("records")
             if not entries:
                 break  # the last line of a killed run may be cut short; that turn runs again
             records = [Record(**(e | {"completion": Completion(**e["completion"])})) for e in entries]
             self.finished[records[0].key] = records
+            kept += 1
+        self.path.write_text("".join(line + "\n" for line in lines[:kept]))  # drop a cut-short line
 
     def append(self, records: list[Record]) -> None:
         """Record one finished turn; on disk before the next turn starts."""
