@@ -90,7 +90,7 @@ class TargetModel:
         deepest = max(layer_ids)
         if deepest == self.num_layers - 1:
             return self.prefill(self.new_cache(), token_ids, layer_ids).hidden
-        layers = self.model.get_decoder().layers
+        decoder = self.model.get_decoder()
         outputs: dict[int, torch.Tensor] = {}
 
         def recorder(index: int):
@@ -101,9 +101,9 @@ class TargetModel:
 
             return record
 
-        hooks = [layers[i].register_forward_hook(recorder(i)) for i in set(layer_ids)]
+        hooks = [decoder.layers[i].register_forward_hook(recorder(i)) for i in set(layer_ids)]
         try:
-            self.model.get_decoder()(input_ids=token_ids[None].to(self.device), use_cache=False)
+            decoder(input_ids=token_ids[None].to(self.device), use_cache=False)
         except _TapsComplete:
             pass
         finally:

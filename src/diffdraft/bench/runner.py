@@ -110,7 +110,9 @@ def run_benchmark(
                     key: TurnKey = (sample.dataset, sample.id, turn, temperature, repeat)
                     records = journal.finished.get(key) if journal else None
                     if records is None:
-                        records = _generate_turn(runners, order, prompt, key, options, checker, bar)
+                        records = _generate_turn(
+                            runners, order, reference, prompt, key, options, checker, bar
+                        )
                         if journal:
                             journal.append(records)
                     else:
@@ -130,6 +132,7 @@ def run_benchmark(
 def _generate_turn(
     runners: Sequence[MethodRunner],
     order: Sequence[MethodRunner],
+    reference: MethodRunner,
     prompt: list[int],
     key: TurnKey,
     options: BenchOptions,
@@ -139,7 +142,6 @@ def _generate_turn(
     """Every method on one prompt turn, in ``order``; records in ``runners`` order, checked against AR."""
     *_, temperature, repeat = key
     request = Request(prompt, options.max_new_tokens, temperature, seed=options.seed + repeat)
-    reference = next(r for r in runners if r.spec == MethodSpec(REFERENCE))
     done = {}
     for runner in order:
         bar.set_postfix_str(f"{key[0]} {runner.spec.label}", refresh=False)
