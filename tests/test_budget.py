@@ -32,26 +32,40 @@ def saturating_tau(max_budget: int, scale: float = 16.0) -> list[float]:
 
 def test_a_flat_then_steep_curve_picks_the_last_flat_budget():
     # verifying up to 33 tokens costs the same; 34 costs double: with acceptance still growing, B = 32 wins
-    curve = VerifyCostCurve(sizes=[1, 33, 34, 256], seconds=[0.01, 0.01, 0.02, 1.0], context=512)
-    assert choose_budget(curve, saturating_tau(255)).budget == 32
+    curve = VerifyCostCurve(sizes=[1, 33, 34, 256], contexts=[512], seconds=[[0.01, 0.01, 0.02, 1.0]])
+    assert choose_budget(curve, saturating_tau(255), 512).budget == 32
 
 
 def test_the_choice_is_the_brute_force_optimum_and_moves_with_the_per_round_costs():
     sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256]
-    curve = VerifyCostCurve(sizes=sizes, seconds=[0.02 * (1 + q / 48) for q in sizes], context=512)
+    curve = VerifyCostCurve(sizes=sizes, contexts=[512], seconds=[[0.02 * (1 + q / 48) for q in sizes]])
     tau = saturating_tau(255)
-    choice = choose_budget(curve, tau)
-    brute = max(range(1, 256), key=lambda b: tau[b] / curve(b + 1))
+    choice = choose_budget(curve, tau, 512)
+    brute = max(range(1, 256), key=lambda b: tau[b] / curve(b + 1, 512))
     assert choice.budget == brute
-    assert choice.tokens_per_second == pytest.approx(tau[brute] / curve(brute + 1))
+    assert choice.tokens_per_second == pytest.approx(tau[brute] / curve(brute + 1, 512))
     # a big fixed cost per round (a slow drafter) makes each round worth filling: the budget grows
-    assert choose_budget(curve, tau, fixed_seconds=0.2).budget > choice.budget
+    assert choose_budget(curve, tau, 512, fixed_seconds=0.2).budget > choice.budget
 
 
-def test_the_curve_interpolates_and_extrapolates_linearly():
-    curve = VerifyCostCurve(sizes=[1, 3, 5], seconds=[1.0, 2.0, 4.0], context=8)
-    assert curve(2) == pytest.approx(1.5)
-    assert curve(7) == pytest.approx(6.0)
+def test_the_curve_interpolates_and_extrapolates_linearly_in_size_and_context():
+    curve = VerifyCostCurve(sizes=[1, 3, 5], contexts=[100, 200], seconds=[[1.0, 2.0, 4.0], [2.0, 3.0, 5.0]])
+    assert curve(2, 100) == pytest.approx(1.5)
+    assert curve(7, 100) == pytest.approx(6.0)
+    assert curve(2, 150) == pytest.approx(2.0)
+    assert curve(1, 400) == pytest.approx(4.0)  # attention keeps growing with the cache
+    assert curve(1, 10) == pytest.approx(1.0)  # flat below the shortest measured context
+
+
+def test_the_budget_shrinks_where_long_contexts_make_big_trees_expensive():
+    # at 128 cached tokens 64 nodes cost what one does; at 1024 every node costs more
+    sizes = [1, 65, 256]
+    short = [0.01, 0.01, 0.04]
+    long = [0.01, 0.03, 0.1]
+    curve = VerifyCostCurve(sizes=sizes, contexts=[128, 1024], seconds=[short, long])
+    tau = saturating_tau(255)
+    assert choose_budget(curve, tau, 128).budget == 64
+    assert choose_budget(curve, tau, 1024).budget < 64
 
 
 def test_the_surrogate_sums_the_best_prefix_probabilities():
@@ -62,7 +76,7 @@ def test_the_surrogate_sums_the_best_prefix_probabilities():
 
 
 def test_the_planner_calibrates_the_surrogate_with_realized_rounds():
-    curve = VerifyCostCurve(sizes=[1, 64], seconds=[0.01, 0.01], context=512)
+    curve = VerifyCostCurve(sizes=[1, 64], contexts=[512], seconds=[[0.01, 0.01]])
     planner = BudgetPlanner(curve, max_budget=32)
     planner.observe_proposal([1.0 + 0.1 * b for b in range(40)])
     assert planner.max_budget == 32
@@ -75,7 +89,7 @@ def test_the_planner_calibrates_the_surrogate_with_realized_rounds():
 
 def test_the_auto_builder_keeps_the_best_first_prefix_of_the_chosen_size():
     # t(q) flat up to 9 tokens then steep: the planner should settle on 8 nodes
-    curve = VerifyCostCurve(sizes=[1, 9, 10, 64], seconds=[0.01, 0.01, 0.05, 1.0], context=512)
+    curve = VerifyCostCurve(sizes=[1, 9, 10, 64], contexts=[512], seconds=[[0.01, 0.01, 0.05, 1.0]])
     builder = AutoBudgetBuilder(BudgetPlanner(curve), initial_budget=2, refresh=2)
     log_probs = torch.randn(3, 50).mul(2).log_softmax(-1)
     proposal = Proposal(log_probs=log_probs)
@@ -90,11 +104,15 @@ def test_the_auto_builder_keeps_the_best_first_prefix_of_the_chosen_size():
 
 def test_measuring_gives_every_size_and_the_cache_is_reused_until_it_stops_matching(tmp_path, monkeypatch):
     target = TargetModel(tiny_target(dtype=torch.float32, max_positions=64))
-    curve = measure_verify_cost(target, sizes=(1, 4, 16, 64), repeats=1)
+    curve = measure_verify_cost(target, sizes=(1, 4, 16, 64), contexts=(8, 40, 512), repeats=1)
     assert curve.sizes == [1, 4, 16]  # sizes past half the context are dropped
-    assert all(t > 0 for t in curve.seconds) and curve.seconds == sorted(curve.seconds)
+    assert curve.contexts == [8, 40, 48]  # contexts past the model's window are cut to fit
+    assert all(t > 0 for row in curve.seconds for t in row)
+    assert all(row == sorted(row) for row in curve.seconds)  # never cheaper for more tokens
+    assert all(list(column) == sorted(column) for column in zip(*curve.seconds, strict=True))
 
     monkeypatch.setattr(budget, "DEFAULT_SIZES", (1, 4, 8))
+    monkeypatch.setattr(budget, "DEFAULT_CONTEXTS", (16, 32))
     first = load_or_measure(target, cache_dir=tmp_path)
     [file] = tmp_path.glob("*.json")
     monkeypatch.setattr(budget, "still_valid", lambda curve, target: True)
@@ -102,7 +120,7 @@ def test_measuring_gives_every_size_and_the_cache_is_reused_until_it_stops_match
 
     monkeypatch.undo()
     stale = json.loads(file.read_text())
-    stale["seconds"] = [100 * t for t in stale["seconds"]]  # as if measured on a much slower machine
+    stale["seconds"] = [[100 * t for t in row] for row in stale["seconds"]]  # a much slower machine
     file.write_text(json.dumps(stale))
     assert not budget.still_valid(VerifyCostCurve(**stale), target)
     assert load_or_measure(target, cache_dir=tmp_path).seconds != stale["seconds"]

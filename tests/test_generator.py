@@ -169,6 +169,7 @@ def test_ddtree_auto_budget_is_lossless_and_learns_from_each_request(
 
     monkeypatch.setenv("DIFFDRAFT_CACHE", str(tmp_path))
     monkeypatch.setattr(budget, "DEFAULT_SIZES", (1, 4, 8, 16))
+    monkeypatch.setattr(budget, "DEFAULT_CONTEXTS", (16, 32))
     generator = diffdraft.load(checkpoint, drafter=drafter_dir, method="ddtree", budget="auto")
     result = generator.generate("hello world, the quick", max_new_tokens=16, ignore_eos=True)
     reference = hf_greedy(generator.loaded.model, result.prompt_token_ids, 16, eos=None)
@@ -183,6 +184,7 @@ def test_cli_accepts_an_auto_budget(checkpoint, drafter_dir, monkeypatch, tmp_pa
 
     monkeypatch.setenv("DIFFDRAFT_CACHE", str(tmp_path))
     monkeypatch.setattr(budget, "DEFAULT_SIZES", (1, 4, 8))
+    monkeypatch.setattr(budget, "DEFAULT_CONTEXTS", (16, 32))
     args = [
         "generate",
         "--target",

@@ -31,71 +31,89 @@ from tqdm import tqdm
 
 from diffdraft.default_model import cache_root
 from diffdraft.drafters.base import Proposal
+from diffdraft.packed_linear import has_packed_layers
 from diffdraft.sampling import SamplingParams
 from diffdraft.target import TargetModel
 from diffdraft.trees import DDTreeBuilder, DraftTree
 from diffdraft.verify import accept
 
 DEFAULT_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-DEFAULT_CONTEXT = 512
+DEFAULT_CONTEXTS = (128, 256, 512, 1024)
 MAX_BUDGET = 256
 _GREEDY = SamplingParams()
 
 
 @dataclass
 class VerifyCostCurve:
-    """Measured seconds t(q) of verifying a q-token tree (mask, forward, acceptance), ``context`` cached."""
+    """Measured seconds t(q, n) of verifying a q-token tree (mask, forward, acceptance) over n cached
+    tokens. The context matters as much as q on a CPU: attention over the cache grows with n, and
+    at different rates for one query and for many."""
 
     sizes: list[int]
-    seconds: list[float]
-    context: int
+    contexts: list[int]
+    seconds: list[list[float]]
+    """``seconds[i][j]`` is t(sizes[j]) over contexts[i] cached tokens."""
     key: str = ""
     measured_at: str = ""
 
-    def __call__(self, q: float) -> float:
-        """t(q), linear between measured sizes and extrapolated linearly past the largest."""
-        if q > self.sizes[-1] and len(self.sizes) > 1:
-            slope = (self.seconds[-1] - self.seconds[-2]) / (self.sizes[-1] - self.sizes[-2])
-            return self.seconds[-1] + slope * (q - self.sizes[-1])
-        return float(np.interp(q, self.sizes, self.seconds))
+    def __call__(self, q: float, context: float) -> float:
+        """t(q, n), linear between measured points, extrapolated linearly past the largest size and
+        context (and flat below the smallest context)."""
+        per_context = [_interpolate(q, self.sizes, row) for row in self.seconds]
+        return _interpolate(context, self.contexts, per_context)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
+def _interpolate(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
+    if x > xs[-1] and len(xs) > 1:
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        return ys[-1] + slope * (x - xs[-1])
+    return float(np.interp(x, xs, ys))
+
+
 def measure_verify_cost(
     target: TargetModel,
     sizes: Sequence[int] = DEFAULT_SIZES,
-    context: int = DEFAULT_CONTEXT,
+    contexts: Sequence[int] = DEFAULT_CONTEXTS,
     repeats: int = 5,
     progress: bool = False,
 ) -> VerifyCostCurve:
-    """Median time of a verification stage per size, sizes interleaved so drift hits all alike.
+    """Median time of a verification stage per size and context, sizes interleaved so drift hits
+    all alike.
 
-    Verifying more tokens never costs less, so a dip in the medians is noise: each size is charged
-    at least what any smaller size measured.
+    Verifying more tokens, or over a longer context, never costs less, so a dip in the medians is
+    noise: each point is charged at least what any smaller size or context measured.
     """
     sizes = sorted({q for q in sizes if q <= target.max_context // 2} | {1})  # short-context models
-    context = min(context, target.max_context - sizes[-1])
-    seconds = np.maximum.accumulate(_time_verify(target, sizes, context, repeats, progress))
+    contexts = sorted({min(n, target.max_context - sizes[-1]) for n in contexts})
+    steps = tqdm(
+        total=(repeats + 1) * len(sizes) * len(contexts),
+        desc="verify cost t(q, n)",
+        disable=not progress,
+        leave=False,
+    )
+    seconds = np.array([_time_verify(target, sizes, n, repeats, steps) for n in contexts])
+    steps.close()
+    seconds = np.maximum.accumulate(np.maximum.accumulate(seconds, axis=1), axis=0)
     return VerifyCostCurve(
         sizes=list(sizes),
+        contexts=list(contexts),
         seconds=seconds.tolist(),
-        context=context,
-        key=curve_key(target, context),
+        key=curve_key(target),
         measured_at=time.strftime("%Y-%m-%d %H:%M:%S"),
     )
 
 
 def _time_verify(
-    target: TargetModel, sizes: Sequence[int], context: int, repeats: int, progress: bool
+    target: TargetModel, sizes: Sequence[int], context: int, repeats: int, steps: tqdm | None = None
 ) -> list[float]:
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, target.vocab_size, (context + max(sizes),), generator=generator)
     cache = target.new_cache()
     target.prefill(cache, ids[:context].to(target.device), [])
     timings: dict[int, list[float]] = {q: [] for q in sizes}
-    steps = tqdm(total=(repeats + 1) * len(sizes), desc="verify cost t(q)", disable=not progress, leave=False)
     for repeat in range(repeats + 1):  # the first pass warms kernels up and is not kept
         for q in sizes:
             tree = _synthetic_tree(ids[context : context + q].to(target.device))
@@ -108,8 +126,8 @@ def _time_verify(
             if repeat:
                 timings[q].append(time.perf_counter() - begin)
             cache.crop(-q)
-            steps.update()
-    steps.close()
+            if steps is not None:
+                steps.update()
     return [float(np.median(timings[q])) for q in sizes]
 
 
@@ -127,11 +145,13 @@ def still_valid(curve: VerifyCostCurve, target: TargetModel, tolerance: float = 
     """Spot-check a cached curve at two sizes: a curve measured while other jobs loaded the machine
     (or before a hardware change) would mislead every budget choice."""
     probes = sorted({curve.sizes[0], curve.sizes[len(curve.sizes) // 2]})
-    now = _time_verify(target, probes, curve.context, repeats=3, progress=False)
-    return all(abs(t - curve(q)) <= tolerance * curve(q) for q, t in zip(probes, now, strict=True))
+    context = curve.contexts[len(curve.contexts) // 2]
+    now = _time_verify(target, probes, context, repeats=3)
+    expected = [curve(q, context) for q in probes]
+    return all(abs(t - e) <= tolerance * e for t, e in zip(now, expected, strict=True))
 
 
-def curve_key(target: TargetModel, context: int) -> str:
+def curve_key(target: TargetModel) -> str:
     """Identifies what t(q) depends on: model shape (not weights or path), dtype, device, threads, CPU."""
     config = {k: v for k, v in target.model.config.to_dict().items() if k not in ("_name_or_path", "dtype")}
     facts = {
@@ -142,8 +162,8 @@ def curve_key(target: TargetModel, context: int) -> str:
         "torch": torch.__version__,
         "cpu": platform.processor() or platform.machine(),
         "cores": os.cpu_count(),
-        "context": context,
-        "stage": "mask+forward+accept",  # what t(q) covers; a change must not reuse old curves
+        "packed": has_packed_layers(target.model),
+        "stage": "mask+forward+accept per context",  # what t covers; a change must not reuse old curves
     }
     digest = hashlib.sha1(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:12]
     dtype = str(target.dtype).removeprefix("torch.")
@@ -152,7 +172,6 @@ def curve_key(target: TargetModel, context: int) -> str:
 
 def load_or_measure(
     target: TargetModel,
-    context: int = DEFAULT_CONTEXT,
     refresh: bool = False,
     cache_dir: str | os.PathLike | None = None,
     progress: bool = False,
@@ -160,12 +179,12 @@ def load_or_measure(
     """The cached curve for this model shape and device, measuring (and caching) it when absent or
     when a spot check no longer matches it."""
     folder = Path(cache_dir) if cache_dir is not None else cache_root() / "verify_cost"
-    file = folder / f"{curve_key(target, context)}.json"
+    file = folder / f"{curve_key(target)}.json"
     if file.is_file() and not refresh:
         cached = VerifyCostCurve(**json.loads(file.read_text()))
         if still_valid(cached, target):
             return cached
-    curve = measure_verify_cost(target, context=context, progress=progress)
+    curve = measure_verify_cost(target, DEFAULT_SIZES, DEFAULT_CONTEXTS, progress=progress)
     folder.mkdir(parents=True, exist_ok=True)
     temporary = file.with_suffix(f".tmp{os.getpid()}")
     temporary.write_text(json.dumps(curve.to_dict(), indent=1) + "\n")
@@ -202,18 +221,22 @@ class BudgetChoice:
 def choose_budget(
     curve: VerifyCostCurve,
     expected_tau: Sequence[float],
+    context: int,
     fixed_seconds: float = 0.0,
     budgets: Sequence[int] | None = None,
 ) -> BudgetChoice:
-    """The budget B maximizing ``expected_tau[B] / (t(B + 1) + fixed_seconds)``.
+    """The budget B maximizing ``expected_tau[B] / (t(B + 1, context) + fixed_seconds)``.
 
     ``expected_tau[B]`` is the expected acceptance length with B drafted nodes; candidates default
-    to every B it covers. ``fixed_seconds`` is the per-round cost outside verification (drafter
-    forward, tree build, commit, loop overhead), which barely depends on the budget.
+    to every B it covers. ``context`` is the number of cached tokens the round verifies over.
+    ``fixed_seconds`` is the per-round cost outside verification (drafter forward, tree build,
+    commit, loop overhead), which barely depends on the budget.
     """
     candidates = budgets or range(1, len(expected_tau))
     expected = {
-        b: expected_tau[b] / (curve(b + 1) + fixed_seconds) for b in candidates if b < len(expected_tau)
+        b: expected_tau[b] / (curve(b + 1, context) + fixed_seconds)
+        for b in candidates
+        if b < len(expected_tau)
     }
     if not expected:
         raise ValueError("no candidate budget has an expected acceptance length")
@@ -259,14 +282,16 @@ class BudgetPlanner:
         scale = self.calibration()
         return [1.0 + scale * (value - 1.0) for value in self.surrogate()]
 
-    def choose(self) -> BudgetChoice:
-        return choose_budget(self.curve, self.expected_tau(), self.fixed_seconds)
+    def choose(self, context: int) -> BudgetChoice:
+        return choose_budget(self.curve, self.expected_tau(), context, self.fixed_seconds)
 
-    def describe(self) -> dict:
-        """The planner's current model, for reports: what it expects at each power-of-two budget."""
-        choice = self.choose()
+    def describe(self, context: int) -> dict:
+        """The planner's current model, for reports: what it expects at each power-of-two budget
+        over ``context`` cached tokens."""
+        choice = self.choose(context)
         shown = [b for b in choice.expected if b & (b - 1) == 0 or b == choice.budget]
         return {
+            "context": context,
             "budget": choice.budget,
             "calibration": self.calibration(),
             "fixed_ms": 1e3 * self.fixed_seconds,
@@ -297,6 +322,7 @@ class AutoBudgetBuilder:
         proposal: Proposal,
         sampling: SamplingParams,
         generator: torch.Generator | None,
+        context: int = 0,
     ) -> DraftTree:
         self._rounds += 1
         if self._rounds % self.refresh != 1 or proposal.log_probs is None:
@@ -304,7 +330,7 @@ class AutoBudgetBuilder:
         else:
             largest = DDTreeBuilder(self.planner.max_budget).build(root_token, proposal, sampling, generator)
             self.planner.observe_proposal(surrogate_acceptance(largest, proposal.log_probs))
-            self.budget = self.planner.choose().budget
+            self.budget = self.planner.choose(context).budget
             keep = slice(0, self.budget + 1)  # best-first order: a prefix is the optimal smaller tree
             tree = DraftTree(largest.tokens[keep], largest.parents[keep], largest.depths[keep])
         self.used.append(self.budget)

@@ -65,7 +65,7 @@ class SpeculativeEngine:
             with timer("draft"):
                 proposal = self.drafter.propose(all_ids, depth) if depth > 0 else Proposal()
             with timer("tree"):
-                tree = self._build(generated[-1], proposal, sampling, generator)
+                tree = self._build(generated[-1], proposal, sampling, generator, start)
             with timer("mask"):
                 mask = self.target.attention_mask(cache, tree.ancestor_mask()) if tree.num_nodes else None
             with timer("verify"):
@@ -92,11 +92,16 @@ class SpeculativeEngine:
         stats.total_seconds = time.perf_counter() - begin
 
     def _build(
-        self, root: int, proposal: Proposal, sampling: SamplingParams, generator: torch.Generator | None
+        self,
+        root: int,
+        proposal: Proposal,
+        sampling: SamplingParams,
+        generator: torch.Generator | None,
+        context: int,
     ) -> DraftTree:
         if proposal.depth == 0:
             return DraftTree.root_only(root, self.target.device)
-        return self.builder.build(root, proposal, sampling, generator)
+        return self.builder.build(root, proposal, sampling, generator, context)
 
     @staticmethod
     def _pick(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> int:

@@ -24,6 +24,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from diffdraft.default_model import MODEL_NAME, default_model_dir
 from diffdraft.errors import CheckpointError, InvalidRequestError
+from diffdraft.packed_linear import pack_linear_layers
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The names from_pretrained looks for; anything else in the directory is not loadable weights.
@@ -46,14 +47,26 @@ class LoadedModel:
 
 
 def load_target(
-    spec: str | os.PathLike, dtype: str = "auto", device: str | torch.device | None = None
+    spec: str | os.PathLike,
+    dtype: str = "auto",
+    device: str | torch.device | None = None,
+    pack_weights: bool = False,
 ) -> LoadedModel:
     """Load a causal LM in eval mode with SDPA attention (the tree-mask verifier needs SDPA).
 
     ``spec`` is ``"default"`` (the embedded SmolLM2-135M-Instruct), a Hugging Face model directory, or
     a ``.gguf`` file (dequantized to dense weights). ``dtype="auto"`` keeps the checkpoint's recorded
-    dtype, except float16 on CPU and unrecorded dtypes, which become float32.
+    dtype, except float16 on CPU and unrecorded dtypes, which become float32. ``pack_weights`` lays
+    bfloat16 CPU weights out once for oneDNN (:mod:`diffdraft.packed_linear`): same logits, faster
+    forwards, but the model is for inference only.
     """
+    loaded = _load(spec, dtype, device)
+    if pack_weights:
+        pack_linear_layers(loaded.model)
+    return loaded
+
+
+def _load(spec: str | os.PathLike, dtype: str, device: str | torch.device | None) -> LoadedModel:
     if dtype != "auto" and dtype not in DTYPES:
         raise InvalidRequestError(
             f"dtype must be one of 'auto', {', '.join(map(repr, DTYPES))}; got {dtype!r}"

@@ -51,7 +51,7 @@ def test_the_report_shows_every_method_and_explains_divergences(tmp_path):
     assert "0/1 identical, 1 near-tie" in report and "**FAIL: 1 unexplained**" in report
     assert "| set | s | 0 | ddtree:8 | 1 | 4 |" in report and "| 0.010 | 0.010 | near-tie |" in report
     assert "**BUG: clear margin** |" in report
-    assert "| t(q) ms | 10.0 | 20.0 |" in report
+    assert "| 0 | 10.0 | 20.0 |" in report and "| 100 | 20.0 | 30.0 |" in report  # t(q, n) per context
     results = json.loads((tmp_path / "results.json").read_text())
     assert len(results["records"]) == 4 and results["summaries"][1]["tau"] == 2.25
     for name in ("budget_sweep.png", "acceptance_histograms.png", "stage_times.png"):

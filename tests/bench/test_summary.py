@@ -20,12 +20,14 @@ def record(method: str, repeat: int, seconds: float, lengths: list[int], sizes: 
         stages,
         [sizes] * len(lengths),
         [0.01] * len(lengths),
+        verify_contexts=[5 + sum(lengths[:i]) for i in range(len(lengths))],
         draft_depths=[sizes - 1] * len(lengths),
     )
     return Record("set", "s", 0, 0.0, repeat, method, 5, done, compared=method != "ar")
 
 
-CURVE = VerifyCostCurve(sizes=[1, 64], seconds=[0.01, 0.02], context=512)
+# verifying gets dearer with the cache: +0.01 s per 100 cached tokens
+CURVE = VerifyCostCurve(sizes=[1, 64], contexts=[0, 100], seconds=[[0.01, 0.02], [0.02, 0.03]])
 
 
 def test_speedup_is_per_repeat_with_spread_and_acceptance_is_counted():
@@ -46,8 +48,12 @@ def test_speedup_is_per_repeat_with_spread_and_acceptance_is_counted():
     # position 1 accepted in 6 of 8 rounds; position 2 in 4 of the 6 that got there; position 3
     # (drafted, depth 7) reached by the 4 length-3 rounds and never accepted
     assert tree.position_acceptance == pytest.approx([0.75, 4 / 6, 0.0])
-    # bound = tau t(1) / t(q) with q = 8 verified tokens and no drafter time
-    assert tree.bound == pytest.approx(2.25 * 0.01 / CURVE(8))
+    # bound = tau t(1) / t(q) with q = 8 verified tokens and no drafter time, both taken at the
+    # contexts the rounds verified over: the 5 prompt tokens plus what earlier rounds committed
+    contexts = [5, 8, 9, 11]
+    t_one = sum(CURVE(1, n) for n in contexts) / 4
+    t_eight = sum(CURVE(8, n) for n in contexts) / 4
+    assert tree.bound == pytest.approx(2.25 * t_one / t_eight)
     assert by_method["ar"].bound == pytest.approx(1.0)
     assert tree.compared == tree.identical == 2
 

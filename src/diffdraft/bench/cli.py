@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import transformers
 
@@ -25,7 +26,7 @@ from diffdraft.bench.methods import (
     default_specs,
     registered,
 )
-from diffdraft.bench.runner import BenchOptions, run_benchmark
+from diffdraft.bench.runner import BenchOptions, Record, run_benchmark
 from diffdraft.bench.summary import checks, summarize
 from diffdraft.errors import InvalidRequestError
 
@@ -140,7 +141,7 @@ def run_bench(args: argparse.Namespace) -> int:
     tolerance = args.tie_tolerance
     if tolerance is None:
         tolerance = TIE_TOLERANCE[models.main.model.dtype]
-    checker = LosslessChecker(lambda: models.target("float32").model, tolerance)
+    checker = LosslessChecker(lambda: models.target("float32", packed=False).model, tolerance)
     bench = BenchOptions(
         max_new_tokens=options["max_new_tokens"],
         temperatures=options["temperatures"],
@@ -166,7 +167,11 @@ def run_bench(args: argparse.Namespace) -> int:
         "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
         "elapsed_seconds": time.time() - started,
         "environment": _environment(models, busy_before),
-        "auto_budget": {r.spec.label: r.auto.planner.describe() for r in runners if getattr(r, "auto", None)},
+        "auto_budget": {
+            r.spec.label: r.auto.planner.describe(_median_context(run.records, r.spec.label))
+            for r in runners
+            if getattr(r, "auto", None)
+        },
     }
     written = write_outputs(args.out, header, run, summaries, found, curve, models.tokenizer)
     journal.close()
@@ -243,6 +248,12 @@ def _build_runners(models: BenchModels, specs: list[MethodSpec], explicit: bool)
                 raise
             print(f"diffdraft bench: skipping {spec.label}: {error}", file=sys.stderr)
     return runners
+
+
+def _median_context(records: list[Record], method: str) -> int:
+    """The typical number of cached tokens a method's rounds verified over in this run."""
+    contexts = [n for r in records if r.method == method for n in r.completion.verify_contexts]
+    return int(np.median(contexts)) if contexts else 0
 
 
 def _command(args: argparse.Namespace, options: dict) -> str:

@@ -25,6 +25,7 @@ from diffdraft.drafters.dflash_model import DFlashDraftModel
 from diffdraft.errors import InvalidRequestError
 from diffdraft.generator import SpeculativeGenerator
 from diffdraft.loading import DTYPES, LoadedModel, end_token_ids, load_target
+from diffdraft.packed_linear import packing_supported
 from diffdraft.stats import STAGES
 from diffdraft.target import TargetModel
 
@@ -95,6 +96,8 @@ class Completion:
     """Tokens in each round's verification forward."""
     verify_seconds: list[float] = field(default_factory=list)
     """Seconds of each round's verification forward."""
+    verify_contexts: list[int] = field(default_factory=list)
+    """Cached tokens each round's verification forward attended over."""
     budgets: list[int] = field(default_factory=list)
     """DDTree budget of each round (auto budget only)."""
     draft_depths: list[int] = field(default_factory=list)
@@ -130,10 +133,12 @@ class BenchModels:
         self.cost_cache = cost_cache
         self.refresh_cost = refresh_cost
         self.progress = progress
-        main = load_target(target, dtype=dtype, device=device)
+        main = load_target(target, dtype=dtype, device=device, pack_weights=True)
         self.dtype_name = str(main.model.dtype).removeprefix("torch.")
         self.device = main.model.device
-        self._targets: dict[str, LoadedModel] = {self.dtype_name: main}
+        self._targets: dict[tuple[str, bool], LoadedModel] = {
+            (self.dtype_name, self._packs(self.dtype_name)): main
+        }
         self._drafters: dict[str, DFlashDraftModel] = {}
         self._assistants: dict[str, PreTrainedModel] = {}
         self._curve: VerifyCostCurve | None = None
@@ -142,13 +147,22 @@ class BenchModels:
 
     @property
     def main(self) -> LoadedModel:
-        return self._targets[self.dtype_name]
+        """The target our methods run, in the run's dtype."""
+        return self.target()
 
-    def target(self, dtype: str | None = None) -> LoadedModel:
+    def target(self, dtype: str | None = None, packed: bool = True) -> LoadedModel:
+        """Our methods run the target with packed weights (:mod:`diffdraft.packed_linear`); the
+        Hugging Face baselines get ``packed=False``, the stock model users have."""
         dtype = dtype or self.dtype_name
-        if dtype not in self._targets:
-            self._targets[dtype] = load_target(self.target_spec, dtype=dtype, device=self.device)
-        return self._targets[dtype]
+        key = (dtype, packed and self._packs(dtype))
+        if key not in self._targets:
+            self._targets[key] = load_target(
+                self.target_spec, dtype=dtype, device=self.device, pack_weights=key[1]
+            )
+        return self._targets[key]
+
+    def _packs(self, dtype: str) -> bool:
+        return packing_supported(DTYPES[dtype], self.device)
 
     def draft_model(self, dtype: str | None = None) -> DFlashDraftModel:
         """One drafter per dtype: the generator casts it to its target's dtype in place."""
@@ -267,6 +281,7 @@ class OursRunner:
             stages=stages,
             verify_sizes=[call.tokens for call in verified],
             verify_seconds=[call.seconds for call in verified],
+            verify_contexts=[call.cached for call in verified],
             budgets=budgets,
             draft_depths=list(stats.draft_depths),
         )
@@ -279,7 +294,7 @@ class HFRunner:
         self, models: BenchModels, spec: MethodSpec, lookup: int | None = None, assisted: bool = False
     ) -> None:
         self.spec = spec
-        self.model = models.target(spec.dtype).model
+        self.model = models.target(spec.dtype, packed=False).model
         self.dtype = self.model.dtype
         self.assistant = models.assistant(spec.dtype) if assisted else None
         self.lookup = lookup
@@ -334,6 +349,7 @@ class HFRunner:
             stages=stages,
             verify_sizes=sizes,
             verify_seconds=[call.seconds for call in rounds],
+            verify_contexts=[call.cached for call in rounds],
             draft_depths=[size - 1 for size in sizes],  # HF drafts chains: verified = root + drafts
         )
 

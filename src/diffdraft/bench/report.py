@@ -119,8 +119,11 @@ def markdown(
         "",
         "Speedup = tokens/s over plain AR (`ar`) on the same prompts; figures are means over repeats "
         "with the min–max across repeats in brackets. Bound = tau·t(1) / (t(q) + t_draft), with t(q) "
-        "the measured cost of verifying q tokens (mask, forward, acceptance) and t_draft the drafting "
-        "time per round: the speedup if everything else were free.",
+        "the measured cost of verifying q tokens (mask, forward, acceptance) at the contexts the rounds "
+        "ran at, and t_draft the drafting time per round: the speedup if everything else were free. "
+        "Our methods run the target with packed weights where the dtype allows (bfloat16 on CPU, "
+        "identical logits); Hugging Face methods run the stock model, so `ar` against `hf` is what "
+        "packing alone buys.",
     ]
     if max(env["busy_before"] or 0.0, env["busy_after"] or 0.0) > BUSY_WARNING:
         lines += [
@@ -153,7 +156,8 @@ def markdown(
             "",
             f"## {label}: the cost model's view at the end of the run",
             "",
-            f"Chosen budget {plan['budget']}; surrogate calibration {plan['calibration']:.2f} (realized / "
+            f"At {plan['context']} cached tokens (the run's median round): "
+            f"chosen budget {plan['budget']}; surrogate calibration {plan['calibration']:.2f} (realized / "
             f"predicted drafted tokens); {plan['fixed_ms']:.1f} ms per round outside verification.",
             "",
             "| budget | " + " | ".join(str(b) for b in budgets) + " |",
@@ -166,13 +170,14 @@ def markdown(
     if curve is not None:
         lines += [
             "",
-            f"## Verification cost t(q) on this machine ({curve.context} cached tokens, "
-            f"measured {curve.measured_at})",
+            f"## Verification cost t(q, n) on this machine (ms; measured {curve.measured_at})",
             "",
-            "| q | " + " | ".join(str(q) for q in curve.sizes) + " |",
+            "| cached tokens n \\ q | " + " | ".join(str(q) for q in curve.sizes) + " |",
             "|---" * (len(curve.sizes) + 1) + "|",
-            "| t(q) ms | " + " | ".join(f"{1e3 * t:.1f}" for t in curve.seconds) + " |",
-            "| t(q)/t(1) | " + " | ".join(f"{t / curve.seconds[0]:.2f}" for t in curve.seconds) + " |",
+            *(
+                f"| {n} | " + " | ".join(f"{1e3 * t:.1f}" for t in row) + " |"
+                for n, row in zip(curve.contexts, curve.seconds, strict=True)
+            ),
         ]
     lines += ["", "Plots: " + ", ".join(f"![{p}]({p})" for p in PLOTS), ""]
     return "\n".join(lines)

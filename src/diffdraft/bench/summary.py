@@ -131,14 +131,23 @@ def _summary(
     rounds = len(lengths)
     stages = {s: sum(r.completion.stages.get(s, 0.0) for r in group) for s in STAGE_NAMES}
     sizes = [q for record in group for q in record.completion.verify_sizes]
+    contexts = [n for record in group for n in record.completion.verify_contexts]
     tau = sum(lengths) / rounds if rounds else 0.0
     tokens_per_second = Spread.of(list(rates.values()))
     speedup = Spread.of(speedups) if speedups else Spread(float("nan"), float("nan"), float("nan"))
     bound = None
     spec = MethodSpec.parse(first.method)
-    if curve is not None and sizes and rounds and spec.dtype in (None, main_dtype):
-        draft_per_round = stages["draft"] / rounds
-        bound = tau * curve(1) / (float(np.mean([curve(q) for q in sizes])) + draft_per_round)
+    if (
+        curve is not None
+        and sizes
+        and rounds
+        and len(contexts) == len(sizes)
+        and spec.dtype in (None, main_dtype)
+    ):
+        # t(1) and t(q) at the contexts the rounds actually verified over
+        one = float(np.mean([curve(1, n) for n in contexts]))
+        verify = float(np.mean([curve(q, n) for q, n in zip(sizes, contexts, strict=True)]))
+        bound = tau * one / (verify + stages["draft"] / rounds)
     compared = [r for r in group if r.compared]
     return MethodSummary(
         method=first.method,

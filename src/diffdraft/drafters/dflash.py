@@ -12,6 +12,7 @@ from torch import nn
 from diffdraft.drafters.base import Proposal
 from diffdraft.drafters.dflash_model import DFlashDraftModel, draft_head
 from diffdraft.errors import IncompatibleDrafterError
+from diffdraft.packed_linear import has_packed_layers, pack_linear, pack_linear_layers
 from diffdraft.target import TargetModel
 
 
@@ -21,6 +22,9 @@ class DFlashDrafter:
         self.model = model.to(device=target.device, dtype=target.dtype).eval()
         self.embed: nn.Module = target.model.get_input_embeddings()
         self.head: nn.Module = draft_head(target.model.get_output_embeddings(), model.draft_vocab)
+        if has_packed_layers(target.model):  # an inference-only target: its drafter packs alike
+            pack_linear_layers(self.model)
+            self.head = pack_linear(self.head)
         self.vocab_size = target.vocab_size
         self.target_layer_ids = list(model.target_layer_ids)
         self.max_depth = model.block_size - 1

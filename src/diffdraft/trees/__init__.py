@@ -25,6 +25,8 @@ class TreeBuilder(Protocol):
         proposal: Proposal,
         sampling: SamplingParams,
         generator: torch.Generator | None,
+        context: int = 0,
     ) -> DraftTree:
-        """A tree rooted at ``root_token`` covering at most ``proposal.depth`` positions."""
+        """A tree rooted at ``root_token`` covering at most ``proposal.depth`` positions; the target
+        will verify it over ``context`` cached tokens (what a cost-aware builder sizes it by)."""
         ...

@@ -23,7 +23,9 @@ class ChainBuilder:
         proposal: Proposal,
         sampling: SamplingParams,
         generator: torch.Generator | None,
+        context: int = 0,
     ) -> DraftTree:
+        """``context`` is unused: a chain is as long as the proposal."""
         if proposal.tokens is not None:
             return DraftTree.chain(root_token, proposal.tokens)
         log_probs = proposal.log_probs

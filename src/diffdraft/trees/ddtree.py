@@ -43,9 +43,10 @@ class DDTreeBuilder:
         proposal: Proposal,
         sampling: SamplingParams,
         generator: torch.Generator | None,
+        context: int = 0,
     ) -> DraftTree:
-        """``sampling`` and ``generator`` are unused: the tree is deterministic, and the sampling
-        walk verifier keeps it lossless at any temperature."""
+        """``sampling``, ``generator`` and ``context`` are unused: the tree is deterministic, its
+        size fixed, and the sampling walk verifier keeps it lossless at any temperature."""
         log_probs = proposal.log_probs
         if log_probs is None:
             if proposal.tokens is not None:
