@@ -1,15 +1,16 @@
 """What a DDTree round costs on this machine, and the budget that buys the most tokens per second.
 
-The best budget depends on the hardware: verifying q tokens in one forward costs t(q), nearly flat
-up to some q and then growing, and the curve's shape differs between CPUs, GPUs and dtypes. So
-t(q) is measured once per model shape, dtype and device and cached. The drafter's side is the
-DDTree surrogate: the optimal B-node tree's expected acceptance length is 1 + the sum of its B
-prefix probabilities, which the best-first order gives for every B at once. Realized acceptance
-rescales the surrogate (drafters are rarely calibrated), and the chosen budget maximizes
+The best budget depends on the hardware: verifying q tokens in one forward over n cached tokens
+costs t(q, n), nearly flat in q up to some size and then growing, and the shape differs between
+CPUs, GPUs, dtypes and context lengths. So t is measured once per model shape, dtype and device,
+at a few context lengths, and cached. The drafter's side is the DDTree surrogate: the optimal
+B-node tree's expected acceptance length is 1 + the sum of its B prefix probabilities, which the
+best-first order gives for every B at once. Realized acceptance rescales the surrogate (drafters
+are rarely calibrated), and the chosen budget for a round over n cached tokens maximizes
 
-    expected tokens per second (B) = tau(B) / (t(B + 1) + per-round cost outside verification).
+    expected tokens per second (B) = tau(B) / (t(B + 1, n) + per-round cost outside verification).
 
-t(q) is the whole verification stage of a round with q tree tokens: ancestor mask, the target
+t is the whole verification stage of a round with q tree tokens: ancestor mask, the target
 forward and greedy acceptance, so host-side costs that grow with the tree are in the curve.
 """
 
@@ -28,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from tqdm import tqdm
+from transformers import DynamicCache
 
 from diffdraft.default_model import cache_root
 from diffdraft.drafters.base import Proposal
@@ -77,58 +79,55 @@ def measure_verify_cost(
     target: TargetModel,
     sizes: Sequence[int] = DEFAULT_SIZES,
     contexts: Sequence[int] = DEFAULT_CONTEXTS,
-    repeats: int = 5,
+    repeats: int = 7,
     progress: bool = False,
 ) -> VerifyCostCurve:
-    """Median time of a verification stage per size and context, sizes interleaved so drift hits
-    all alike.
+    """Median time of a verification stage per size and context.
 
-    Verifying more tokens, or over a longer context, never costs less, so a dip in the medians is
-    noise: each point is charged at least what any smaller size or context measured.
+    Every pass visits every (context, size) point, so drift on a shared machine hits all alike.
+    The medians are kept as measured, not forced monotone: a running maximum would carry one
+    noisy point into all larger sizes, and on CPU one query over a long cache can truly cost more
+    than eight (the single-query attention kernel is slow there).
     """
     sizes = sorted({q for q in sizes if q <= target.max_context // 2} | {1})  # short-context models
     contexts = sorted({min(n, target.max_context - sizes[-1]) for n in contexts})
-    steps = tqdm(
-        total=(repeats + 1) * len(sizes) * len(contexts),
-        desc="verify cost t(q, n)",
-        disable=not progress,
-        leave=False,
-    )
-    seconds = np.array([_time_verify(target, sizes, n, repeats, steps) for n in contexts])
-    steps.close()
-    seconds = np.maximum.accumulate(np.maximum.accumulate(seconds, axis=1), axis=0)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, target.vocab_size, (contexts[-1] + sizes[-1],), generator=generator)
+    caches = {n: target.new_cache() for n in contexts}
+    for n, cache in caches.items():
+        target.prefill(cache, ids[:n].to(target.device), [])
+    timings: dict[tuple[int, int], list[float]] = {(n, q): [] for n in contexts for q in sizes}
+    points = (repeats + 1) * len(timings)
+    with tqdm(total=points, desc="verify cost t(q, n)", disable=not progress, leave=False) as steps:
+        for repeat in range(repeats + 1):  # the first pass warms kernels up and is not kept
+            for n, q in timings:
+                seconds = _time_one(target, caches[n], ids[n : n + q])
+                if repeat:
+                    timings[n, q].append(seconds)
+                steps.update()
     return VerifyCostCurve(
         sizes=list(sizes),
         contexts=list(contexts),
-        seconds=seconds.tolist(),
+        seconds=[[float(np.median(timings[n, q])) for q in sizes] for n in contexts],
         key=curve_key(target),
         measured_at=time.strftime("%Y-%m-%d %H:%M:%S"),
     )
 
 
-def _time_verify(
-    target: TargetModel, sizes: Sequence[int], context: int, repeats: int, steps: tqdm | None = None
-) -> list[float]:
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, target.vocab_size, (context + max(sizes),), generator=generator)
-    cache = target.new_cache()
-    target.prefill(cache, ids[:context].to(target.device), [])
-    timings: dict[int, list[float]] = {q: [] for q in sizes}
-    for repeat in range(repeats + 1):  # the first pass warms kernels up and is not kept
-        for q in sizes:
-            tree = _synthetic_tree(ids[context : context + q].to(target.device))
-            begin = time.perf_counter()
-            mask = target.attention_mask(cache, tree.ancestor_mask()) if q > 1 else None
-            out = target.verify(cache, tree.tokens, tree.position_ids(context), mask, [])
-            accept(tree, out.logits, _GREEDY, None)
-            if target.device.type == "cuda":
-                torch.cuda.synchronize()
-            if repeat:
-                timings[q].append(time.perf_counter() - begin)
-            cache.crop(-q)
-            if steps is not None:
-                steps.update()
-    return [float(np.median(timings[q])) for q in sizes]
+def _time_one(target: TargetModel, cache: DynamicCache, tokens: torch.Tensor) -> float:
+    """Seconds of one verification stage of ``tokens`` as a DDTree-shaped tree; the cache is left
+    as it was."""
+    context = cache.get_seq_length()
+    tree = _synthetic_tree(tokens.to(target.device))
+    begin = time.perf_counter()
+    mask = target.attention_mask(cache, tree.ancestor_mask()) if tree.num_nodes else None
+    out = target.verify(cache, tree.tokens, tree.position_ids(context), mask, [])
+    accept(tree, out.logits, _GREEDY, None)
+    if target.device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - begin
+    cache.crop(-tokens.shape[0])
+    return seconds
 
 
 def _synthetic_tree(tokens: torch.Tensor) -> DraftTree:
@@ -144,15 +143,22 @@ def _synthetic_tree(tokens: torch.Tensor) -> DraftTree:
 def still_valid(curve: VerifyCostCurve, target: TargetModel, tolerance: float = 0.25) -> bool:
     """Spot-check a cached curve at two sizes: a curve measured while other jobs loaded the machine
     (or before a hardware change) would mislead every budget choice."""
-    probes = sorted({curve.sizes[0], curve.sizes[len(curve.sizes) // 2]})
-    context = curve.contexts[len(curve.contexts) // 2]
-    now = _time_verify(target, probes, context, repeats=3)
-    expected = [curve(q, context) for q in probes]
-    return all(abs(t - e) <= tolerance * e for t, e in zip(now, expected, strict=True))
+    probe = measure_verify_cost(
+        target,
+        sizes=sorted({curve.sizes[0], curve.sizes[len(curve.sizes) // 2]}),
+        contexts=[curve.contexts[len(curve.contexts) // 2]],
+        repeats=3,
+    )
+    context = probe.contexts[0]
+    return all(
+        abs(t - curve(q, context)) <= tolerance * curve(q, context)
+        for q, t in zip(probe.sizes, probe.seconds[0], strict=True)
+    )
 
 
 def curve_key(target: TargetModel) -> str:
-    """Identifies what t(q) depends on: model shape (not weights or path), dtype, device, threads, CPU."""
+    """Identifies what t depends on: model shape (not weights or path), dtype, kernels, device,
+    threads, CPU."""
     config = {k: v for k, v in target.model.config.to_dict().items() if k not in ("_name_or_path", "dtype")}
     facts = {
         "config": config,
@@ -163,6 +169,7 @@ def curve_key(target: TargetModel) -> str:
         "cpu": platform.processor() or platform.machine(),
         "cores": os.cpu_count(),
         "packed": has_packed_layers(target.model),
+        "attention": target.model.config._attn_implementation,
         "stage": "mask+forward+accept per context",  # what t covers; a change must not reuse old curves
     }
     digest = hashlib.sha1(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:12]

@@ -204,9 +204,9 @@ def load(
     """Load a target (``"default"``, a model directory or a ``.gguf`` file) and a drafter once.
 
     ``budget="auto"`` picks the DDTree budget from this machine's measured verification cost.
-    bfloat16 weights on CPU are packed for oneDNN (same outputs, faster), so the loaded models are
-    for inference only.
+    On CPU the target runs diffdraft's inference kernels (same outputs, faster), so the loaded
+    models are for inference only.
     """
     _check_method(method)  # before the (slow) model load
-    loaded = load_target(target, dtype=dtype, device=device, pack_weights=True)
+    loaded = load_target(target, dtype=dtype, device=device, optimize=True)
     return SpeculativeGenerator(loaded, method, drafter, budget)

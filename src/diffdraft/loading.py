@@ -24,6 +24,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from diffdraft.default_model import MODEL_NAME, default_model_dir
 from diffdraft.errors import CheckpointError, InvalidRequestError
+from diffdraft.grouped_attention import use_grouped_attention
 from diffdraft.packed_linear import pack_linear_layers
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -50,19 +51,20 @@ def load_target(
     spec: str | os.PathLike,
     dtype: str = "auto",
     device: str | torch.device | None = None,
-    pack_weights: bool = False,
+    optimize: bool = False,
 ) -> LoadedModel:
     """Load a causal LM in eval mode with SDPA attention (the tree-mask verifier needs SDPA).
 
     ``spec`` is ``"default"`` (the embedded SmolLM2-135M-Instruct), a Hugging Face model directory, or
     a ``.gguf`` file (dequantized to dense weights). ``dtype="auto"`` keeps the checkpoint's recorded
-    dtype, except float16 on CPU and unrecorded dtypes, which become float32. ``pack_weights`` lays
-    bfloat16 CPU weights out once for oneDNN (:mod:`diffdraft.packed_linear`): same logits, faster
-    forwards, but the model is for inference only.
+    dtype, except float16 on CPU and unrecorded dtypes, which become float32. ``optimize`` applies
+    diffdraft's CPU inference kernels (:mod:`diffdraft.packed_linear`,
+    :mod:`diffdraft.grouped_attention`): identical logits, faster forwards, inference only.
     """
     loaded = _load(spec, dtype, device)
-    if pack_weights:
+    if optimize:
         pack_linear_layers(loaded.model)
+        use_grouped_attention(loaded.model)
     return loaded
 
 

@@ -141,7 +141,7 @@ def run_bench(args: argparse.Namespace) -> int:
     tolerance = args.tie_tolerance
     if tolerance is None:
         tolerance = TIE_TOLERANCE[models.main.model.dtype]
-    checker = LosslessChecker(lambda: models.target("float32", packed=False).model, tolerance)
+    checker = LosslessChecker(lambda: models.target("float32", optimized=False).model, tolerance)
     bench = BenchOptions(
         max_new_tokens=options["max_new_tokens"],
         temperatures=options["temperatures"],

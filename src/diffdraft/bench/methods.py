@@ -25,7 +25,6 @@ from diffdraft.drafters.dflash_model import DFlashDraftModel
 from diffdraft.errors import InvalidRequestError
 from diffdraft.generator import SpeculativeGenerator
 from diffdraft.loading import DTYPES, LoadedModel, end_token_ids, load_target
-from diffdraft.packed_linear import packing_supported
 from diffdraft.stats import STAGES
 from diffdraft.target import TargetModel
 
@@ -133,12 +132,10 @@ class BenchModels:
         self.cost_cache = cost_cache
         self.refresh_cost = refresh_cost
         self.progress = progress
-        main = load_target(target, dtype=dtype, device=device, pack_weights=True)
+        main = load_target(target, dtype=dtype, device=device, optimize=True)
         self.dtype_name = str(main.model.dtype).removeprefix("torch.")
         self.device = main.model.device
-        self._targets: dict[tuple[str, bool], LoadedModel] = {
-            (self.dtype_name, self._packs(self.dtype_name)): main
-        }
+        self._targets: dict[tuple[str, bool], LoadedModel] = {(self.dtype_name, True): main}
         self._drafters: dict[str, DFlashDraftModel] = {}
         self._assistants: dict[str, PreTrainedModel] = {}
         self._curve: VerifyCostCurve | None = None
@@ -150,19 +147,15 @@ class BenchModels:
         """The target our methods run, in the run's dtype."""
         return self.target()
 
-    def target(self, dtype: str | None = None, packed: bool = True) -> LoadedModel:
-        """Our methods run the target with packed weights (:mod:`diffdraft.packed_linear`); the
-        Hugging Face baselines get ``packed=False``, the stock model users have."""
+    def target(self, dtype: str | None = None, optimized: bool = True) -> LoadedModel:
+        """Our methods run the target with diffdraft's inference kernels (``load_target(optimize=True)``);
+        the Hugging Face baselines get ``optimized=False``, the stock model users have."""
         dtype = dtype or self.dtype_name
-        key = (dtype, packed and self._packs(dtype))
-        if key not in self._targets:
-            self._targets[key] = load_target(
-                self.target_spec, dtype=dtype, device=self.device, pack_weights=key[1]
+        if (dtype, optimized) not in self._targets:
+            self._targets[dtype, optimized] = load_target(
+                self.target_spec, dtype=dtype, device=self.device, optimize=optimized
             )
-        return self._targets[key]
-
-    def _packs(self, dtype: str) -> bool:
-        return packing_supported(DTYPES[dtype], self.device)
+        return self._targets[dtype, optimized]
 
     def draft_model(self, dtype: str | None = None) -> DFlashDraftModel:
         """One drafter per dtype: the generator casts it to its target's dtype in place."""
@@ -294,7 +287,7 @@ class HFRunner:
         self, models: BenchModels, spec: MethodSpec, lookup: int | None = None, assisted: bool = False
     ) -> None:
         self.spec = spec
-        self.model = models.target(spec.dtype, packed=False).model
+        self.model = models.target(spec.dtype, optimized=False).model
         self.dtype = self.model.dtype
         self.assistant = models.assistant(spec.dtype) if assisted else None
         self.lookup = lookup
