@@ -121,7 +121,7 @@ def markdown(
         "with the min–max across repeats in brackets. Bound = tau·t(1) / (t(q) + t_draft), with t(q) "
         "the measured cost of verifying q tokens (mask, forward, acceptance) at the contexts the rounds "
         "ran at, and t_draft the drafting time per round: the speedup if everything else were free. "
-        "Our methods run the target with diffdraft's CPU inference kernels (packed bfloat16 "
+        "On CPU our methods run the target with diffdraft's inference kernels (packed bfloat16 "
         "weights, grouped-query attention without cache copies; identical logits); Hugging Face "
         "methods run the stock model, so `ar` against `hf` is what the kernels alone buy.",
     ]
