@@ -10,10 +10,12 @@ import pytest
 import torch
 
 from diffdraft.errors import CheckpointError, InvalidRequestError
+from diffdraft.grouped_attention import NAME
 from diffdraft.loading import LoadedModel, end_token_ids, load_target
+from diffdraft.packed_linear import has_packed_layers
 
 from conftest import CHECKPOINT_VOCAB as VOCAB
-from conftest import FAMILIES, make_checkpoint
+from conftest import FAMILIES, hf_greedy, make_checkpoint
 
 
 def edit_config(path: Path, **changes: object) -> None:
@@ -165,3 +167,12 @@ def test_end_token_ids_of_a_loaded_model(llama_dir: Path) -> None:
     loaded = load_target(llama_dir, device="cpu")
     loaded.model.generation_config.eos_token_id = [4, 2]
     assert end_token_ids(loaded.model, loaded.tokenizer) == [2, 4]
+
+
+@pytest.mark.real_model
+def test_the_optimized_default_target_decodes_exactly_like_stock_transformers() -> None:
+    stock = load_target("default", dtype="bfloat16").model
+    optimized = load_target("default", dtype="bfloat16", optimize=True).model
+    assert has_packed_layers(optimized) and optimized.config._attn_implementation == NAME
+    prompt = [1, 9690, 198, 2683, 314, 253, 5356, 11173, 30, 2]
+    assert hf_greedy(optimized, prompt, 24, eos=None) == hf_greedy(stock, prompt, 24, eos=None)
