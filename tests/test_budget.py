@@ -57,6 +57,19 @@ def test_the_curve_interpolates_and_extrapolates_linearly_in_size_and_context():
     assert curve(1, 10) == pytest.approx(1.0)  # flat below the shortest measured context
 
 
+def test_the_fit_pools_noisy_points_and_is_monotone_in_size_and_context():
+    # rows: [3, 5, 4] -> [3, 4.5, 4.5] and [2, 1, 6] -> [1.5, 1.5, 6]; then columns pool the same way
+    assert budget.monotone_fit([[3.0, 5.0, 4.0], [2.0, 1.0, 6.0]]) == [[2.25, 3.0, 4.5], [2.25, 3.0, 6.0]]
+    measured = [[42.3, 47.0, 38.4, 44.2], [35.0, 34.9, 34.7, 38.3], [52.5, 46.7, 43.9, 49.8]]
+    fitted = budget.monotone_fit(measured)
+    for row in fitted:
+        assert row == sorted(row)
+    for column in zip(*fitted, strict=True):
+        assert list(column) == sorted(column)
+    assert budget.monotone_fit(fitted) == fitted  # a monotone table is its own fit
+    assert budget.monotone_fit([[1.0, 2.0], [3.0, 4.0]]) == [[1.0, 2.0], [3.0, 4.0]]
+
+
 def test_the_budget_shrinks_where_long_contexts_make_big_trees_expensive():
     # at 128 cached tokens 64 nodes cost what one does; at 1024 every node costs more
     sizes = [1, 65, 256]
@@ -108,6 +121,7 @@ def test_measuring_gives_every_size_and_the_cache_is_reused_until_it_stops_match
     assert curve.sizes == [1, 4, 16]  # sizes past half the context are dropped
     assert curve.contexts == [8, 40, 48]  # contexts past the model's window are cut to fit
     assert len(curve.seconds) == 3 and all(len(row) == 3 and min(row) > 0 for row in curve.seconds)
+    assert curve.seconds == budget.monotone_fit(curve.measured)
 
     monkeypatch.setattr(budget, "DEFAULT_SIZES", (1, 4, 8))
     monkeypatch.setattr(budget, "DEFAULT_CONTEXTS", (16, 32))

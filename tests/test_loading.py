@@ -9,10 +9,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from diffdraft.engine import SpeculativeEngine
 from diffdraft.errors import CheckpointError, InvalidRequestError
+from diffdraft.fused_projections import ProjectionSlice
 from diffdraft.grouped_attention import NAME
 from diffdraft.loading import LoadedModel, end_token_ids, load_target
 from diffdraft.packed_linear import has_packed_layers
+from diffdraft.sampling import SamplingParams
+from diffdraft.stats import GenerationStats
+from diffdraft.stopping import StopConditions
+from diffdraft.target import TargetModel
+from diffdraft.trees import ChainBuilder
 
 from conftest import CHECKPOINT_VOCAB as VOCAB
 from conftest import FAMILIES, hf_greedy, make_checkpoint
@@ -174,5 +181,12 @@ def test_the_optimized_default_target_decodes_exactly_like_stock_transformers() 
     stock = load_target("default", dtype="bfloat16").model
     optimized = load_target("default", dtype="bfloat16", optimize=True).model
     assert has_packed_layers(optimized) and optimized.config._attn_implementation == NAME
+    assert isinstance(optimized.model.layers[0].mlp.up_proj, ProjectionSlice)
     prompt = [1, 9690, 198, 2683, 314, 253, 5356, 11173, 30, 2]
-    assert hf_greedy(optimized, prompt, 24, eos=None) == hf_greedy(stock, prompt, 24, eos=None)
+    expected = hf_greedy(stock, prompt, 24, eos=None)
+    assert hf_greedy(optimized, prompt, 24, eos=None) == expected
+    # diffdraft's own loop adds its in-place KV cache to the kernels
+    engine = SpeculativeEngine(TargetModel(optimized), None, ChainBuilder())
+    stop = StopConditions([], 24, optimized.config.max_position_embeddings, len(prompt))
+    chunks = engine.run(prompt, stop, SamplingParams(), GenerationStats(), None)
+    assert [t for chunk in chunks for t in chunk] == expected

@@ -32,7 +32,7 @@ def test_a_packed_layer_gives_the_stock_layers_exact_output(rows, inputs, bias, 
     torch.manual_seed(rows)
     linear = nn.Linear(inputs, rows, bias=bias).to(torch.bfloat16)
     x = torch.randn(*leading, inputs, dtype=torch.bfloat16)
-    packed = PackedLinear(linear)
+    packed = PackedLinear(linear.weight, linear.bias)
     assert torch.equal(packed(x), linear(x))
     assert torch.equal(packed.weight, linear.weight)
     assert packed.state_dict().keys() == linear.state_dict().keys()

@@ -33,6 +33,7 @@ from transformers import DynamicCache
 
 from diffdraft.default_model import cache_root
 from diffdraft.drafters.base import Proposal
+from diffdraft.fused_projections import ProjectionSlice
 from diffdraft.packed_linear import has_packed_layers
 from diffdraft.sampling import SamplingParams
 from diffdraft.target import TargetModel
@@ -54,9 +55,12 @@ class VerifyCostCurve:
     sizes: list[int]
     contexts: list[int]
     seconds: list[list[float]]
-    """``seconds[i][j]`` is t(sizes[j]) over contexts[i] cached tokens."""
+    """``seconds[i][j]`` is t(sizes[j]) over contexts[i] cached tokens: the monotone fit of
+    :attr:`measured` the planner uses."""
     key: str = ""
     measured_at: str = ""
+    measured: list[list[float]] = field(default_factory=list)
+    """The medians as measured, before the fit (same layout as :attr:`seconds`)."""
 
     def __call__(self, q: float, context: float) -> float:
         """t(q, n), linear between measured points, extrapolated linearly past the largest size and
@@ -82,12 +86,14 @@ def measure_verify_cost(
     repeats: int = 7,
     progress: bool = False,
 ) -> VerifyCostCurve:
-    """Median time of a verification stage per size and context.
+    """Median time of a verification stage per size and context, fitted nondecreasing in both.
 
     Every pass visits every (context, size) point, so drift on a shared machine hits all alike.
-    The medians are kept as measured, not forced monotone: a running maximum would carry one
-    noisy point into all larger sizes, and on CPU one query over a long cache can truly cost more
-    than eight (the single-query attention kernel is slow there).
+    Verifying more tokens over the same cache, or the same tokens over a longer one, does not get
+    cheaper, so the medians get a least-squares nondecreasing fit (pooling adjacent violators):
+    on a shared CPU single medians still wander by ~10%, and a point measured low (t(4) below
+    t(2)) would pull the planner's choice towards it. Pooling averages neighbours instead of
+    carrying one high point into every larger size, as a running maximum would.
     """
     sizes = sorted({q for q in sizes if q <= target.max_context // 2} | {1})  # short-context models
     contexts = sorted({min(n, target.max_context - sizes[-1]) for n in contexts})
@@ -105,13 +111,36 @@ def measure_verify_cost(
                 if repeat:
                     timings[n, q].append(seconds)
                 steps.update()
+    measured = [[float(np.median(timings[n, q])) for q in sizes] for n in contexts]
     return VerifyCostCurve(
         sizes=list(sizes),
         contexts=list(contexts),
-        seconds=[[float(np.median(timings[n, q])) for q in sizes] for n in contexts],
+        seconds=monotone_fit(measured),
         key=curve_key(target),
         measured_at=time.strftime("%Y-%m-%d %H:%M:%S"),
+        measured=measured,
     )
+
+
+def monotone_fit(table: Sequence[Sequence[float]]) -> list[list[float]]:
+    """``table`` [context][size] fitted nondecreasing along sizes, then along contexts (pooling
+    keeps a fitted row nondecreasing, so the result is monotone in both)."""
+    rows = [_nondecreasing(row) for row in table]
+    columns = [_nondecreasing(column) for column in zip(*rows, strict=True)]
+    return [list(row) for row in zip(*columns, strict=True)]
+
+
+def _nondecreasing(values: Sequence[float]) -> list[float]:
+    """The least-squares nondecreasing fit of ``values`` (pool adjacent violators, equal weights)."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for value in values:
+        blocks.append([float(value), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            mean, count = blocks.pop()
+            previous = blocks[-1]
+            previous[0] = (previous[0] * previous[1] + mean * count) / (previous[1] + count)
+            previous[1] += count
+    return [mean for mean, count in blocks for _ in range(int(count))]
 
 
 def _time_one(target: TargetModel, cache: DynamicCache, tokens: torch.Tensor) -> float:
@@ -170,7 +199,9 @@ def curve_key(target: TargetModel) -> str:
         "cores": os.cpu_count(),
         "packed": has_packed_layers(target.model),
         "attention": target.model.config._attn_implementation,
-        "stage": "mask+forward+accept per context",  # what t covers; a change must not reuse old curves
+        "stacked": any(isinstance(module, ProjectionSlice) for module in target.model.modules()),
+        "cache": type(target.new_cache().layers[0]).__name__,
+        "stage": "mask+forward+accept per context, fitted",  # a change must not reuse old curves
     }
     digest = hashlib.sha1(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:12]
     dtype = str(target.dtype).removeprefix("torch.")

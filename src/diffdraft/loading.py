@@ -24,6 +24,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from diffdraft.default_model import MODEL_NAME, default_model_dir
 from diffdraft.errors import CheckpointError, InvalidRequestError
+from diffdraft.fused_projections import fuse_projections
 from diffdraft.grouped_attention import use_grouped_attention
 from diffdraft.packed_linear import pack_linear_layers
 
@@ -59,11 +60,13 @@ def load_target(
     a ``.gguf`` file (dequantized to dense weights). ``dtype="auto"`` keeps the checkpoint's recorded
     dtype, except float16 on CPU and unrecorded dtypes, which become float32. ``optimize`` applies
     diffdraft's CPU inference kernels (:mod:`diffdraft.packed_linear`,
-    :mod:`diffdraft.grouped_attention`): identical logits, faster forwards, inference only.
+    :mod:`diffdraft.fused_projections`, :mod:`diffdraft.grouped_attention`): identical logits,
+    faster forwards, inference only.
     """
     loaded = _load(spec, dtype, device)
     if optimize:
         pack_linear_layers(loaded.model)
+        fuse_projections(loaded.model)
         use_grouped_attention(loaded.model)
     return loaded
 

@@ -13,6 +13,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from diffdraft.errors import IncompatibleDrafterError, UnsupportedModelError
+from diffdraft.kv_cache import growable_cache
 
 
 @dataclass
@@ -71,7 +72,8 @@ class TargetModel:
             )
 
     def new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.model.config)
+        """An empty cache that appends and crops in place (:mod:`diffdraft.kv_cache`)."""
+        return growable_cache(self.model.config)
 
     @torch.inference_mode()
     def prefill(self, cache: DynamicCache, token_ids: torch.Tensor, layer_ids: list[int]) -> TargetOutput:

@@ -25,7 +25,7 @@ class FixedDrafter:
         pass
 
     def propose(self, token_ids: torch.Tensor, depth: int) -> Proposal:
-        return Proposal(log_probs=self.log_probs[:depth])
+        return Proposal(log_probs=self.log_probs[:depth].clone())  # proposals are handed over
 
 
 LOG_PROBS = torch.randn(3, 6, generator=torch.Generator().manual_seed(0)).log_softmax(-1)

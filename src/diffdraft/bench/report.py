@@ -172,6 +172,9 @@ def markdown(
             "",
             f"## Verification cost t(q, n) on this machine (ms; measured {curve.measured_at})",
             "",
+            "Medians fitted nondecreasing in q and n (the planner's curve); measured medians in "
+            "`results.json` (`cost_curve.measured`).",
+            "",
             "| cached tokens n \\ q | " + " | ".join(str(q) for q in curve.sizes) + " |",
             "|---" * (len(curve.sizes) + 1) + "|",
             *(

@@ -18,7 +18,8 @@ class Proposal:
     """Draft for the ``depth`` positions that follow the root token.
 
     Exactly one of the two fields is set: one-pass parallel drafters give per-position
-    distributions, copy-based drafters (prompt lookup) give an explicit token chain.
+    distributions, copy-based drafters (prompt lookup) give an explicit token chain. A proposal is
+    handed over: its tensors are fresh, and the receiver may change them in place.
     """
 
     log_probs: torch.Tensor | None = None

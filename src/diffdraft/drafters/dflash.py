@@ -10,8 +10,9 @@ import torch
 from torch import nn
 
 from diffdraft.drafters.base import Proposal
-from diffdraft.drafters.dflash_model import DFlashDraftModel, draft_head
+from diffdraft.drafters.dflash_model import DFLASH, DFlashDraftModel, draft_head
 from diffdraft.errors import IncompatibleDrafterError
+from diffdraft.fused_projections import fuse_projections
 from diffdraft.packed_linear import has_packed_layers, pack_linear, pack_linear_layers
 from diffdraft.target import TargetModel
 
@@ -23,7 +24,10 @@ class DFlashDrafter:
         self.embed: nn.Module = target.model.get_input_embeddings()
         self.head: nn.Module = draft_head(target.model.get_output_embeddings(), model.draft_vocab)
         if has_packed_layers(target.model):  # an inference-only target: its drafter packs alike
-            pack_linear_layers(self.model)
+            pack_linear_layers(self.model.layers)  # not DFlare's fusion: a weight, never called
+            fuse_projections(self.model.layers)
+            if self.model.variant == DFLASH:
+                self.model.fc = pack_linear(self.model.fc)
             self.head = pack_linear(self.head)
         self.vocab_size = target.vocab_size
         self.target_layer_ids = list(model.target_layer_ids)

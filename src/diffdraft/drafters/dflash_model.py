@@ -164,7 +164,7 @@ class DFlashDraftModel(nn.Module):
             return [shared] * len(self.layers)
         weights = self.fusion.weight.softmax(-1).to(taps.dtype)  # [layers, T]
         return [
-            layer.context_norm(torch.einsum("bcth,t->bch", taps, w))
+            layer.context_norm(torch.matmul(w, taps))  # [T] @ [b, c, T, H]: the weighted sum over taps
             for layer, w in zip(self.layers, weights, strict=True)
         ]
 

@@ -71,6 +71,7 @@ class LookupBoostedDrafter:
     def extend_context(self, hidden: torch.Tensor | None, start: int) -> None:
         self.drafter.extend_context(hidden, start)
 
+    @torch.inference_mode()
     def propose(self, token_ids: torch.Tensor, depth: int) -> Proposal:
         ids = token_ids.tolist()
         self._score_last_copy(ids)
@@ -79,17 +80,16 @@ class LookupBoostedDrafter:
         self._last_copy = (len(ids) - 1, ngram, follow)
         if not follow:
             return proposal
-        drafted = proposal.log_probs
-        device = drafted.device
-        beyond = len(follow) - drafted.shape[0]
+        mixed = proposal.log_probs  # the inner drafter's fresh tensor: mixed in place
+        beyond = len(follow) - mixed.shape[0]
         if beyond > 0:  # past the drafter's block only the copy speaks; q is uniform there
-            vocab = drafted.shape[1]
-            drafted = torch.cat([drafted, drafted.new_full((beyond, vocab), -math.log(vocab))])
-        rows = torch.arange(len(follow), device=device)
-        copied = torch.tensor(follow, device=device)
-        weight = self.weights(ngram, len(follow)).to(device)
+            vocab = mixed.shape[1]
+            mixed = torch.cat([mixed, mixed.new_full((beyond, vocab), -math.log(vocab))])
+        copy_rows = mixed[: len(follow)]
+        weight = self.weights(ngram, len(follow)).to(mixed.device)
         # log((1 - w) q + w * onehot) without leaving log space for the untouched entries
-        mixed = drafted.clone()
-        mixed[rows] += torch.log1p(-weight).to(mixed.dtype)[:, None]
-        mixed[rows, copied] = torch.logaddexp(mixed[rows, copied], weight.log().to(mixed.dtype))
+        copy_rows += torch.log1p(-weight).to(mixed.dtype)[:, None]
+        rows = torch.arange(len(follow), device=mixed.device)
+        copied = torch.tensor(follow, device=mixed.device)
+        copy_rows[rows, copied] = torch.logaddexp(copy_rows[rows, copied], weight.log().to(mixed.dtype))
         return Proposal(log_probs=mixed)

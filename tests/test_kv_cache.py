@@ -1,0 +1,58 @@
+"""The in-place KV cache gives the stock cache's numbers through appends, tree keeps, crops and growth."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from diffdraft import kv_cache
+from diffdraft.grouped_attention import use_grouped_attention
+from diffdraft.kv_cache import GrowableLayer, growable_cache
+from diffdraft.target import TargetModel
+
+from conftest import tiny_target
+
+
+@pytest.mark.parametrize(
+    ("dtype", "grouped"), [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)]
+)
+def test_rounds_of_verify_keep_and_crop_match_the_stock_cache(monkeypatch, dtype, grouped):
+    monkeypatch.setattr(kv_cache, "MIN_CAPACITY", 8)  # grow several times within the test
+    model = tiny_target(dtype=dtype, vocab=96, hidden=64, init_std=0.05)
+    if grouped:
+        assert use_grouped_attention(model)
+    target = TargetModel(model)
+    generator = torch.Generator().manual_seed(0)
+    caches = {"stock": DynamicCache(config=model.config), "growable": target.new_cache()}
+    assert all(type(layer) is GrowableLayer for layer in caches["growable"].layers)
+    prompt = torch.randint(0, 96, (11,), generator=generator)
+    logits = {name: target.prefill(cache, prompt, []).logits for name, cache in caches.items()}
+    assert torch.equal(logits["stock"], logits["growable"])
+    start = prompt.shape[0]
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    for _ in range(6):
+        tokens = torch.randint(0, 96, (4,), generator=generator)
+        positions = torch.tensor([0, 1, 1, 2]) + start
+        for name, cache in caches.items():
+            logits[name] = target.verify(
+                cache, tokens, positions, target.attention_mask(cache, tree), []
+            ).logits
+            TargetModel.keep_path(cache, start, [0, 2, 3])  # not a prefix: rows move, then a crop
+        assert torch.equal(logits["stock"], logits["growable"])
+        start += 3
+        assert caches["growable"].get_seq_length() == caches["stock"].get_seq_length() == start
+    for name, cache in caches.items():  # one plain decoding step over the grown cache
+        logits[name] = target.verify(cache, tokens[:1], torch.tensor([start]), None, []).logits
+    assert torch.equal(logits["stock"], logits["growable"])
+
+
+def test_a_crop_shortens_and_a_positive_count_is_refused():
+    cache = growable_cache(tiny_target().config)
+    layer = cache.layers[0]
+    assert layer.get_seq_length() == 0
+    layer.update(torch.ones(1, 2, 5, 8), torch.ones(1, 2, 5, 8))
+    layer.crop(-2)
+    assert layer.get_seq_length() == 3 and layer.keys.shape == (1, 2, 3, 8)
+    with pytest.raises(ValueError, match="negative"):
+        layer.crop(2)
