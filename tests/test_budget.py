@@ -88,16 +88,29 @@ def test_the_surrogate_sums_the_best_prefix_probabilities():
     assert surrogate_acceptance(tree, log_probs)[:6] == pytest.approx([1.0, 1.6, 1.9, 2.2, 2.44, 2.59])
 
 
-def test_the_planner_calibrates_the_surrogate_with_realized_rounds():
+def test_the_planner_learns_smaller_trees_from_accepted_nodes_and_scales_the_surrogate_beyond():
     curve = VerifyCostCurve(sizes=[1, 64], contexts=[512], seconds=[[0.01, 0.01]])
     planner = BudgetPlanner(curve, max_budget=32)
     planner.observe_proposal([1.0 + 0.1 * b for b in range(40)])
     assert planner.max_budget == 32
-    assert planner.expected_tau()[10] == pytest.approx(2.0)
-    # the surrogate promised 1 drafted token per round at budget 10; rounds realized 0 and 1
-    planner.observe_rounds([10, 10], [1, 2], fixed_seconds=0.0)
-    assert planner.calibration() == pytest.approx(0.5)
-    assert planner.expected_tau()[10] == pytest.approx(1.5)
+    assert planner.expected_tau()[10] == pytest.approx(2.0)  # the surrogate alone before any round
+    # two rounds at budget 10: one accepted nothing, one accepted node 3
+    planner.observe_rounds([10, 10], [[], [3]], fixed_seconds=0.0)
+    tau = planner.expected_tau()
+    assert tau[2] == pytest.approx(1.0) and tau[3] == tau[10] == pytest.approx(1.5)  # exact below 10
+    # nodes 6..10 added nothing where the surrogate promised 0.5 a round: no growth past 10 either
+    assert planner.growth_calibration() == pytest.approx(0.0)
+    assert tau[32] == pytest.approx(1.5)
+    # accepted nodes 3 and 8, and 2: the upper half paid 1 of the 2 x 0.5 the surrogate promised
+    planner = BudgetPlanner(curve, max_budget=32)
+    planner.observe_proposal([1.0 + 0.1 * b for b in range(40)])
+    planner.observe_rounds([10, 10], [[3, 8], [2]], fixed_seconds=0.0)
+    assert planner.growth_calibration() == pytest.approx(1.0)
+    assert planner.expected_tau()[7] == pytest.approx(2.0)
+    assert planner.expected_tau()[20] == pytest.approx(2.5 + 1.0 * 1.0)
+    # a share above 1 (long copies inside the tree) is not stretched onto the nodes past the budget
+    planner.observe_rounds([10], [[3, 7, 8, 9]], fixed_seconds=0.0)
+    assert planner.growth_calibration() == 1.0
 
 
 def test_the_auto_builder_keeps_the_best_first_prefix_of_the_chosen_size():
@@ -111,7 +124,7 @@ def test_the_auto_builder_keeps_the_best_first_prefix_of_the_chosen_size():
     assert builder.budget == 8
     assert torch.equal(tree.tokens, expected.tokens) and torch.equal(tree.parents, expected.parents)
     assert builder.build(5, proposal, SamplingParams(), None).num_nodes == 8
-    assert builder.observe_generation([2, 1, 1], fixed_seconds=0.001) == [8, 8]
+    assert builder.observe_generation([[1], [], []], fixed_seconds=0.001) == [8, 8]
     assert builder.used == [] and builder.planner.fixed_seconds == 0.001
 
 

@@ -5,8 +5,9 @@ costs t(q, n), nearly flat in q up to some size and then growing, and the shape 
 CPUs, GPUs, dtypes and context lengths. So t is measured once per model shape, dtype and device,
 at a few context lengths, and cached. The drafter's side is the DDTree surrogate: the optimal
 B-node tree's expected acceptance length is 1 + the sum of its B prefix probabilities, which the
-best-first order gives for every B at once. Realized acceptance rescales the surrogate (drafters
-are rarely calibrated), and the chosen budget for a round over n cached tokens maximizes
+best-first order gives for every B at once. Drafters are rarely calibrated, so what the target
+accepted in recent rounds replaces the surrogate wherever it can (:class:`BudgetPlanner`), and
+the chosen budget for a round over n cached tokens maximizes
 
     expected tokens per second (B) = tau(B) / (t(B + 1, n) + per-round cost outside verification).
 
@@ -283,13 +284,26 @@ def choose_budget(
 
 
 class BudgetPlanner:
-    """Chooses the DDTree budget from the cost curve and the drafter's recent proposals and rounds."""
+    """Chooses the DDTree budget from the cost curve and the drafter's recent proposals and rounds.
 
-    def __init__(self, curve: VerifyCostCurve, max_budget: int = MAX_BUDGET, window: int = 64) -> None:
+    Expected acceptance per budget comes from what the target actually accepted: best-first order
+    numbers every node after its parent, so a round verified at budget B would have accepted, with
+    only the first b <= B nodes, exactly its accepted nodes numbered <= b (greedy verification walks
+    the same target choices). Those counterfactual lengths are exact below the budgets the rounds
+    used; above them the surrogate's promised gain is scaled by the share of its gain over the
+    upper half of the used budgets that the target confirmed, at most 1: nodes past the budget are
+    the drafter's weakest guesses, and a share above 1 comes from long prompt-lookup copies
+    already inside the tree. A single realized / predicted scale for everything would stretch the
+    gains of well-predicted top nodes onto the tail, and buy too big trees.
+    """
+
+    def __init__(
+        self, curve: VerifyCostCurve, max_budget: int = MAX_BUDGET, window: int = 64, rounds: int = 256
+    ) -> None:
         self.curve = curve
         self.max_budget = min(max_budget, curve.sizes[-1] - 1)  # never extrapolate the cost curve
         self._surrogates: deque[list[float]] = deque(maxlen=window)
-        self._realized: deque[tuple[float, float]] = deque(maxlen=window)  # (predicted - 1, realized - 1)
+        self._rounds: deque[tuple[int, list[int]]] = deque(maxlen=rounds)  # (budget, accepted nodes)
         self.fixed_seconds = 0.0
         """Seconds per round outside verification (see choose_budget)."""
 
@@ -298,11 +312,13 @@ class BudgetPlanner:
         padded += [padded[-1]] * (self.max_budget + 1 - len(padded))
         self._surrogates.append(padded)
 
-    def observe_rounds(self, budgets: Sequence[int], lengths: Sequence[int], fixed_seconds: float) -> None:
-        """Realized acceptance lengths of rounds verified at ``budgets``, and their cost outside verify."""
-        surrogate = self.surrogate()
-        for budget, length in zip(budgets, lengths, strict=False):
-            self._realized.append((surrogate[min(budget, self.max_budget)] - 1.0, length - 1.0))
+    def observe_rounds(
+        self, budgets: Sequence[int], accepted_nodes: Sequence[Sequence[int]], fixed_seconds: float
+    ) -> None:
+        """Rounds verified at ``budgets`` and the best-first indices of the draft nodes each accepted,
+        and their cost outside verification."""
+        for budget, nodes in zip(budgets, accepted_nodes, strict=False):
+            self._rounds.append((min(budget, self.max_budget), list(nodes)))
         self.fixed_seconds = fixed_seconds
 
     def surrogate(self) -> list[float]:
@@ -311,14 +327,37 @@ class BudgetPlanner:
             return [1.0] * (self.max_budget + 1)
         return np.mean(np.asarray(self._surrogates), axis=0).tolist()
 
-    def calibration(self) -> float:
-        """Realized / predicted drafted-token acceptance over recent rounds (1 before any round)."""
-        predicted = sum(p for p, _ in self._realized)
-        return sum(r for _, r in self._realized) / predicted if predicted > 1e-6 else 1.0
+    def _counterfactual(self) -> tuple[np.ndarray, np.ndarray]:
+        """Budgets used [R] and acceptance lengths [R, max_budget + 1] of the recent rounds had
+        they verified only their first b nodes (their own length for b past their budget)."""
+        used = np.array([budget for budget, _ in self._rounds])
+        depth = max(1, *(len(nodes) for _, nodes in self._rounds))
+        nodes = np.full((len(self._rounds), depth), np.inf)
+        for row, (_, accepted) in enumerate(self._rounds):
+            nodes[row, : len(accepted)] = accepted
+        seen = np.minimum(np.arange(self.max_budget + 1)[None, :], used[:, None])
+        return used, 1 + (nodes[:, :, None] <= seen[:, None, :]).sum(axis=1)
+
+    def growth_calibration(self) -> float:
+        """Realized / surrogate-predicted acceptance gain from budget B/2 to B over the recent
+        rounds (B = each round's budget), at most 1; 1 before any round."""
+        if not self._rounds:
+            return 1.0
+        surrogate = np.asarray(self.surrogate())
+        used, lengths = self._counterfactual()
+        rows = np.arange(len(used))
+        realized = float((lengths[rows, used] - lengths[rows, used // 2]).sum())
+        predicted = float((surrogate[used] - surrogate[used // 2]).sum())
+        return min(1.0, realized / predicted) if predicted > 1e-6 else 1.0
 
     def expected_tau(self) -> list[float]:
-        scale = self.calibration()
-        return [1.0 + scale * (value - 1.0) for value in self.surrogate()]
+        """Expected acceptance length per budget 0..max_budget (see the class docstring)."""
+        surrogate = np.asarray(self.surrogate())
+        if not self._rounds:
+            return surrogate.tolist()
+        used, lengths = self._counterfactual()
+        beyond = np.clip(surrogate[None, :] - surrogate[used][:, None], 0.0, None)  # 0 up to B used
+        return (lengths + self.growth_calibration() * beyond).mean(axis=0).tolist()
 
     def choose(self, context: int) -> BudgetChoice:
         return choose_budget(self.curve, self.expected_tau(), context, self.fixed_seconds)
@@ -327,13 +366,14 @@ class BudgetPlanner:
         """The planner's current model, for reports: what it expects at each power-of-two budget
         over ``context`` cached tokens."""
         choice = self.choose(context)
+        expected_tau = self.expected_tau()
         shown = [b for b in choice.expected if b & (b - 1) == 0 or b == choice.budget]
         return {
             "context": context,
             "budget": choice.budget,
-            "calibration": self.calibration(),
+            "growth_calibration": self.growth_calibration(),
             "fixed_ms": 1e3 * self.fixed_seconds,
-            "expected_tau": {b: self.expected_tau()[b] for b in shown},
+            "expected_tau": {b: expected_tau[b] for b in shown},
             "expected_tokens_per_second": {b: choice.expected[b] for b in shown},
         }
 
@@ -374,9 +414,10 @@ class AutoBudgetBuilder:
         self.used.append(self.budget)
         return tree
 
-    def observe_generation(self, lengths: Sequence[int], fixed_seconds: float) -> list[int]:
-        """Feed a finished generation back: its rounds' acceptance lengths (in order) and the mean
-        seconds per round spent outside verification. Returns the budgets its rounds used."""
+    def observe_generation(self, accepted_nodes: Sequence[Sequence[int]], fixed_seconds: float) -> list[int]:
+        """Feed a finished generation back: the draft nodes each round accepted (in order; the
+        engine's ``stats.accepted_nodes``) and the mean seconds per round spent outside
+        verification. Returns the budgets its rounds used."""
         used, self.used = self.used, []
-        self.planner.observe_rounds(used, lengths, fixed_seconds)
+        self.planner.observe_rounds(used, accepted_nodes, fixed_seconds)
         return used

@@ -80,6 +80,7 @@ class SpeculativeEngine:
                 new = [*tree.tokens[result.path[1:]].tolist(), result.next_token]
             stats.rounds += 1
             stats.acceptance_lengths.append(len(new))
+            stats.accepted_nodes.append(result.path[1:])
             stats.draft_depths.append(proposal.depth)
             stats.tree_sizes.append(tree.num_nodes)
             generated.extend(new)

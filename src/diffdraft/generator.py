@@ -161,7 +161,7 @@ class SpeculativeGenerator:
         if self._auto_budget is not None:
             # the budget planner learns how much this drafter's surrogate over- or under-promises
             outside = sum(stats.timings[stage] for stage in ("draft", "tree", "commit"))
-            self._auto_budget.observe_generation(stats.acceptance_lengths, outside / max(1, stats.rounds))
+            self._auto_budget.observe_generation(stats.accepted_nodes, outside / max(1, stats.rounds))
         text = stop_conditions.cut_text(text_of(generated))
         result = GenerationResult(list(prompt_ids), generated, text, stats)
         yield GenerationChunk(text=text[len(shown) :], token_ids=pending, result=result)

@@ -20,6 +20,9 @@ class GenerationStats:
     """Verification forwards after the prefill."""
     acceptance_lengths: list[int] = field(default_factory=list)
     """Tokens committed per round, counting the bonus token (1 = nothing accepted)."""
+    accepted_nodes: list[list[int]] = field(default_factory=list)
+    """Per round, the tree indices of the accepted draft nodes (root excluded; best-first order
+    for DDTree, depth for chains): what the auto budget learns smaller trees' acceptance from."""
     draft_depths: list[int] = field(default_factory=list)
     """Positions the drafter proposed per round (per-position acceptance needs the denominator)."""
     tree_sizes: list[int] = field(default_factory=list)
@@ -43,6 +46,7 @@ class GenerationStats:
             "rounds": self.rounds,
             "tau": self.tau,
             "acceptance_lengths": self.acceptance_lengths,
+            "accepted_nodes": self.accepted_nodes,
             "draft_depths": self.draft_depths,
             "tree_sizes": self.tree_sizes,
             "acceptance_histogram": {str(k): v for k, v in self.acceptance_histogram.items()},

@@ -266,7 +266,7 @@ class OursRunner:
         budgets = []
         if self.auto is not None:
             outside = stages["draft"] + stages["tree"] + stages["commit"] + stages["other"]
-            budgets = self.auto.observe_generation(stats.acceptance_lengths, outside / max(1, stats.rounds))
+            budgets = self.auto.observe_generation(stats.accepted_nodes, outside / max(1, stats.rounds))
         return Completion(
             token_ids=result.token_ids,
             seconds=seconds,

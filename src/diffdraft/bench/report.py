@@ -157,8 +157,10 @@ def markdown(
             f"## {label}: the cost model's view at the end of the run",
             "",
             f"At {plan['context']} cached tokens (the run's median round): "
-            f"chosen budget {plan['budget']}; surrogate calibration {plan['calibration']:.2f} (realized / "
-            f"predicted drafted tokens); {plan['fixed_ms']:.1f} ms per round outside verification.",
+            f"chosen budget {plan['budget']}; expected acceptance from the rounds' accepted nodes up "
+            "to their budgets, beyond them the surrogate's gain times "
+            f"{plan['growth_calibration']:.2f} (the share of its gain from B/2 to B the target "
+            f"confirmed); {plan['fixed_ms']:.1f} ms per round outside verification.",
             "",
             "| budget | " + " | ".join(str(b) for b in budgets) + " |",
             "|---" * (len(budgets) + 1) + "|",
