@@ -162,7 +162,8 @@ def test_cached_features_train_exactly_like_online_features(target, tmp_path):
 
 
 def _ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # gloo on the loopback device: left to pick an interface it flaked on our CI machines (resets)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:

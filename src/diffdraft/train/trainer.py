@@ -303,6 +303,8 @@ class Trainer:
         progress.close()
         if self.rank == 0:
             save_draft_model(self.drafter, self.output_dir / "final")
+        if self.world > 1:  # every rank returns once the final drafter is written; a rank that ran
+            dist.barrier()  # ahead into process-group teardown aborted the run at exit (gloo)
         return self.state
 
     def save_checkpoint(self) -> Path:
