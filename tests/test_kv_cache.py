@@ -18,7 +18,7 @@ from conftest import tiny_target
     ("dtype", "grouped"), [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)]
 )
 def test_rounds_of_verify_keep_and_crop_match_the_stock_cache(monkeypatch, dtype, grouped):
-    monkeypatch.setattr(kv_cache, "MIN_CAPACITY", 8)  # grow several times within the test
+    monkeypatch.setattr(kv_cache, "SPARE_ROWS", 4)  # grow several times within the test
     model = tiny_target(dtype=dtype, vocab=96, hidden=64, init_std=0.05)
     if grouped:
         assert use_grouped_attention(model)
@@ -29,6 +29,7 @@ def test_rounds_of_verify_keep_and_crop_match_the_stock_cache(monkeypatch, dtype
     prompt = torch.randint(0, 96, (11,), generator=generator)
     logits = {name: target.prefill(cache, prompt, []).logits for name, cache in caches.items()}
     assert torch.equal(logits["stock"], logits["growable"])
+    first_capacity = caches["growable"].layers[0]._key_buffer.shape[-2]
     start = prompt.shape[0]
     tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
     for _ in range(6):
@@ -42,6 +43,7 @@ def test_rounds_of_verify_keep_and_crop_match_the_stock_cache(monkeypatch, dtype
         assert torch.equal(logits["stock"], logits["growable"])
         start += 3
         assert caches["growable"].get_seq_length() == caches["stock"].get_seq_length() == start
+    assert caches["growable"].layers[0]._key_buffer.shape[-2] > first_capacity  # it did grow
     for name, cache in caches.items():  # one plain decoding step over the grown cache
         logits[name] = target.verify(cache, tokens[:1], torch.tensor([start]), None, []).logits
     assert torch.equal(logits["stock"], logits["growable"])

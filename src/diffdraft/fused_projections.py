@@ -88,7 +88,8 @@ class ProjectionSlice(nn.Module):
 
 def fuse_projections(model: nn.Module) -> int:
     """Stack every group of packed sibling projections inside ``model`` in place; returns how many
-    groups were stacked (groups with an unpacked member are left alone)."""
+    groups were stacked (a group with an unpacked member, or whose members differ in input width
+    or in having a bias, is left alone)."""
     stacked = 0
     for module in list(model.modules()):
         for names in SIBLINGS:

@@ -5,7 +5,7 @@ whole cache once (60 copies per SmolLM2 forward, each growing with the context),
 rejected draft is cropped by slicing, only to be copied again by the next append. Speculative
 decoding appends and crops every round, so diffdraft's targets keep each layer's keys and values
 in a buffer with spare room instead: an append writes the new rows, a crop only shortens the view,
-and the buffer doubles when full. Attention reads the same numbers through a strided view
+and the buffer grows by a quarter when full. Attention reads the same numbers through a strided view
 (identical outputs, tested).
 """
 
@@ -15,8 +15,10 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-MIN_CAPACITY = 256
-"""Rows allocated at first use (or twice the first append, if larger)."""
+SPARE_ROWS = 256
+"""Room left after an append that outgrows the buffer (or a quarter of the cache, if more): growth
+is geometric, so appends copy the cache O(1) times on average, and the spare room stays within a
+quarter of the cache where memory is tight (long prompts on a GPU)."""
 
 
 class GrowableLayer(DynamicLayer):
@@ -35,7 +37,7 @@ class GrowableLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         end = self._length + key_states.shape[-2]
         if self._key_buffer is None or end > self._key_buffer.shape[-2]:
-            self._grow(key_states, value_states, max(MIN_CAPACITY, 2 * end))
+            self._grow(key_states, value_states, end + max(SPARE_ROWS, end // 4))
         self._key_buffer[..., self._length : end, :] = key_states
         self._value_buffer[..., self._length : end, :] = value_states
         self._set_length(end)
