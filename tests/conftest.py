@@ -4,14 +4,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen3Config
 
 from diffdraft.drafters.dflash_model import DFLASH, DFlashDraftModel, make_draft_config
+from diffdraft.packed_linear import packing_supported
 
 # Tiny models are dominated by per-op overhead: one thread is several times faster than two.
 torch.set_num_threads(1)
+
+needs_packing = pytest.mark.skipif(
+    not packing_supported(torch.bfloat16, torch.device("cpu")), reason="no oneDNN bfloat16 on this CPU"
+)
+"""For tests of diffdraft's packed CPU kernels."""
 
 FAMILIES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
 

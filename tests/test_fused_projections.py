@@ -9,13 +9,9 @@ import torch
 from torch import nn
 
 from diffdraft.fused_projections import ProjectionSlice, StackedProjection, fuse_projections
-from diffdraft.packed_linear import PackedLinear, pack_linear_layers, packing_supported
+from diffdraft.packed_linear import PackedLinear, pack_linear_layers
 
-from conftest import tiny_target
-
-needs_packing = pytest.mark.skipif(
-    not packing_supported(torch.bfloat16, torch.device("cpu")), reason="no oneDNN bfloat16 on this CPU"
-)
+from conftest import needs_packing, tiny_target
 
 
 def _packed(rows: int, inputs: int, bias: bool, seed: int) -> PackedLinear:

@@ -18,11 +18,7 @@ from diffdraft.stopping import StopConditions
 from diffdraft.target import TargetModel
 from diffdraft.trees import DDTreeBuilder
 
-from conftest import tiny_drafter, tiny_target
-
-needs_packing = pytest.mark.skipif(
-    not packing_supported(torch.bfloat16, torch.device("cpu")), reason="no oneDNN bfloat16 on this CPU"
-)
+from conftest import needs_packing, tiny_drafter, tiny_target
 
 
 @needs_packing

@@ -343,12 +343,7 @@ class BudgetPlanner:
         rounds (B = each round's budget), at most 1; 1 before any round."""
         if not self._rounds:
             return 1.0
-        surrogate = np.asarray(self.surrogate())
-        used, lengths = self._counterfactual()
-        rows = np.arange(len(used))
-        realized = float((lengths[rows, used] - lengths[rows, used // 2]).sum())
-        predicted = float((surrogate[used] - surrogate[used // 2]).sum())
-        return min(1.0, realized / predicted) if predicted > 1e-6 else 1.0
+        return _growth(np.asarray(self.surrogate()), *self._counterfactual())
 
     def expected_tau(self) -> list[float]:
         """Expected acceptance length per budget 0..max_budget (see the class docstring)."""
@@ -357,7 +352,7 @@ class BudgetPlanner:
             return surrogate.tolist()
         used, lengths = self._counterfactual()
         beyond = np.clip(surrogate[None, :] - surrogate[used][:, None], 0.0, None)  # 0 up to B used
-        return (lengths + self.growth_calibration() * beyond).mean(axis=0).tolist()
+        return (lengths + _growth(surrogate, used, lengths) * beyond).mean(axis=0).tolist()
 
     def choose(self, context: int) -> BudgetChoice:
         return choose_budget(self.curve, self.expected_tau(), context, self.fixed_seconds)
@@ -365,8 +360,8 @@ class BudgetPlanner:
     def describe(self, context: int) -> dict:
         """The planner's current model, for reports: what it expects at each power-of-two budget
         over ``context`` cached tokens."""
-        choice = self.choose(context)
         expected_tau = self.expected_tau()
+        choice = choose_budget(self.curve, expected_tau, context, self.fixed_seconds)
         shown = [b for b in choice.expected if b & (b - 1) == 0 or b == choice.budget]
         return {
             "context": context,
@@ -376,6 +371,14 @@ class BudgetPlanner:
             "expected_tau": {b: expected_tau[b] for b in shown},
             "expected_tokens_per_second": {b: choice.expected[b] for b in shown},
         }
+
+
+def _growth(surrogate: np.ndarray, used: np.ndarray, lengths: np.ndarray) -> float:
+    """:meth:`BudgetPlanner.growth_calibration` from the planner's surrogate and counterfactuals."""
+    rows = np.arange(len(used))
+    realized = float((lengths[rows, used] - lengths[rows, used // 2]).sum())
+    predicted = float((surrogate[used] - surrogate[used // 2]).sum())
+    return min(1.0, realized / predicted) if predicted > 1e-6 else 1.0
 
 
 class AutoBudgetBuilder:

@@ -122,8 +122,9 @@ def markdown(
         "the measured cost of verifying q tokens (mask, forward, acceptance) at the contexts the rounds "
         "ran at, and t_draft the drafting time per round: the speedup if everything else were free. "
         "On CPU our methods run the target with diffdraft's inference kernels (packed bfloat16 "
-        "weights, grouped-query attention without cache copies; identical logits); Hugging Face "
-        "methods run the stock model, so `ar` against `hf` is what the kernels alone buy.",
+        "weights, stacked q/k/v and gate/up projections, grouped-query attention without cache "
+        "copies; identical logits) and an in-place KV cache; Hugging Face methods run the stock "
+        "model, so `ar` against `hf` is what the kernels alone buy.",
     ]
     if max(env["busy_before"] or 0.0, env["busy_after"] or 0.0) > BUSY_WARNING:
         lines += [
