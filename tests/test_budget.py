@@ -10,8 +10,11 @@ import torch
 
 from diffdraft import budget
 from diffdraft.budget import (
+    MIN_TIMED_ROUNDS,
+    PRIOR_ROUNDS,
     AutoBudgetBuilder,
     BudgetPlanner,
+    ObservedRound,
     VerifyCostCurve,
     choose_budget,
     load_or_measure,
@@ -20,6 +23,7 @@ from diffdraft.budget import (
 )
 from diffdraft.drafters.base import Proposal
 from diffdraft.sampling import SamplingParams
+from diffdraft.stats import GenerationStats
 from diffdraft.target import TargetModel
 from diffdraft.trees import DDTreeBuilder
 
@@ -88,44 +92,94 @@ def test_the_surrogate_sums_the_best_prefix_probabilities():
     assert surrogate_acceptance(tree, log_probs)[:6] == pytest.approx([1.0, 1.6, 1.9, 2.2, 2.44, 2.59])
 
 
-def test_the_planner_learns_smaller_trees_from_accepted_nodes_and_scales_the_surrogate_beyond():
-    curve = VerifyCostCurve(sizes=[1, 64], contexts=[512], seconds=[[0.01, 0.01]])
-    planner = BudgetPlanner(curve, max_budget=32)
+def _rounds(count: int, budget: int, accepted: list[int], seconds: float = 0.0) -> list[ObservedRound]:
+    return [ObservedRound(budget, accepted, context=512, seconds=seconds) for _ in range(count)]
+
+
+def _linear_surrogate_planner(max_budget: int = 32) -> BudgetPlanner:
+    """A planner over a flat cost curve whose drafter promises 0.1 accepted tokens per node."""
+    planner = BudgetPlanner(
+        VerifyCostCurve(sizes=[1, 64], contexts=[512], seconds=[[0.01, 0.01]]), max_budget
+    )
     planner.observe_proposal([1.0 + 0.1 * b for b in range(40)])
+    return planner
+
+
+def test_the_planner_measures_each_rank_from_the_rounds_that_verified_it():
+    planner = _linear_surrogate_planner()
     assert planner.max_budget == 32
     assert planner.expected_tau()[10] == pytest.approx(2.0)  # the surrogate alone before any round
-    # two rounds at budget 10: one accepted nothing, one accepted node 3
-    planner.observe_rounds([10, 10], [[], [3]], fixed_seconds=0.0)
+    # 32 rounds at budget 10: half accepted node 3, half nothing
+    planner.observe_rounds(_rounds(16, 10, [3]) + _rounds(16, 10, []), fixed_seconds=0.0)
     tau = planner.expected_tau()
-    assert tau[2] == pytest.approx(1.0) and tau[3] == tau[10] == pytest.approx(1.5)  # exact below 10
-    # nodes 6..10 added nothing where the surrogate promised 0.5 a round: no growth past 10 either
+    # nodes 6..10 added nothing where the surrogate promised 0.1 each: its promise is worth nothing
     assert planner.growth_calibration() == pytest.approx(0.0)
-    assert tau[32] == pytest.approx(1.5)
-    # accepted nodes 3 and 8, and 2: the upper half paid 1 of the 2 x 0.5 the surrogate promised
+    assert tau[2] == pytest.approx(1.0)
+    assert tau[3] - tau[2] == pytest.approx(16 / (32 + PRIOR_ROUNDS))  # measured, weighed against 0
+    assert tau[32] == tau[10] == tau[3]
+
+
+def test_the_surrogate_covers_unmeasured_ranks_scaled_by_the_share_the_target_confirmed():
+    planner = _linear_surrogate_planner()
+    # accepted nodes 3 and 8, or 2: ranks 6..10 paid 0.5 of the 0.5 the surrogate promised
+    planner.observe_rounds(_rounds(16, 10, [3, 8]) + _rounds(16, 10, [2]), fixed_seconds=0.0)
+    assert planner.growth_calibration() == pytest.approx(1.0)
+    tau = planner.expected_tau()
+    assert tau[20] - tau[10] == pytest.approx(10 * 0.1)  # no round verified 11..20: the surrogate
+    # a share above 1 (long copies inside the tree) is not stretched onto unmeasured ranks
+    planner.observe_rounds(_rounds(64, 10, [3, 7, 8, 9]), fixed_seconds=0.0)
+    assert planner.growth_calibration() == 1.0
+    # rounds that verified 15 nodes measure ranks 11..15 and outweigh the promise as they add up
+    planner.observe_rounds(_rounds(48, 15, [1, 12]), fixed_seconds=0.0)
+    tau = planner.expected_tau()
+    assert tau[12] - tau[11] == pytest.approx((48 + PRIOR_ROUNDS * 0.1) / (48 + PRIOR_ROUNDS))
+    assert tau[13] - tau[12] == pytest.approx(PRIOR_ROUNDS * 0.1 / (48 + PRIOR_ROUNDS))
+
+
+def test_the_rounds_own_verification_times_rescale_the_cached_curve():
+    sizes = [1, 8, 16, 64]
+    curve = VerifyCostCurve(sizes=sizes, contexts=[512], seconds=[[0.02, 0.02, 0.03, 0.1]])
     planner = BudgetPlanner(curve, max_budget=32)
     planner.observe_proposal([1.0 + 0.1 * b for b in range(40)])
-    planner.observe_rounds([10, 10], [[3, 8], [2]], fixed_seconds=0.0)
-    assert planner.growth_calibration() == pytest.approx(1.0)
-    assert planner.expected_tau()[7] == pytest.approx(2.0)
-    assert planner.expected_tau()[20] == pytest.approx(2.5 + 1.0 * 1.0)
-    # a share above 1 (long copies inside the tree) is not stretched onto the nodes past the budget
-    planner.observe_rounds([10], [[3, 7, 8, 9]], fixed_seconds=0.0)
-    assert planner.growth_calibration() == 1.0
+    planner.observe_rounds(_rounds(MIN_TIMED_ROUNDS - 1, 15, [], seconds=0.06), fixed_seconds=0.0)
+    assert planner.cost()(16, 512) == pytest.approx(0.03)  # too few rounds to trust yet
+    planner.observe_rounds(_rounds(1, 15, [], seconds=0.06) + _rounds(8, 7, [], seconds=0.02), 0.0)
+    assert planner.cost_scales() == ([8, 16], [pytest.approx(1.0), pytest.approx(2.0)], [8, MIN_TIMED_ROUNDS])
+    assert planner.cost()(16, 512) == pytest.approx(0.06)
+    assert planner.cost()(12, 512) == pytest.approx(curve(12, 512) * 1.5)  # linear between sizes
+    assert planner.cost()(32, 512) == pytest.approx(curve(32, 512) * 2.0)  # constant beyond
+    # a line through the sizes' scales, weighted by rounds: one odd size does not bend the curve
+    planner.observe_rounds(_rounds(4, 11, [], seconds=0.1 * curve(12, 512)), 0.0)
+    assert planner.cost()(12, 512) < curve(12, 512) * 1.5
 
 
-def test_the_auto_builder_keeps_the_best_first_prefix_of_the_chosen_size():
+def test_the_choice_never_takes_a_dip_in_a_calibrated_cost_as_a_cheaper_tree():
+    costs = {2: 0.02, 3: 0.03, 4: 0.01}  # noise: 3 nodes measured cheaper than 2
+    choice = choose_budget(lambda q, n: costs[q], [1.0, 1.5, 1.6, 1.7], 512)
+    assert choice.expected[3] == pytest.approx(1.7 / 0.03)  # costed as 2 nodes were, not less
+    assert choice.budget == 1
+
+
+def test_the_auto_builder_keeps_the_best_first_prefix_of_the_chosen_size_and_explores_past_it():
     # t(q) flat up to 9 tokens then steep: the planner should settle on 8 nodes
     curve = VerifyCostCurve(sizes=[1, 9, 10, 64], contexts=[512], seconds=[[0.01, 0.01, 0.05, 1.0]])
     builder = AutoBudgetBuilder(BudgetPlanner(curve), initial_budget=2, refresh=2)
     log_probs = torch.randn(3, 50).mul(2).log_softmax(-1)
     proposal = Proposal(log_probs=log_probs)
-    tree = builder.build(5, proposal, SamplingParams(), None)
-    expected = DDTreeBuilder(8).build(5, proposal, SamplingParams(), None)
+    tree = builder.build(5, proposal, SamplingParams(), None, context=300)
+    # the refresh round verifies half the chosen budget more, to measure the ranks past it
+    expected = DDTreeBuilder(12).build(5, proposal, SamplingParams(), None)
     assert builder.budget == 8
     assert torch.equal(tree.tokens, expected.tokens) and torch.equal(tree.parents, expected.parents)
-    assert builder.build(5, proposal, SamplingParams(), None).num_nodes == 8
-    assert builder.observe_generation([[1], [], []], fixed_seconds=0.001) == [8, 8]
+    assert builder.build(5, proposal, SamplingParams(), None, context=302).num_nodes == 8
+    # the next refresh verifies half the budget less, to measure what a node costs around it
+    assert builder.build(5, proposal, SamplingParams(), None, context=304).num_nodes == 4
+    stats = GenerationStats(accepted_nodes=[[1], [], [2]], verify_seconds=[0.02, 0.01, 0.01])
+    assert builder.observe_generation(stats, fixed_seconds=0.001) == [12, 8, 4]
     assert builder.used == [] and builder.planner.fixed_seconds == 0.001
+    observed, counts = builder.planner.rank_gains()
+    assert counts[3] == 3 and counts[7] == 2 and counts[8] == 1
+    assert observed[0] == 1 and observed[1] == 1 and observed[2:].sum() == 0
 
 
 def test_measuring_gives_every_size_and_the_cache_is_reused_until_it_stops_matching(tmp_path, monkeypatch):

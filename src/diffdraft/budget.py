@@ -23,8 +23,8 @@ import os
 import platform
 import time
 from collections import deque
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +37,7 @@ from diffdraft.drafters.base import Proposal
 from diffdraft.fused_projections import ProjectionSlice
 from diffdraft.packed_linear import has_packed_layers
 from diffdraft.sampling import SamplingParams
+from diffdraft.stats import GenerationStats
 from diffdraft.target import TargetModel
 from diffdraft.trees import DDTreeBuilder, DraftTree
 from diffdraft.verify import accept
@@ -202,6 +203,7 @@ def curve_key(target: TargetModel) -> str:
         "attention": target.model.config._attn_implementation,
         "stacked": any(isinstance(module, ProjectionSlice) for module in target.model.modules()),
         "cache": type(target.new_cache().layers[0]).__name__,
+        "lean_forward": target.lean is not None,
         "stage": "mask+forward+accept per context, fitted",  # a change must not reuse old curves
     }
     digest = hashlib.sha1(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:12]
@@ -258,7 +260,7 @@ class BudgetChoice:
 
 
 def choose_budget(
-    curve: VerifyCostCurve,
+    cost: Callable[[float, float], float],
     expected_tau: Sequence[float],
     context: int,
     fixed_seconds: float = 0.0,
@@ -266,44 +268,77 @@ def choose_budget(
 ) -> BudgetChoice:
     """The budget B maximizing ``expected_tau[B] / (t(B + 1, context) + fixed_seconds)``.
 
+    ``cost`` is t(q, n) (a :class:`VerifyCostCurve` or the planner's calibrated one);
     ``expected_tau[B]`` is the expected acceptance length with B drafted nodes; candidates default
     to every B it covers. ``context`` is the number of cached tokens the round verifies over.
     ``fixed_seconds`` is the per-round cost outside verification (drafter forward, tree build,
-    commit, loop overhead), which barely depends on the budget.
+    commit, loop overhead), which barely depends on the budget. Costs are taken nondecreasing in B:
+    verifying more tokens never gets cheaper, whatever noise a calibration picked up.
     """
-    candidates = budgets or range(1, len(expected_tau))
-    expected = {
-        b: expected_tau[b] / (curve(b + 1, context) + fixed_seconds)
-        for b in candidates
-        if b < len(expected_tau)
-    }
-    if not expected:
+    candidates = sorted(b for b in (budgets or range(1, len(expected_tau))) if b < len(expected_tau))
+    if not candidates:
         raise ValueError("no candidate budget has an expected acceptance length")
+    seconds = np.maximum.accumulate([cost(b + 1, context) for b in candidates])
+    expected = {b: expected_tau[b] / (t + fixed_seconds) for b, t in zip(candidates, seconds, strict=True)}
     best = max(expected, key=lambda b: (expected[b], -b))
     return BudgetChoice(best, expected[best], expected)
+
+
+@dataclass(frozen=True)
+class ObservedRound:
+    """What one verified round teaches the planner."""
+
+    budget: int
+    """Draft nodes the round verified (its tree may have been cut short of the budget asked)."""
+    accepted: Sequence[int]
+    """Best-first indices of the draft nodes the target accepted."""
+    context: int = 0
+    """Cached tokens the round verified over."""
+    seconds: float = 0.0
+    """Its verification forward; 0 when not timed."""
+
+
+PRIOR_ROUNDS = 16
+"""Weight, in rounds, of the surrogate's promise for a node rank against the rounds that verified it."""
+MIN_TIMED_ROUNDS = 4
+"""Rounds of one verified size before their times recalibrate the cost curve."""
 
 
 class BudgetPlanner:
     """Chooses the DDTree budget from the cost curve and the drafter's recent proposals and rounds.
 
-    Expected acceptance per budget comes from what the target actually accepted: best-first order
-    numbers every node after its parent, so a round verified at budget B would have accepted, with
-    only the first b <= B nodes, exactly its accepted nodes numbered <= b (greedy verification walks
-    the same target choices). Those counterfactual lengths are exact below the budgets the rounds
-    used; above them the surrogate's promised gain is scaled by the share of its gain over the
-    upper half of the used budgets that the target confirmed, at most 1: nodes past the budget are
-    the drafter's weakest guesses, and a share above 1 comes from long prompt-lookup copies
-    already inside the tree. A single realized / predicted scale for everything would stretch the
-    gains of well-predicted top nodes onto the tail, and buy too big trees.
+    Acceptance: best-first order numbers every node after its parent, so a round verified at
+    budget B would have accepted, with only its first r <= B nodes, exactly its accepted nodes
+    numbered <= r (greedy verification walks the same target choices). The gain of node rank r is
+    therefore measured by every recent round that verified r nodes or more, and those measurements
+    outweigh the drafter's surrogate as they accumulate (:data:`PRIOR_ROUNDS`). The surrogate,
+    scaled by the share of its promise the target confirmed over the upper half of the
+    well-measured ranks (at most 1), covers ranks few rounds reached: drafters are rarely
+    calibrated, and the nodes past the budget are their weakest guesses. :class:`AutoBudgetBuilder`
+    verifies a bigger tree now and then so the ranks just past the budget get measured too.
+
+    Cost: the cached curve was measured once, in isolation, and its shape can differ from what the
+    same forwards cost inside a decoding loop (seen here: 0.4 vs 1 ms per extra token on a CPU). The
+    recent rounds' verification times, divided by the curve's prediction for their size and
+    context, give a scale per verified size; a line through those scales (weighted by rounds,
+    constant outside the verified sizes) rescales the curve. The builder verifies smaller and
+    bigger trees now and then, so the line's slope is measured around the chosen budget, and a
+    recent window keeps machine drift out.
     """
 
     def __init__(
-        self, curve: VerifyCostCurve, max_budget: int = MAX_BUDGET, window: int = 64, rounds: int = 256
+        self,
+        curve: VerifyCostCurve,
+        max_budget: int = MAX_BUDGET,
+        window: int = 64,
+        rounds: int = 256,
+        timed_rounds: int = 128,
     ) -> None:
         self.curve = curve
         self.max_budget = min(max_budget, curve.sizes[-1] - 1)  # never extrapolate the cost curve
         self._surrogates: deque[list[float]] = deque(maxlen=window)
-        self._rounds: deque[tuple[int, list[int]]] = deque(maxlen=rounds)  # (budget, accepted nodes)
+        self._rounds: deque[ObservedRound] = deque(maxlen=rounds)
+        self._timed: deque[tuple[int, float]] = deque(maxlen=timed_rounds)  # (q, measured / curve)
         self.fixed_seconds = 0.0
         """Seconds per round outside verification (see choose_budget)."""
 
@@ -312,13 +347,12 @@ class BudgetPlanner:
         padded += [padded[-1]] * (self.max_budget + 1 - len(padded))
         self._surrogates.append(padded)
 
-    def observe_rounds(
-        self, budgets: Sequence[int], accepted_nodes: Sequence[Sequence[int]], fixed_seconds: float
-    ) -> None:
-        """Rounds verified at ``budgets`` and the best-first indices of the draft nodes each accepted,
-        and their cost outside verification."""
-        for budget, nodes in zip(budgets, accepted_nodes, strict=False):
-            self._rounds.append((min(budget, self.max_budget), list(nodes)))
+    def observe_rounds(self, rounds: Sequence[ObservedRound], fixed_seconds: float) -> None:
+        """Verified rounds, and the mean seconds per round spent outside verification."""
+        self._rounds.extend(replace(r, budget=min(r.budget, self.max_budget)) for r in rounds)
+        self._timed.extend(
+            (r.budget + 1, r.seconds / self.curve(r.budget + 1, r.context)) for r in rounds if r.seconds > 0
+        )
         self.fixed_seconds = fixed_seconds
 
     def surrogate(self) -> list[float]:
@@ -327,74 +361,114 @@ class BudgetPlanner:
             return [1.0] * (self.max_budget + 1)
         return np.mean(np.asarray(self._surrogates), axis=0).tolist()
 
-    def _counterfactual(self) -> tuple[np.ndarray, np.ndarray]:
-        """Budgets used [R] and acceptance lengths [R, max_budget + 1] of the recent rounds had
-        they verified only their first b nodes (their own length for b past their budget)."""
-        used = np.array([budget for budget, _ in self._rounds])
-        depth = max(1, *(len(nodes) for _, nodes in self._rounds))
-        nodes = np.full((len(self._rounds), depth), np.inf)
-        for row, (_, accepted) in enumerate(self._rounds):
-            nodes[row, : len(accepted)] = accepted
-        seen = np.minimum(np.arange(self.max_budget + 1)[None, :], used[:, None])
-        return used, 1 + (nodes[:, :, None] <= seen[:, None, :]).sum(axis=1)
+    def cost(self) -> Callable[[float, float], float]:
+        """t(q, n): the cached curve rescaled by the recent rounds' own verification times."""
+        sizes, scales, counts = self.cost_scales()
+        if not sizes:
+            return self.curve
+        slope, intercept = (
+            np.polyfit(sizes, scales, 1, w=np.sqrt(counts)) if len(sizes) > 1 else (0.0, scales[0])
+        )
+        low, high = sizes[0], sizes[-1]
+        return lambda q, context: self.curve(q, context) * float(intercept + slope * min(max(q, low), high))
+
+    def cost_scales(self) -> tuple[list[int], list[float], list[int]]:
+        """Verified sizes with enough timed rounds, their median measured / cached-curve time, and
+        how many rounds each."""
+        ratios: dict[int, list[float]] = {}
+        for q, ratio in self._timed:
+            ratios.setdefault(q, []).append(ratio)
+        sizes = sorted(q for q, seen in ratios.items() if len(seen) >= MIN_TIMED_ROUNDS)
+        return sizes, [float(np.median(ratios[q])) for q in sizes], [len(ratios[q]) for q in sizes]
+
+    def rank_gains(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per node rank 1..max_budget: summed acceptance gain over the recent rounds that verified
+        that rank, and how many did."""
+        ranks = np.arange(1, self.max_budget + 1)
+        verified = np.array([[r.budget] for r in self._rounds]) >= ranks[None, :]
+        accepted = np.zeros((len(self._rounds), self.max_budget + 1))
+        for row, r in enumerate(self._rounds):
+            # accepted node indices rise along the path; the gain of rank r is 1 if node r is on it
+            accepted[row, [i for i in r.accepted if i <= r.budget]] = 1.0
+        return (accepted[:, 1:] * verified).sum(axis=0), verified.sum(axis=0)
 
     def growth_calibration(self) -> float:
-        """Realized / surrogate-predicted acceptance gain from budget B/2 to B over the recent
-        rounds (B = each round's budget), at most 1; 1 before any round."""
-        if not self._rounds:
-            return 1.0
-        return _growth(np.asarray(self.surrogate()), *self._counterfactual())
+        """Realized / surrogate-promised gain over the upper half of the ranks at least
+        :data:`PRIOR_ROUNDS` rounds verified, at most 1; 1 before that."""
+        observed, counts = self.rank_gains() if self._rounds else (np.zeros(0), np.zeros(0))
+        return _growth(np.diff(self.surrogate()), observed, counts)
 
     def expected_tau(self) -> list[float]:
         """Expected acceptance length per budget 0..max_budget (see the class docstring)."""
-        surrogate = np.asarray(self.surrogate())
+        promised = np.diff(self.surrogate())
         if not self._rounds:
-            return surrogate.tolist()
-        used, lengths = self._counterfactual()
-        beyond = np.clip(surrogate[None, :] - surrogate[used][:, None], 0.0, None)  # 0 up to B used
-        return (lengths + _growth(surrogate, used, lengths) * beyond).mean(axis=0).tolist()
+            return [1.0, *(1.0 + np.cumsum(promised)).tolist()]
+        observed, counts = self.rank_gains()
+        prior = promised * _growth(promised, observed, counts)
+        gains = (observed + PRIOR_ROUNDS * prior) / (counts + PRIOR_ROUNDS)
+        return [1.0, *(1.0 + np.cumsum(gains)).tolist()]
 
-    def choose(self, context: int) -> BudgetChoice:
-        return choose_budget(self.curve, self.expected_tau(), context, self.fixed_seconds)
+    def choose(self, context: int, largest: int | None = None) -> BudgetChoice:
+        """The best budget over ``context`` cached tokens, among 1..``largest`` (default: all)."""
+        budgets = range(1, min(largest or self.max_budget, self.max_budget) + 1)
+        return choose_budget(self.cost(), self.expected_tau(), context, self.fixed_seconds, budgets)
 
     def describe(self, context: int) -> dict:
         """The planner's current model, for reports: what it expects at each power-of-two budget
         over ``context`` cached tokens."""
         expected_tau = self.expected_tau()
-        choice = choose_budget(self.curve, expected_tau, context, self.fixed_seconds)
+        choice = choose_budget(self.cost(), expected_tau, context, self.fixed_seconds)
         shown = [b for b in choice.expected if b & (b - 1) == 0 or b == choice.budget]
+        sizes, scales, _ = self.cost_scales()
         return {
             "context": context,
             "budget": choice.budget,
             "growth_calibration": self.growth_calibration(),
+            "cost_scales": dict(zip(sizes, scales, strict=True)),
             "fixed_ms": 1e3 * self.fixed_seconds,
             "expected_tau": {b: expected_tau[b] for b in shown},
             "expected_tokens_per_second": {b: choice.expected[b] for b in shown},
         }
 
 
-def _growth(surrogate: np.ndarray, used: np.ndarray, lengths: np.ndarray) -> float:
-    """:meth:`BudgetPlanner.growth_calibration` from the planner's surrogate and counterfactuals."""
-    rows = np.arange(len(used))
-    realized = float((lengths[rows, used] - lengths[rows, used // 2]).sum())
-    predicted = float((surrogate[used] - surrogate[used // 2]).sum())
+def _growth(promised: np.ndarray, observed: np.ndarray, counts: np.ndarray) -> float:
+    """:meth:`BudgetPlanner.growth_calibration` from the surrogate's per-rank gains and the rounds'."""
+    well = np.flatnonzero(counts >= PRIOR_ROUNDS)  # ranks 1..top: counts fall with the rank
+    if not len(well):
+        return 1.0
+    upper = slice((well[-1] + 1) // 2, well[-1] + 1)
+    realized = float((observed[upper] / counts[upper]).sum())
+    predicted = float(promised[upper].sum())
     return min(1.0, realized / predicted) if predicted > 1e-6 else 1.0
 
 
 class AutoBudgetBuilder:
     """A DDTree builder whose budget the planner re-chooses every ``refresh`` rounds.
 
-    On a refresh round it builds the largest candidate tree once, feeds its surrogate to the
-    planner, and keeps the chosen budget's best-first prefix; other rounds build at the current
-    budget directly, so the surrogate's extra cost is paid on one round in ``refresh``.
+    On a refresh round it builds a tree ``lookahead`` times the current budget once, feeds its
+    surrogate to the planner, chooses, and verifies that tree's best-first prefix of the chosen
+    size, ``explore`` of it more on every other refresh and that much less on the rest: the bigger
+    trees are how the planner measures the ranks just past its choice, and both are how it
+    measures what a node costs around it (one round in ``refresh``, a small price). Other rounds
+    build at the chosen budget directly, so the surrogate's cost is paid once in ``refresh``
+    rounds, and the budget can grow by at most ``lookahead`` per refresh.
     """
 
-    def __init__(self, planner: BudgetPlanner, initial_budget: int = 32, refresh: int = 8) -> None:
+    def __init__(
+        self,
+        planner: BudgetPlanner,
+        initial_budget: int = 32,
+        refresh: int = 8,
+        lookahead: int = 4,
+        explore: float = 0.5,
+    ) -> None:
         self.planner = planner
         self.budget = initial_budget
         self.refresh = refresh
-        self.used: list[int] = []
-        """Budget of every tree built since the last :meth:`observe_generation`."""
+        self.lookahead = lookahead
+        self.explore = explore
+        self.used: list[tuple[int, int]] = []
+        """(budget, context) of every tree built since the last :meth:`observe_generation`."""
         self._rounds = 0
 
     def build(
@@ -409,18 +483,28 @@ class AutoBudgetBuilder:
         if self._rounds % self.refresh != 1 or proposal.log_probs is None:
             tree = DDTreeBuilder(self.budget).build(root_token, proposal, sampling, generator)
         else:
-            largest = DDTreeBuilder(self.planner.max_budget).build(root_token, proposal, sampling, generator)
+            horizon = min(self.planner.max_budget, self.lookahead * max(self.budget, 4))
+            largest = DDTreeBuilder(horizon).build(root_token, proposal, sampling, generator)
             self.planner.observe_proposal(surrogate_acceptance(largest, proposal.log_probs))
-            self.budget = self.planner.choose(context).budget
-            keep = slice(0, self.budget + 1)  # best-first order: a prefix is the optimal smaller tree
+            self.budget = self.planner.choose(context, largest=horizon).budget
+            step = max(1, round(self.explore * self.budget))
+            bigger = self._rounds // self.refresh % 2 == 0
+            verified = min(horizon, self.budget + step) if bigger else max(1, self.budget - step)
+            keep = slice(0, verified + 1)  # best-first order: a prefix is the optimal smaller tree
             tree = DraftTree(largest.tokens[keep], largest.parents[keep], largest.depths[keep])
-        self.used.append(self.budget)
+        self.used.append((tree.num_nodes, context))
         return tree
 
-    def observe_generation(self, accepted_nodes: Sequence[Sequence[int]], fixed_seconds: float) -> list[int]:
-        """Feed a finished generation back: the draft nodes each round accepted (in order; the
-        engine's ``stats.accepted_nodes``) and the mean seconds per round spent outside
-        verification. Returns the budgets its rounds used."""
+    def observe_generation(self, stats: GenerationStats, fixed_seconds: float) -> list[int]:
+        """Feed a finished generation's rounds back (what each accepted and how long its
+        verification took) with the mean seconds per round spent outside verification. Returns
+        the number of draft nodes each of its rounds verified."""
         used, self.used = self.used, []
-        self.planner.observe_rounds(used, accepted_nodes, fixed_seconds)
-        return used
+        rounds = [
+            ObservedRound(budget, accepted, context, seconds)
+            for (budget, context), accepted, seconds in zip(
+                used, stats.accepted_nodes, stats.verify_seconds, strict=False
+            )
+        ]
+        self.planner.observe_rounds(rounds, fixed_seconds)
+        return [budget for budget, _ in used]

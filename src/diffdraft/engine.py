@@ -70,6 +70,7 @@ class SpeculativeEngine:
                 mask = self.target.attention_mask(cache, tree.ancestor_mask()) if tree.num_nodes else None
             with timer("verify"):
                 out = self.target.verify(cache, tree.tokens, tree.position_ids(start), mask, self.layer_ids)
+            stats.verify_seconds.append(timer.last)
             with timer("accept"):
                 result = accept(tree, out.logits, sampling, generator)
             with timer("commit"):

@@ -160,8 +160,10 @@ class SpeculativeGenerator:
                 shown, pending = text, []
         if self._auto_budget is not None:
             # the budget planner learns how much this drafter's surrogate over- or under-promises
-            outside = sum(stats.timings[stage] for stage in ("draft", "tree", "commit"))
-            self._auto_budget.observe_generation(stats.accepted_nodes, outside / max(1, stats.rounds))
+            outside = sum(
+                seconds for stage, seconds in stats.timings.items() if stage not in ("prefill", "verify")
+            )
+            self._auto_budget.observe_generation(stats, outside / max(1, stats.rounds))
         text = stop_conditions.cut_text(text_of(generated))
         result = GenerationResult(list(prompt_ids), generated, text, stats)
         yield GenerationChunk(text=text[len(shown) :], token_ids=pending, result=result)

@@ -27,6 +27,8 @@ class GenerationStats:
     """Positions the drafter proposed per round (per-position acceptance needs the denominator)."""
     tree_sizes: list[int] = field(default_factory=list)
     """Drafted nodes verified per round (the root not counted)."""
+    verify_seconds: list[float] = field(default_factory=list)
+    """Per round, seconds of the target's verification forward (what the auto budget calibrates t on)."""
     timings: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
     """Seconds spent per stage over the whole generation."""
     total_seconds: float = 0.0
@@ -49,6 +51,7 @@ class GenerationStats:
             "accepted_nodes": self.accepted_nodes,
             "draft_depths": self.draft_depths,
             "tree_sizes": self.tree_sizes,
+            "verify_seconds": self.verify_seconds,
             "acceptance_histogram": {str(k): v for k, v in self.acceptance_histogram.items()},
             "timings": dict(self.timings),
             "total_seconds": self.total_seconds,
@@ -65,6 +68,8 @@ class StageTimer:
     def __init__(self, stats: GenerationStats, device: torch.device) -> None:
         self.stats = stats
         self.sync = device.type == "cuda"
+        self.last = 0.0
+        """Seconds of the stage timed last."""
 
     @contextmanager
     def __call__(self, stage: str) -> Iterator[None]:
@@ -73,4 +78,5 @@ class StageTimer:
             yield
             if self.sync:
                 torch.cuda.synchronize()
-        self.stats.timings[stage] += time.perf_counter() - begin
+        self.last = time.perf_counter() - begin
+        self.stats.timings[stage] += self.last

@@ -14,6 +14,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from diffdraft.errors import IncompatibleDrafterError, UnsupportedModelError
 from diffdraft.kv_cache import growable_cache
+from diffdraft.lean_forward import LeanForward
 
 
 @dataclass
@@ -41,6 +42,8 @@ class TargetModel:
         self.max_context: int = int(getattr(config, "max_position_embeddings", 1 << 30))
         layers = self.new_cache().layers
         self.sliding_window_layers: list[int] = [i for i, layer in enumerate(layers) if layer.is_sliding]
+        self.lean = LeanForward(model) if LeanForward.supports(model) else None
+        """The verification forward without Hugging Face's glue, for the families it supports."""
 
     @property
     def device(self) -> torch.device:
@@ -132,7 +135,14 @@ class TargetModel:
         attention_mask: torch.Tensor | None,
         layer_ids: list[int],
     ) -> TargetOutput:
-        """Score tree nodes in one forward, under a mask from :meth:`attention_mask` (None: one token)."""
+        """Score tree nodes in one forward, under a mask from :meth:`attention_mask` (None: one token).
+
+        Llama-shaped targets run :class:`LeanForward` (same outputs, less host time per forward)."""
+        if self.lean is not None:
+            logits, hidden = self.lean(
+                cache, token_ids.to(self.device), position_ids.to(self.device), attention_mask, layer_ids
+            )
+            return TargetOutput(logits=logits, hidden=hidden)
         return self._forward(cache, token_ids, position_ids, attention_mask, layer_ids, logits_to_keep=0)
 
     def _forward(

@@ -9,6 +9,7 @@ tokens), ``hf@float32`` (HF greedy on a float32 copy of the target). Adding a dr
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from collections.abc import Callable
@@ -36,13 +37,11 @@ STAGE_NAMES = (
     "tree",
     "mask",
     "verify_forward",
-    "verify_other",
     "accept",
     "commit",
     "other",
 )
-"""Per-generation time split: ``verify_other`` is host time around the target forward inside the
-verify stage, ``other`` everything outside the engine's stages."""
+"""Per-generation time split; ``other`` is everything outside the engine's stages."""
 
 
 class MethodUnavailable(InvalidRequestError):
@@ -245,36 +244,34 @@ class OursRunner:
             self.generator.engine.builder = self.auto
 
     def generate(self, request: Request) -> Completion:
-        target = self.generator.target.model
-        with ForwardProbe(target) as probe:
-            begin = time.perf_counter()
-            result = self.generator.generate(
-                prompt_token_ids=request.prompt_token_ids,
-                max_new_tokens=request.max_new_tokens,
-                temperature=request.temperature,
-                top_p=request.top_p,
-                top_k=request.top_k,
-                seed=request.seed,
-            )
-            seconds = time.perf_counter() - begin
+        begin = time.perf_counter()
+        result = self.generator.generate(
+            prompt_token_ids=request.prompt_token_ids,
+            max_new_tokens=request.max_new_tokens,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            top_k=request.top_k,
+            seed=request.seed,
+        )
+        seconds = time.perf_counter() - begin
         stats = result.stats
-        verified = probe.calls[1:]  # the first forward is the prefill
         stages = {name: stats.timings[name] for name in STAGES}
-        stages["verify_forward"] = sum(call.seconds for call in verified)
-        stages["verify_other"] = max(0.0, stages.pop("verify") - stages["verify_forward"])
+        stages["verify_forward"] = stages.pop("verify")
         stages["other"] = max(0.0, seconds - sum(stages.values()))
         budgets = []
         if self.auto is not None:
-            outside = stages["draft"] + stages["tree"] + stages["commit"] + stages["other"]
-            budgets = self.auto.observe_generation(stats.accepted_nodes, outside / max(1, stats.rounds))
+            outside = seconds - stages["prefill"] - stages["verify_forward"]
+            budgets = self.auto.observe_generation(stats, outside / max(1, stats.rounds))
+        # round r verifies over the prompt and everything committed before it, minus its root
+        contexts = itertools.accumulate(stats.acceptance_lengths[:-1], initial=len(request.prompt_token_ids))
         return Completion(
             token_ids=result.token_ids,
             seconds=seconds,
             acceptance_lengths=list(stats.acceptance_lengths),
             stages=stages,
-            verify_sizes=[call.tokens for call in verified],
-            verify_seconds=[call.seconds for call in verified],
-            verify_contexts=[call.cached for call in verified],
+            verify_sizes=[nodes + 1 for nodes in stats.tree_sizes],
+            verify_seconds=list(stats.verify_seconds),
+            verify_contexts=list(contexts) if stats.rounds else [],
             budgets=budgets,
             draft_depths=list(stats.draft_depths),
         )

@@ -1,8 +1,8 @@
 """Forward hooks that time a module's calls and record their sizes.
 
-Hugging Face ``generate`` reports no rounds or stage times, and our engine times the verify stage as
-a whole (mask building, forward and acceptance together). Hooks on the model itself see every
-forward, whoever makes it, so every method gets the same accounting of pure model time.
+Hugging Face ``generate`` reports no rounds or stage times; hooks on the model itself see every
+forward it makes, so its rounds get the same accounting of pure model time as the engine's stages
+give diffdraft's methods.
 """
 
 from __future__ import annotations

@@ -26,7 +26,6 @@ STAGE_LABELS = {
     "tree": "tree build",
     "mask": "tree mask",
     "verify_forward": "verify forward",
-    "verify_other": "verify (host)",
     "accept": "accept",
     "commit": "commit",
     "other": "other",
@@ -153,15 +152,20 @@ def markdown(
     lines += _divergences(run, tokenizer)
     for label, plan in header.get("auto_budget", {}).items():
         budgets = list(plan["expected_tau"])
+        scales = (
+            ", ".join(f"x{scale:.2f} at q={q}" for q, scale in plan.get("cost_scales", {}).items())
+            or "none yet"
+        )
         lines += [
             "",
             f"## {label}: the cost model's view at the end of the run",
             "",
             f"At {plan['context']} cached tokens (the run's median round): "
-            f"chosen budget {plan['budget']}; expected acceptance from the rounds' accepted nodes up "
-            "to their budgets, beyond them the surrogate's gain times "
-            f"{plan['growth_calibration']:.2f} (the share of its gain from B/2 to B the target "
-            f"confirmed); {plan['fixed_ms']:.1f} ms per round outside verification.",
+            f"chosen budget {plan['budget']}; each node rank's expected acceptance gain from the "
+            "rounds that verified it, weighed against the surrogate's gain times "
+            f"{plan['growth_calibration']:.2f} (the share of its promise the target confirmed); "
+            f"the cost curve rescaled by the rounds' own verification times ({scales}); "
+            f"{plan['fixed_ms']:.1f} ms per round outside verification.",
             "",
             "| budget | " + " | ".join(str(b) for b in budgets) + " |",
             "|---" * (len(budgets) + 1) + "|",
