@@ -172,13 +172,13 @@ def test_the_auto_builder_keeps_the_best_first_prefix_of_the_chosen_size_and_exp
     assert builder.budget == 8
     assert torch.equal(tree.tokens, expected.tokens) and torch.equal(tree.parents, expected.parents)
     assert builder.build(5, proposal, SamplingParams(), None, context=302).num_nodes == 8
-    # the next refresh verifies half the budget less, to measure what a node costs around it
-    assert builder.build(5, proposal, SamplingParams(), None, context=304).num_nodes == 4
+    # the next refresh verifies a quarter of the budget less, to measure what a node costs around it
+    assert builder.build(5, proposal, SamplingParams(), None, context=304).num_nodes == 6
     stats = GenerationStats(accepted_nodes=[[1], [], [2]], verify_seconds=[0.02, 0.01, 0.01])
-    assert builder.observe_generation(stats, fixed_seconds=0.001) == [12, 8, 4]
+    assert builder.observe_generation(stats, fixed_seconds=0.001) == [12, 8, 6]
     assert builder.used == [] and builder.planner.fixed_seconds == 0.001
     observed, counts = builder.planner.rank_gains()
-    assert counts[3] == 3 and counts[7] == 2 and counts[8] == 1
+    assert counts[5] == 3 and counts[7] == 2 and counts[8] == 1
     assert observed[0] == 1 and observed[1] == 1 and observed[2:].sum() == 0
 
 

@@ -447,11 +447,13 @@ class AutoBudgetBuilder:
 
     On a refresh round it builds a tree ``lookahead`` times the current budget once, feeds its
     surrogate to the planner, chooses, and verifies that tree's best-first prefix of the chosen
-    size, ``explore`` of it more on every other refresh and that much less on the rest: the bigger
-    trees are how the planner measures the ranks just past its choice, and both are how it
-    measures what a node costs around it (one round in ``refresh``, a small price). Other rounds
-    build at the chosen budget directly, so the surrogate's cost is paid once in ``refresh``
-    rounds, and the budget can grow by at most ``lookahead`` per refresh.
+    size plus ``explore_up`` of it on every other refresh, and minus ``explore_down`` of it on the
+    rest: the bigger trees are how the planner measures the ranks just past its choice, and both
+    are how it measures what a node costs around it. A smaller tree loses acceptance, a bigger
+    one costs time, so the steps are small and taken on one round in ``refresh`` (here about 1% of
+    the tokens per second). Other rounds build at the chosen budget directly, so the surrogate's
+    cost is paid once in ``refresh`` rounds, and the budget can grow by at most ``lookahead`` per
+    refresh.
     """
 
     def __init__(
@@ -460,13 +462,15 @@ class AutoBudgetBuilder:
         initial_budget: int = 32,
         refresh: int = 8,
         lookahead: int = 4,
-        explore: float = 0.5,
+        explore_up: float = 0.5,
+        explore_down: float = 0.25,
     ) -> None:
         self.planner = planner
         self.budget = initial_budget
         self.refresh = refresh
         self.lookahead = lookahead
-        self.explore = explore
+        self.explore_up = explore_up
+        self.explore_down = explore_down
         self.used: list[tuple[int, int]] = []
         """(budget, context) of every tree built since the last :meth:`observe_generation`."""
         self._rounds = 0
@@ -487,9 +491,10 @@ class AutoBudgetBuilder:
             largest = DDTreeBuilder(horizon).build(root_token, proposal, sampling, generator)
             self.planner.observe_proposal(surrogate_acceptance(largest, proposal.log_probs))
             self.budget = self.planner.choose(context, largest=horizon).budget
-            step = max(1, round(self.explore * self.budget))
-            bigger = self._rounds // self.refresh % 2 == 0
-            verified = min(horizon, self.budget + step) if bigger else max(1, self.budget - step)
+            if self._rounds // self.refresh % 2 == 0:
+                verified = min(horizon, self.budget + max(1, round(self.explore_up * self.budget)))
+            else:
+                verified = max(1, self.budget - max(1, round(self.explore_down * self.budget)))
             keep = slice(0, verified + 1)  # best-first order: a prefix is the optimal smaller tree
             tree = DraftTree(largest.tokens[keep], largest.parents[keep], largest.depths[keep])
         self.used.append((tree.num_nodes, context))

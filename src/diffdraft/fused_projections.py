@@ -66,6 +66,10 @@ class ProjectionSlice(nn.Module):
         self.out_features = columns.stop - columns.start
 
     @property
+    def stacked(self) -> StackedProjection:
+        return self._stacked
+
+    @property
     def weight(self) -> torch.Tensor:
         return self._stacked.linear.weight[self._stacked.columns[self._sibling]]
 

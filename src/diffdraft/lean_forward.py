@@ -15,7 +15,13 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
+from transformers.models.llama.modeling_llama import (
+    apply_rotary_pos_emb,
+    eager_attention_forward,
+    rotate_half,
+)
+
+from diffdraft.fused_projections import ProjectionSlice, StackedProjection
 
 SUPPORTED_LAYERS = {"LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"}
 """Decoder layers whose forward is the Llama one (Qwen3 adds per-head q/k norms, handled here)."""
@@ -28,6 +34,7 @@ class LeanForward:
         self.model = model
         self.decoder = model.get_decoder()
         self.layers = list(self.decoder.layers[: model.config.num_hidden_layers])
+        self.stacked_qkv = [_stacked_qkv(layer.self_attn) for layer in self.layers]
 
     @staticmethod
     def supports(model: PreTrainedModel) -> bool:
@@ -63,10 +70,12 @@ class LeanForward:
         )
         wanted = set(layer_ids)
         taps: dict[int, torch.Tensor] = {}
-        for index, layer in enumerate(self.layers):
+        for index, (layer, stacked) in enumerate(zip(self.layers, self.stacked_qkv, strict=True)):
             residual = hidden
             normed = layer.input_layernorm.forward(hidden)
-            hidden = residual + _attention(layer.self_attn, normed, rotary, positions, mask, cache, attend)
+            hidden = residual + _attention(
+                layer.self_attn, stacked, normed, rotary, positions, mask, cache, attend
+            )
             residual = hidden
             mlp = layer.mlp
             normed = layer.post_attention_layernorm.forward(hidden)
@@ -83,8 +92,18 @@ class LeanForward:
         return logits, stacked
 
 
+def _stacked_qkv(attention: nn.Module) -> StackedProjection | None:
+    """The layer's q|k|v projection when :mod:`diffdraft.fused_projections` stacked it and nothing
+    stands between it and the rotation (Qwen3's per-head norms do), so q and k rotate as one."""
+    q, k, v = attention.q_proj, attention.k_proj, attention.v_proj
+    if not all(isinstance(p, ProjectionSlice) for p in (q, k, v)) or hasattr(attention, "q_norm"):
+        return None
+    return q.stacked if q.stacked is k.stacked is v.stacked else None
+
+
 def _attention(
     attention: nn.Module,
+    stacked: StackedProjection | None,
     hidden: torch.Tensor,
     rotary: tuple[torch.Tensor, torch.Tensor],
     positions: torch.Tensor,
@@ -94,13 +113,25 @@ def _attention(
 ) -> torch.Tensor:
     """``attention.forward`` of the Llama family, minus its keyword plumbing."""
     shape = (*hidden.shape[:-1], -1, attention.head_dim)
-    query = attention.q_proj.forward(hidden).view(shape)
-    key = attention.k_proj.forward(hidden).view(shape)
-    if hasattr(attention, "q_norm"):  # Qwen3 normalizes each head before the rotation
-        query, key = attention.q_norm.forward(query), attention.k_norm.forward(key)
-    query, key = query.transpose(1, 2), key.transpose(1, 2)
-    value = attention.v_proj.forward(hidden).view(shape).transpose(1, 2)
-    query, key = apply_rotary_pos_emb(query, key, *rotary)
+    if stacked is not None:  # rotate q and k heads in one go: the same elementwise ops per element
+        heads = stacked.linear(hidden).view(shape).transpose(1, 2)  # [b, q + k + v heads, n, d]
+        query_heads, key_heads = (c.stop - c.start for c in stacked.columns[:2])
+        split = (query_heads + key_heads) // attention.head_dim
+        rotated, value = heads[:, :split], heads[:, split:]
+        cos, sin = (part.unsqueeze(1) for part in rotary)
+        rotated = (rotated * cos) + (rotate_half(rotated) * sin)
+        query, key = (
+            rotated[:, : query_heads // attention.head_dim],
+            rotated[:, query_heads // attention.head_dim :],
+        )
+    else:
+        query = attention.q_proj.forward(hidden).view(shape)
+        key = attention.k_proj.forward(hidden).view(shape)
+        if hasattr(attention, "q_norm"):  # Qwen3 normalizes each head before the rotation
+            query, key = attention.q_norm.forward(query), attention.k_norm.forward(key)
+        query, key = query.transpose(1, 2), key.transpose(1, 2)
+        value = attention.v_proj.forward(hidden).view(shape).transpose(1, 2)
+        query, key = apply_rotary_pos_emb(query, key, *rotary)
     key, value = cache.update(key, value, attention.layer_idx)
     extra = {"sliding_window": None} if hasattr(attention, "sliding_window") else {}  # Qwen2/3 pass it
     out, _ = attend(
