@@ -24,12 +24,20 @@ def test_rounds_of_verify_keep_and_crop_match_the_stock_cache(monkeypatch, dtype
         assert use_grouped_attention(model)
     target = TargetModel(model)
     generator = torch.Generator().manual_seed(0)
-    caches = {"stock": DynamicCache(config=model.config), "growable": target.new_cache()}
-    assert all(type(layer) is GrowableLayer for layer in caches["growable"].layers)
+    caches = {
+        "stock": DynamicCache(config=model.config),
+        "growable": target.new_cache(),
+        "per-layer": growable_cache(model.config, shared=False),
+    }
+    layers = caches["growable"].layers
+    assert all(type(layer) is GrowableLayer for layer in layers)
+    assert layers[0].shared is not None and layers[0].shared.layers == layers  # one tensor for all
     prompt = torch.randint(0, 96, (11,), generator=generator)
     logits = {name: target.prefill(cache, prompt, []).logits for name, cache in caches.items()}
-    assert torch.equal(logits["stock"], logits["growable"])
-    first_capacity = caches["growable"].layers[0]._key_buffer.shape[-2]
+    assert torch.equal(logits["stock"], logits["growable"]) and torch.equal(
+        logits["stock"], logits["per-layer"]
+    )
+    first_capacity = caches["growable"].layers[0].capacity
     start = prompt.shape[0]
     tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
     for _ in range(6):
@@ -40,13 +48,17 @@ def test_rounds_of_verify_keep_and_crop_match_the_stock_cache(monkeypatch, dtype
                 cache, tokens, positions, target.attention_mask(cache, tree), []
             ).logits
             TargetModel.keep_path(cache, start, [0, 2, 3])  # not a prefix: rows move, then a crop
-        assert torch.equal(logits["stock"], logits["growable"])
+        assert torch.equal(logits["stock"], logits["growable"]) and torch.equal(
+            logits["stock"], logits["per-layer"]
+        )
         start += 3
         assert caches["growable"].get_seq_length() == caches["stock"].get_seq_length() == start
-    assert caches["growable"].layers[0]._key_buffer.shape[-2] > first_capacity  # it did grow
+    assert caches["growable"].layers[0].capacity > first_capacity  # it did grow
     for name, cache in caches.items():  # one plain decoding step over the grown cache
         logits[name] = target.verify(cache, tokens[:1], torch.tensor([start]), None, []).logits
-    assert torch.equal(logits["stock"], logits["growable"])
+    assert torch.equal(logits["stock"], logits["growable"]) and torch.equal(
+        logits["stock"], logits["per-layer"]
+    )
 
 
 def test_a_crop_shortens_and_a_positive_count_is_refused():

@@ -13,7 +13,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from diffdraft.errors import IncompatibleDrafterError, UnsupportedModelError
-from diffdraft.kv_cache import growable_cache
+from diffdraft.kv_cache import growable_cache, keep_rows
 from diffdraft.lean_forward import LeanForward
 
 
@@ -179,10 +179,7 @@ class TargetModel:
         """
         keep = len(path)
         if path != list(range(keep)):
-            source = torch.tensor(path, device=cache.layers[0].keys.device) + start
-            for layer in cache.layers:
-                layer.keys[:, :, start : start + keep] = layer.keys.index_select(2, source)
-                layer.values[:, :, start : start + keep] = layer.values.index_select(2, source)
+            keep_rows(cache, start, path)
         excess = cache.get_seq_length() - (start + keep)
         if excess > 0:
             cache.crop(-excess)
