@@ -449,11 +449,10 @@ class AutoBudgetBuilder:
     surrogate to the planner, chooses, and verifies that tree's best-first prefix of the chosen
     size plus ``explore_up`` of it on every other refresh, and minus ``explore_down`` of it on the
     rest: the bigger trees are how the planner measures the ranks just past its choice, and both
-    are how it measures what a node costs around it. A smaller tree loses acceptance, a bigger
-    one costs time, so the steps are small and taken on one round in ``refresh`` (here about 1% of
-    the tokens per second). Other rounds build at the chosen budget directly, so the surrogate's
-    cost is paid once in ``refresh`` rounds, and the budget can grow by at most ``lookahead`` per
-    refresh.
+    are how it measures what a node costs around it. A smaller tree loses acceptance and a bigger
+    one costs time, so the steps are small and taken on one round in ``refresh``. Other rounds
+    build at the chosen budget directly, so the surrogate's cost is paid once in ``refresh``
+    rounds, and the budget can grow by at most ``lookahead`` per refresh.
     """
 
     def __init__(

@@ -122,7 +122,9 @@ def markdown(
         "ran at, and t_draft the drafting time per round: the speedup if everything else were free. "
         "On CPU our methods run the target with diffdraft's inference kernels (packed bfloat16 "
         "weights, stacked q/k/v and gate/up projections, grouped-query attention without cache "
-        "copies; identical logits) and an in-place KV cache; Hugging Face methods run the stock "
+        "copies; identical logits), Llama-shaped targets verify through a plain loop over their own "
+        "modules (identical logits), and the KV cache appends and crops in place; Hugging Face "
+        "methods run the stock "
         "model, so `ar` against `hf` is what the kernels alone buy.",
     ]
     if max(env["busy_before"] or 0.0, env["busy_after"] or 0.0) > BUSY_WARNING:
