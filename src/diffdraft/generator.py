@@ -159,7 +159,7 @@ class SpeculativeGenerator:
                 yield GenerationChunk(text=text[len(shown) :], token_ids=pending)
                 shown, pending = text, []
         if self._auto_budget is not None:
-            # the budget planner learns how much this drafter's surrogate over- or under-promises
+            # the budget planner learns what this generation's rounds accepted and what they cost
             outside = sum(
                 seconds for stage, seconds in stats.timings.items() if stage not in ("prefill", "verify")
             )

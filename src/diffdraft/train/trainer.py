@@ -108,8 +108,9 @@ def latest_checkpoint(output_dir: Path) -> Path | None:
 
 
 def tokens_seen_at(checkpoint: Path) -> int:
-    """Training tokens the run had consumed when ``checkpoint`` was written."""
-    return int(torch.load(checkpoint / STATE_FILE, weights_only=False)["state"]["tokens_seen"])
+    """Training tokens the run had consumed when ``checkpoint`` was written (memory-mapped: the
+    optimizer state in the same file is never read)."""
+    return int(torch.load(checkpoint / STATE_FILE, weights_only=False, mmap=True)["state"]["tokens_seen"])
 
 
 class Trainer:
