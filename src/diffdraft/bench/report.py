@@ -279,19 +279,25 @@ def _token(tokenizer: PreTrainedTokenizerBase, token: int | None) -> str:
 
 
 def plot_budget_sweep(summaries: Sequence[MethodSummary], path: Path) -> Path | None:
-    """Speedup and tau against the DDTree budget, one line per dataset and temperature; auto as a star."""
-    ddtree = [s for s in summaries if MethodSpec.parse(s.method).name == "ddtree"]
+    """Speedup and tau against the DDTree budget, one line per tree method (ddtree, ddtree+pld),
+    dataset and temperature; auto as a star."""
+    ddtree = [s for s in summaries if MethodSpec.parse(s.method).name.startswith("ddtree")]
     if not ddtree:
         return None
     figure, (speed_axis, tau_axis) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for dataset, temperature in dict.fromkeys((s.dataset, s.temperature) for s in ddtree):
-        group = [s for s in ddtree if (s.dataset, s.temperature) == (dataset, temperature)]
+    lines = dict.fromkeys((MethodSpec.parse(s.method).name, s.dataset, s.temperature) for s in ddtree)
+    for name, dataset, temperature in lines:
+        group = [
+            s
+            for s in ddtree
+            if (MethodSpec.parse(s.method).name, s.dataset, s.temperature) == (name, dataset, temperature)
+        ]
         swept = sorted(
             (int(MethodSpec.parse(s.method).arg or 32), s)
             for s in group
             if MethodSpec.parse(s.method).arg != "auto"
         )
-        label = f"{dataset}, T={temperature:g}"
+        label = f"{name}, {dataset}, T={temperature:g}"
         if swept:
             budgets = [b for b, _ in swept]
             errors = [
@@ -324,8 +330,10 @@ def plot_budget_sweep(summaries: Sequence[MethodSummary], path: Path) -> Path | 
         axis.set_xlabel("DDTree budget (nodes)")
         axis.set_title(title)
         axis.grid(alpha=0.3)
-    speed_axis.legend(fontsize=8)
-    figure.tight_layout()
+    handles, labels = speed_axis.get_legend_handles_labels()
+    rows = math.ceil(len(labels) / 4)
+    figure.legend(handles, labels, loc="lower center", ncol=4, fontsize=7)
+    figure.tight_layout(rect=(0, 0.05 * rows, 1, 1))  # the legend sits below both plots
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return path
