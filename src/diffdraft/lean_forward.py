@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
@@ -51,7 +51,7 @@ class LeanForward:
 
     def __call__(
         self,
-        cache,
+        cache: DynamicCache,
         token_ids: torch.Tensor,
         position_ids: torch.Tensor,
         mask: torch.Tensor | None,
