@@ -24,16 +24,16 @@ quarter of the cache where memory is tight (long prompts on a GPU)."""
 
 
 class SharedBuffer:
-    """Keys and values of every layer in one tensor [layers, 2, batch, heads, capacity, head_dim]."""
+    """Keys and values of every layer in one tensor [layers, 2, batch, heads, capacity, head_dim];
+    each :class:`GrowableLayer` built on it joins :attr:`layers` in cache order."""
 
-    def __init__(self, num_layers: int) -> None:
-        self.num_layers = num_layers
+    def __init__(self) -> None:
         self.tensor: torch.Tensor | None = None
         self.layers: list[GrowableLayer] = []
 
     def grow(self, like: torch.Tensor, capacity: int) -> None:
         """Reallocate with room for ``capacity`` rows, keeping every layer's rows."""
-        tensor = like.new_empty((self.num_layers, 2, *like.shape[:-2], capacity, like.shape[-1]))
+        tensor = like.new_empty((len(self.layers), 2, *like.shape[:-2], capacity, like.shape[-1]))
         if self.tensor is not None:
             kept = max(layer.get_seq_length() for layer in self.layers)
             tensor[..., :kept, :] = self.tensor[..., :kept, :]
@@ -119,7 +119,7 @@ def growable_cache(config, shared: bool = True) -> DynamicCache:
     cache = DynamicCache(config=config)
     growable = [type(layer) is DynamicLayer for layer in cache.layers]
     uniform = isinstance(getattr(config, "num_key_value_heads", None), int)  # not a per-layer list
-    buffer = SharedBuffer(len(cache.layers)) if shared and uniform and all(growable) else None
+    buffer = SharedBuffer() if shared and uniform and all(growable) else None
     cache.layers = [
         GrowableLayer(buffer) if grows else layer for layer, grows in zip(cache.layers, growable, strict=True)
     ]
