@@ -29,13 +29,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 from transformers import DynamicCache
 
 from diffdraft.default_model import cache_root
 from diffdraft.drafters.base import Proposal
 from diffdraft.fused_projections import ProjectionSlice
 from diffdraft.packed_linear import has_packed_layers
+from diffdraft.progress import progress_bar
 from diffdraft.sampling import SamplingParams
 from diffdraft.stats import GenerationStats
 from diffdraft.target import TargetModel
@@ -106,7 +106,7 @@ def measure_verify_cost(
         target.prefill(cache, ids[:n].to(target.device), [])
     timings: dict[tuple[int, int], list[float]] = {(n, q): [] for n in contexts for q in sizes}
     points = (repeats + 1) * len(timings)
-    with tqdm(total=points, desc="verify cost t(q, n)", disable=not progress, leave=False) as steps:
+    with progress_bar(total=points, desc="verify cost t(q, n)", disable=not progress, leave=False) as steps:
         for repeat in range(repeats + 1):  # the first pass warms kernels up and is not kept
             for n, q in timings:
                 seconds = _time_one(target, caches[n], ids[n : n + q])

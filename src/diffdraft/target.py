@@ -116,6 +116,16 @@ class TargetModel:
                 hook.remove()
         return torch.stack([outputs[i][0] for i in layer_ids], dim=1)
 
+    @torch.inference_mode()
+    def taps_and_logits(self, token_ids: torch.Tensor, layer_ids: list[int]) -> TargetOutput:
+        """Taps [n, T, H] and next-token logits [n, V] of a whole sequence from one full forward.
+
+        The logits are the target's own distribution at every position: distillation's soft labels
+        come from the forward that yields the taps, at the cost of the few layers past the deepest tap.
+        """
+        positions = torch.arange(token_ids.shape[0], device=self.device)
+        return self._forward(self.new_cache(), token_ids, positions, None, layer_ids, logits_to_keep=0)
+
     def attention_mask(self, cache: DynamicCache, tree_mask: torch.Tensor) -> torch.Tensor:
         """The additive 4D mask for :meth:`verify`: every node sees the whole cached context, and
         the tree nodes ``tree_mask`` [n, n] allows (its ancestors and itself)."""

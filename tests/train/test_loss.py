@@ -47,3 +47,18 @@ def test_a_label_outside_the_draft_vocabulary_adds_no_loss_but_counts_as_a_miss(
     torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(logits[:1], labels[:1]))
     assert hits.tolist() == [0, 1, 0]
     assert counts.tolist() == [0, 1, 1]
+
+
+def test_distillation_loss_is_the_weighted_kl_from_the_target_and_zero_when_the_drafter_matches_it():
+    torch.manual_seed(1)
+    logits = torch.randn(3, 7)
+    target = torch.randn(3, 7).log_softmax(-1)
+    positions = torch.tensor([1, 2, 2])
+    loss, _, counts = block_loss(logits, torch.tensor([0, 1, 2]), positions, 3, 2.0, target)
+    draft = logits.log_softmax(-1)
+    kl = (target.exp() * (target - draft)).sum(-1)
+    w = torch.exp(-(positions - 1) / 2.0)
+    torch.testing.assert_close(loss, (kl * w).sum() / w.sum())
+    assert counts.tolist() == [0, 1, 2]
+    same, _, _ = block_loss(logits, torch.tensor([0, 1, 2]), positions, 3, 2.0, draft)
+    assert abs(float(same)) < 1e-6

@@ -230,3 +230,19 @@ def test_max_steps_replaces_the_epoch_count_and_the_schedules_end_there(target, 
     assert trainer.state.step == 3  # 2 steps per epoch: the third step starts a second epoch
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 3 and records[-1]["lr"] == 0.0
+
+
+def test_distillation_needs_the_online_forward_so_a_feature_cache_is_refused(target, tmp_path):
+    samples = make_samples(target, 4, seed=5)
+    with pytest.raises(InvalidRequestError, match="labels 'tokens'"):
+        Trainer(config(tmp_path, labels="target"), TargetModel(target), samples, feature_cache=tmp_path / "c")
+
+
+def test_eval_measures_agreement_with_the_target_and_the_target_s_own_ceiling(target, tmp_path):
+    """On the target's greedy answers the target's top-1 is the text: ceiling 1, agreement = accuracy."""
+    samples = make_samples(target, 4, seed=6)
+    trainer = Trainer(config(tmp_path, max_steps=2), TargetModel(target), samples)
+    trainer.train()
+    evaluation = evaluate_drafter(trainer.drafter, TargetModel(target), samples, (4,), max_new_tokens=4)
+    assert evaluation.target_accuracy == 1.0
+    assert evaluation.agreement_by_position == evaluation.accuracy_by_position

@@ -20,6 +20,7 @@ from diffdraft.bench.lossless import LosslessChecker
 from diffdraft.bench.methods import REFERENCE, Completion, MethodRunner, MethodSpec, Request
 from diffdraft.chat import encode_chat, encode_prompt
 from diffdraft.errors import InvalidRequestError
+from diffdraft.progress import progress_bar
 
 if TYPE_CHECKING:
     from diffdraft.bench.journal import Journal
@@ -95,7 +96,7 @@ def run_benchmark(
         raise InvalidRequestError("no samples to benchmark")
     turns = sum(sample.turns for sample in samples)
     total = turns * options.repeats * len(runners) * len(options.temperatures)
-    bar = tqdm(total=total, desc="bench", unit="gen", disable=not options.progress)
+    bar = progress_bar(total=total, desc="bench", unit="gen", disable=not options.progress)
     _warm_up(runners, _encode(tokenizer, samples[0], samples[0].messages), options, bar)
     run = BenchRun()
     rotation = 0

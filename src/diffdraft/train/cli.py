@@ -47,7 +47,15 @@ from diffdraft.train.regenerate import (
     regenerate,
 )
 from diffdraft.train.source_replies import write_source_replies
-from diffdraft.train.trainer import COMPUTE_DTYPES, TrainConfig, Trainer, saved_checkpoints, tokens_seen_at
+from diffdraft.train.trainer import (
+    COMPUTE_DTYPES,
+    INIT_LAYERS,
+    LABELS,
+    TrainConfig,
+    Trainer,
+    saved_checkpoints,
+    tokens_seen_at,
+)
 
 
 def load_config(path: str | Path) -> dict:
@@ -242,6 +250,8 @@ def _add_fit_parser(steps: argparse._SubParsersAction) -> None:
         "gamma_max",
         "intermediate_size",
         "compute_dtype",
+        "labels",
+        "init_layers",
     }
     for name, value in asdict(defaults).items():
         if name not in declared_elsewhere:
@@ -264,6 +274,20 @@ def _add_fit_parser(steps: argparse._SubParsersAction) -> None:
     fit.add_argument("--gamma-max", type=float, default=None, help="default: gamma-0 + epochs - 1")
     fit.add_argument(
         "--intermediate-size", type=int, default=None, help="draft MLP width (default: target's)"
+    )
+    fit.add_argument(
+        "--labels",
+        choices=LABELS,
+        default=defaults.labels,
+        help="target = distil the target (KL to its own next-token distribution at every position, "
+        "from the forward that gives the features); tokens = cross-entropy on the data's tokens; "
+        "default: %(default)s",
+    )
+    fit.add_argument(
+        "--init-layers",
+        choices=INIT_LAYERS,
+        default=defaults.init_layers,
+        help="target = draft layers start as copies of the target's last layers; default: %(default)s",
     )
     fit.add_argument(
         "--compute-dtype",

@@ -10,11 +10,11 @@ import copy
 from dataclasses import asdict, dataclass
 
 import torch
-from tqdm import tqdm
 
 from diffdraft.drafters.dflash import DFlashDrafter
 from diffdraft.drafters.dflash_model import DFlashDraftModel
 from diffdraft.engine import SpeculativeEngine
+from diffdraft.progress import progress_bar
 from diffdraft.sampling import SamplingParams
 from diffdraft.stats import GenerationStats
 from diffdraft.stopping import StopConditions
@@ -30,6 +30,12 @@ from diffdraft.trees import ChainBuilder, DDTreeBuilder
 class DrafterEvaluation:
     accuracy_by_position: list[float]
     """Teacher-forced top-1 accuracy of block positions 1 .. B-1 on held-out sequences."""
+    agreement_by_position: list[float]
+    """How often the drafter's top-1 at block positions 1 .. B-1 is the target's own top-1 given the
+    same prefix: what greedy acceptance follows, without the noise of sampled held-out text."""
+    target_accuracy: float
+    """The target's own teacher-forced top-1 accuracy on the held-out responses: the ceiling of
+    ``accuracy_by_position`` (held-out text is sampled, so even the target misses some of it)."""
     tau: dict[str, float]
     """Mean acceptance length per tree rule ("chain", "ddtree-8", ...), greedy decoding."""
     sequences: int
@@ -51,26 +57,34 @@ def evaluate_drafter(
     objective = BlockObjective(drafter, target.model)
     features = OnlineFeatures(target, drafter.target_layer_ids)
     hits = torch.zeros(drafter.block_size)
+    agreements = torch.zeros(drafter.block_size)
     counts = torch.zeros(drafter.block_size)
-    for sample in tqdm(samples, desc="drafter accuracy", unit="seq"):
+    target_hits = target_counts = 0
+    for sample in progress_bar(samples, desc="drafter accuracy", unit="seq"):
         ids = sample.token_ids
         anchors = sample_anchors(
             sample.response_start, ids.shape[0], ids.shape[0], torch.Generator().manual_seed(0)
         )
-        _, h, n = objective(ids, anchors, features(sample.sample_id, ids), gamma=1.0)
+        taps, logits = features.with_logits(sample.sample_id, ids)
+        _, h, a, n = objective(ids, anchors, taps, 1.0, logits)
         hits += h.cpu()
+        agreements += a.cpu()
         counts += n.cpu()
+        predicted = logits[sample.response_start - 1 : -1].argmax(-1).cpu()
+        target_hits += int((predicted == ids[sample.response_start :]).sum())
+        target_counts += predicted.shape[0]
 
     rules = {"chain": ChainBuilder(), **{f"ddtree-{b}": DDTreeBuilder(b) for b in budgets}}
     tau = {}
     for name, builder in rules.items():
         engine = SpeculativeEngine(target, DFlashDrafter(drafter, target), builder)
         stats = GenerationStats()
-        for sample in tqdm(samples, desc=f"tau ({name})", unit="prompt"):
+        for sample in progress_bar(samples, desc=f"tau ({name})", unit="prompt"):
             prompt = sample.token_ids[: sample.response_start].tolist()
             stop = StopConditions([], max_new_tokens, target.max_context, len(prompt))
             for _ in engine.run(prompt, stop, SamplingParams(), stats):
                 pass
         tau[name] = stats.tau
     accuracy = (hits / counts.clamp_min(1))[1:].tolist()
-    return DrafterEvaluation(accuracy, tau, len(samples))
+    agreement = (agreements / counts.clamp_min(1))[1:].tolist()
+    return DrafterEvaluation(accuracy, agreement, target_hits / max(target_counts, 1), tau, len(samples))

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-from tqdm import tqdm
 
+from diffdraft.progress import progress_bar
 from diffdraft.target import TargetModel
 
 INDEX = "index.json"
@@ -33,6 +33,11 @@ class OnlineFeatures:
     def __call__(self, sample_id: str, token_ids: torch.Tensor) -> torch.Tensor:
         # a normal tensor: inference-mode tensors cannot enter autograd
         return self.target.taps(token_ids, self.layer_ids).clone()
+
+    def with_logits(self, sample_id: str, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Taps [n, T, H] and the target's next-token logits [n, V], from one forward."""
+        out = self.target.taps_and_logits(token_ids, self.layer_ids)
+        return out.hidden.clone(), out.logits.clone()
 
 
 class CachedFeatures:
@@ -114,7 +119,9 @@ def capture_features(
         os.replace(tmp_index, cache_dir / INDEX)
         pending.clear()
 
-    for sample_id, token_ids in tqdm(samples, total=total, desc="capturing target features", unit="seq"):
+    for sample_id, token_ids in progress_bar(
+        samples, total=total, desc="capturing target features", unit="seq"
+    ):
         if sample_id in index["samples"] or sample_id in pending:
             continue
         pending[sample_id] = online(sample_id, token_ids).to(dtype).contiguous().cpu()

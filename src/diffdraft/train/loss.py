@@ -1,4 +1,4 @@
-"""The progressive position-weighted cross-entropy of DFlare (Eq. 5).
+"""The progressive position-weighted loss of DFlare (Eq. 5), on hard or soft (distilled) labels.
 
 Position k of a block is weighted by exp(-(k - 1) / gamma): an early mistake voids the rest of the
 block, so early positions matter most. gamma grows linearly from gamma_0 to gamma_max over
@@ -26,22 +26,44 @@ def position_weights(block_size: int, gamma: float) -> torch.Tensor:
 
 
 def block_loss(
-    logits: torch.Tensor, labels: torch.Tensor, block_positions: torch.Tensor, block_size: int, gamma: float
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    block_positions: torch.Tensor,
+    block_size: int,
+    gamma: float,
+    target_log_probs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Weighted mean CE over labelled rows, plus per-position top-1 hits and counts [B].
+    """Weighted mean loss over labelled rows, plus per-position top-1 hits and counts [B].
 
     Only labelled rows are passed (``logits`` [r, V], ``labels`` [r], ``block_positions`` [r] in
-    1..B-1): the LM head over anchors and past-the-end rows would be wasted work. A label of
-    ``IGNORE`` (a token outside the draft vocabulary) adds no loss but counts as a miss.
+    1..B-1): the LM head over anchors and past-the-end rows would be wasted work. The loss is the
+    cross-entropy to ``labels``, or with ``target_log_probs`` [r, V] (the target's own distribution
+    over the same rows) the KL divergence KL(target || draft): distillation, as DART trains. A label
+    of ``IGNORE`` (a token outside the draft vocabulary) adds no cross-entropy but counts as a miss.
     """
-    ce = F.cross_entropy(logits.float(), labels, reduction="none", ignore_index=IGNORE)
     weights = position_weights(block_size, gamma).to(logits.device)[block_positions]
-    weights = weights * (labels != IGNORE)
-    loss = (ce * weights).sum() / weights.sum().clamp_min(1e-8)
-    hits = torch.zeros(block_size, device=logits.device).index_add_(
-        0, block_positions, (logits.argmax(-1) == labels).float()
+    if target_log_probs is None:
+        per_row = F.cross_entropy(logits.float(), labels, reduction="none", ignore_index=IGNORE)
+        weights = weights * (labels != IGNORE)
+    else:
+        draft_log_probs = logits.float().log_softmax(-1)
+        per_row = F.kl_div(draft_log_probs, target_log_probs, log_target=True, reduction="none").sum(-1)
+    loss = (per_row * weights).sum() / weights.sum().clamp_min(1e-8)
+    return (
+        loss,
+        position_hits(logits, labels, block_positions, block_size),
+        position_counts(block_positions, block_size),
     )
-    counts = torch.zeros(block_size, device=logits.device).index_add_(
-        0, block_positions, torch.ones_like(labels, dtype=torch.float)
-    )
-    return loss, hits, counts
+
+
+def position_hits(
+    logits: torch.Tensor, labels: torch.Tensor, block_positions: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """[B] how many rows at each block position have ``labels`` as their top-1 token."""
+    hits = (logits.argmax(-1) == labels).float()
+    return torch.zeros(block_size, device=logits.device).index_add_(0, block_positions, hits)
+
+
+def position_counts(block_positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    ones = torch.ones_like(block_positions, dtype=torch.float)
+    return torch.zeros(block_size, device=block_positions.device).index_add_(0, block_positions, ones)

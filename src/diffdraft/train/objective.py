@@ -7,7 +7,7 @@ from torch import nn
 
 from diffdraft.drafters.dflash_model import DFlashDraftModel, draft_head
 from diffdraft.train.blocks import IGNORE, make_blocks
-from diffdraft.train.loss import block_loss
+from diffdraft.train.loss import block_loss, position_hits
 
 
 class BlockObjective(nn.Module):
@@ -33,9 +33,20 @@ class BlockObjective(nn.Module):
             self.label_index[vocab.cpu()] = torch.arange(vocab.shape[0])
 
     def forward(
-        self, token_ids: torch.Tensor, anchors: torch.Tensor, taps: torch.Tensor, gamma: float
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``token_ids`` [n] and ``taps`` [n, T, H] of one sequence; ``anchors`` [m] from sample_anchors."""
+        self,
+        token_ids: torch.Tensor,
+        anchors: torch.Tensor,
+        taps: torch.Tensor,
+        gamma: float,
+        target_logits: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``token_ids`` [n] and ``taps`` [n, T, H] of one sequence; ``anchors`` [m] from sample_anchors.
+
+        Returns (loss, hits, agreements, counts), the last three per block position [B]: hits match
+        the sequence's tokens, agreements the target's own top-1 token given the same prefix (zeros
+        without ``target_logits``). ``target_logits`` [n, V], the target's next-token logits over the
+        sequence, switch the loss from cross-entropy on the tokens to KL(target || draft).
+        """
         embed, lm_head = self.frozen
         block_size = self.drafter.block_size
         device, dtype = taps.device, self.drafter.norm.weight.dtype
@@ -51,10 +62,25 @@ class BlockObjective(nn.Module):
             blocks.attention_mask.to(device)[None, None],
         )[0]
         labelled = (blocks.labels != IGNORE).nonzero().squeeze(-1)
-        labels = blocks.labels[labelled]
-        if self.label_index is not None:
-            labels = self.label_index[labels]
+        labels = self._head_index(blocks.labels[labelled]).to(device)
         rows = labelled.to(device)
+        block_positions = rows % block_size
         bias = None if lm_head.bias is None else lm_head.bias.to(dtype)
         logits = nn.functional.linear(hidden[rows], lm_head.weight.to(dtype), bias)
-        return block_loss(logits, labels.to(device), rows % block_size, block_size, gamma)
+        if target_logits is None:
+            loss, hits, counts = block_loss(logits, labels, block_positions, block_size, gamma)
+            return loss, hits, torch.zeros_like(hits), counts
+        # the token at position p is what the target predicted at position p - 1
+        previous = blocks.position_ids[labelled].to(device) - 1
+        target_rows = target_logits[previous].float()
+        greedy = self._head_index(target_rows.argmax(-1).cpu()).to(device)
+        if self.drafter.draft_vocab is not None:
+            target_rows = target_rows[:, self.drafter.draft_vocab.to(device)]
+        loss, hits, counts = block_loss(
+            logits, labels, block_positions, block_size, gamma, target_rows.log_softmax(-1)
+        )
+        return loss, hits, position_hits(logits, greedy, block_positions, block_size), counts
+
+    def _head_index(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Target token ids -> rows of the draft head (IGNORE for tokens outside the draft vocabulary)."""
+        return token_ids if self.label_index is None else self.label_index[token_ids]

@@ -17,12 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 from transformers import GenerationConfig, PreTrainedTokenizerBase, StoppingCriteria, StoppingCriteriaList
 
 from diffdraft.chat import encode_chat, encode_prompt
 from diffdraft.errors import InvalidRequestError
 from diffdraft.loading import end_token_ids, load_target
+from diffdraft.progress import progress_bar
 from diffdraft.train.prompts import Prompt
 
 # Measured with SmolLM2-135M on the shared 2-core CPU (1 thread, real ShareGPT prompts, 384 new tokens):
@@ -129,7 +129,7 @@ class SampleWriter:
         progress: bool,
     ):
         self.path, self.tokenizer, self.report = path, tokenizer, report
-        self.bar = tqdm(total=total, unit="sample", disable=not progress, dynamic_ncols=True)
+        self.bar = progress_bar(total=total, unit="sample", disable=not progress, dynamic_ncols=True)
         self.out = path.open("a", encoding="utf-8")
         self.start = time.perf_counter()
 

@@ -24,12 +24,12 @@ from pathlib import Path
 import torch
 from torch import distributed as dist
 from torch.nn.parallel import DistributedDataParallel
-from tqdm import tqdm
 
 from diffdraft.drafters.checkpoint import load_draft_model, save_draft_model
 from diffdraft.drafters.dflash import check_compatible
 from diffdraft.drafters.dflash_model import DFLASH, DFlashDraftModel, make_draft_config
 from diffdraft.errors import InvalidRequestError
+from diffdraft.progress import progress_bar
 from diffdraft.target import TargetModel
 from diffdraft.train.blocks import sample_anchors
 from diffdraft.train.dataset import TrainingSample
@@ -37,9 +37,12 @@ from diffdraft.train.draft_vocab import frequent_tokens
 from diffdraft.train.features import CachedFeatures, OnlineFeatures
 from diffdraft.train.loss import gamma_at
 from diffdraft.train.objective import BlockObjective
+from diffdraft.train.target_init import copy_target_layers
 
 STATE_FILE = "training_state.pt"
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+LABELS = ["target", "tokens"]
+INIT_LAYERS = ["random", "target"]
 
 
 @dataclass
@@ -72,12 +75,20 @@ class TrainConfig:
     compute_dtype: str = "float32"
     """"bfloat16" = mixed precision: the drafter's matmuls run in bfloat16 under autocast while its
     weights, gradients and optimizer state stay float32 (faster on GPUs and on CPUs with bf16 units)."""
+    labels: str = "target"
+    """"target" = distil the target: KL to its own next-token distribution at every position, from
+    the forward that yields the taps; "tokens" = cross-entropy on the training text's tokens."""
+    init_layers: str = "random"
+    """"target" = draft layers start as copies of the target's last layers; "random" = fresh."""
 
     def __post_init__(self) -> None:
-        if self.compute_dtype not in COMPUTE_DTYPES:
-            raise InvalidRequestError(
-                f"compute_dtype must be one of {sorted(COMPUTE_DTYPES)}, got {self.compute_dtype!r}"
-            )
+        for name, allowed in (
+            ("compute_dtype", sorted(COMPUTE_DTYPES)),
+            ("labels", LABELS),
+            ("init_layers", INIT_LAYERS),
+        ):
+            if getattr(self, name) not in allowed:
+                raise InvalidRequestError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
 
     def anchors_for(self, length: int) -> int:
         return self.anchors_per_sequence or max(1, length // 6)
@@ -152,8 +163,15 @@ class Trainer:
         check_compatible(drafter, target)
         self.drafter = drafter.to(device=target.device, dtype=torch.float32).train()
         layer_ids = self.drafter.target_layer_ids
-        online = OnlineFeatures(target, layer_ids)
-        self.features = CachedFeatures(feature_cache, layer_ids, fallback=online) if feature_cache else online
+        self.online = OnlineFeatures(target, layer_ids)
+        if feature_cache and config.labels == "target":
+            raise InvalidRequestError(
+                "labels 'target' distils the target's distributions, which come from the same online "
+                "forward as the features: drop the feature cache, or train on labels 'tokens'"
+            )
+        self.features = (
+            CachedFeatures(feature_cache, layer_ids, fallback=self.online) if feature_cache else self.online
+        )
         objective = BlockObjective(self.drafter, target.model)
         self.model = DistributedDataParallel(objective) if self.world > 1 else objective
         self.optimizer = torch.optim.AdamW(
@@ -202,6 +220,9 @@ class Trainer:
         drafter = DFlashDraftModel(draft_config)
         if vocab is not None:
             drafter.draft_vocab.copy_(vocab)
+        if c.init_layers == "target":
+            copy_target_layers(drafter, self.target.model)
+            return drafter
         # Start with logits of unit scale through the borrowed LM head: a unit final norm against
         # SmolLM2's head gave an initial loss of 48.8 nats (uniform: 10.8); this scale gave 17.6.
         head = self.target.model.get_output_embeddings().weight.detach().float()
@@ -229,25 +250,29 @@ class Trainer:
         return batch[self.rank * share : (self.rank + 1) * share]
 
     def sequence_loss(self, sample: TrainingSample, step: int, gamma: float):
-        """Loss, per-position hits and counts for every anchored block of one sequence."""
+        """Loss, per-position hits, agreements and counts for every anchored block of one sequence."""
         c = self.config
         epoch = step // self.steps_per_epoch
         generator = torch.Generator().manual_seed(zlib.crc32(f"{c.seed}:{epoch}:{sample.sample_id}".encode()))
         ids = sample.token_ids
         anchors = sample_anchors(sample.response_start, ids.shape[0], c.anchors_for(ids.shape[0]), generator)
-        taps = self.features(sample.sample_id, ids).to(self.target.device)
+        target_logits = None
+        if c.labels == "target":
+            taps, target_logits = self.online.with_logits(sample.sample_id, ids)
+        else:
+            taps = self.features(sample.sample_id, ids)
         compute_dtype = COMPUTE_DTYPES[c.compute_dtype]
         with torch.autocast(
             self.target.device.type, dtype=compute_dtype, enabled=compute_dtype != torch.float32
         ):
-            return self.model(ids, anchors, taps, gamma)
+            return self.model(ids, anchors, taps.to(self.target.device), gamma, target_logits)
 
     def train(self, on_step=None) -> TrainState:
         """Run to the end (or resume to it); ``on_step(step)`` is a test hook called after each step."""
         c = self.config
         epochs = self.total_steps / self.steps_per_epoch
         gamma_max = c.gamma_max if c.gamma_max is not None else c.gamma_0 + max(0.0, epochs - 1)
-        progress = tqdm(
+        progress = progress_bar(
             total=self.total_steps, initial=self.state.step, desc="training drafter", disable=self.rank != 0
         )
         metrics_file = self.output_dir / "metrics.jsonl"
@@ -257,6 +282,7 @@ class Trainer:
             gamma = gamma_at(step, self.total_steps, c.gamma_0, gamma_max)
             batch = self._batch(step)
             hits = torch.zeros(self.drafter.block_size)
+            agreements = torch.zeros(self.drafter.block_size)
             counts = torch.zeros(self.drafter.block_size)
             total_loss = 0.0
             self.optimizer.zero_grad(set_to_none=True)
@@ -265,10 +291,11 @@ class Trainer:
                 sync = i == len(batch) - 1 or self.world == 1
                 context = self.model.no_sync() if not sync else nullcontext()
                 with context:
-                    loss, h, n = self.sequence_loss(sample, step, gamma)
+                    loss, h, a, n = self.sequence_loss(sample, step, gamma)
                     (loss / len(batch)).backward()
                 total_loss += loss.item() / len(batch)
                 hits += h.cpu()
+                agreements += a.cpu()
                 counts += n.cpu()
                 self.state.tokens_seen += int(sample.token_ids.shape[0]) * self.world
             grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), c.grad_clip)
@@ -277,10 +304,10 @@ class Trainer:
             self.state.step += 1
             self.state.elapsed_seconds += time.perf_counter() - begin
             if self.world > 1:  # log the global batch, not rank 0's share
-                summed = torch.cat([torch.tensor([total_loss]), hits, counts])
+                summed = torch.cat([torch.tensor([total_loss]), hits, agreements, counts])
                 dist.all_reduce(summed)
                 total_loss = float(summed[0]) / self.world
-                hits, counts = summed[1:].split(self.drafter.block_size)
+                hits, agreements, counts = summed[1:].split(self.drafter.block_size)
             accuracy = (hits / counts.clamp_min(1))[1:].tolist()
             if self.rank == 0:
                 record = {
@@ -290,6 +317,11 @@ class Trainer:
                     "lr": self.scheduler.get_last_lr()[0],
                     "grad_norm": float(grad_norm),
                     "accuracy_by_position": accuracy,
+                    **(
+                        {"agreement_by_position": (agreements / counts.clamp_min(1))[1:].tolist()}
+                        if c.labels == "target"
+                        else {}
+                    ),
                     "tokens_seen": self.state.tokens_seen,
                     "elapsed_seconds": self.state.elapsed_seconds,
                 }
