@@ -144,7 +144,8 @@ def test_kill_and_resume_gives_the_same_weights_as_an_uninterrupted_run(target, 
 
 def test_cached_features_train_exactly_like_online_features(target, tmp_path):
     samples = make_samples(target, 8, seed=4)
-    online = Trainer(config(tmp_path / "online", epochs=2), TargetModel(target), samples)
+    # a cache holds features only, so it serves cross-entropy on the tokens
+    online = Trainer(config(tmp_path / "online", epochs=2, labels="tokens"), TargetModel(target), samples)
     online.train()
 
     def capture() -> int:
@@ -154,7 +155,10 @@ def test_cached_features_train_exactly_like_online_features(target, tmp_path):
     assert capture() == 8
     assert capture() == 0  # resumable: nothing left to capture
     cached = Trainer(
-        config(tmp_path / "cached", epochs=2), TargetModel(target), samples, feature_cache=tmp_path / "cache"
+        config(tmp_path / "cached", epochs=2, labels="tokens"),
+        TargetModel(target),
+        samples,
+        feature_cache=tmp_path / "cache",
     )
     cached.train()
     for name, tensor in online.drafter.state_dict().items():
