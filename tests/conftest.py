@@ -9,6 +9,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen3Config
 
+from diffdraft.drafters.dart_model import DARTDraftModel, make_dart_config
 from diffdraft.drafters.dflash_model import DFLASH, DFlashDraftModel, make_draft_config
 from diffdraft.packed_linear import packing_supported
 
@@ -83,6 +84,29 @@ def tiny_drafter(
     model = DFlashDraftModel(config).to(target.dtype)
     if draft_vocab:
         model.draft_vocab.copy_(torch.tensor(sorted(draft_vocab)))
+    return model
+
+
+def tiny_dart(
+    target: torch.nn.Module,
+    seed: int = 0,
+    draft_length: int = 3,
+    draft_vocab: list[int] | None = None,
+    init_std: float = 0.2,
+) -> DARTDraftModel:
+    """A random DART drafter tapping three target layers; ``draft_vocab`` restricts its head."""
+    layers = target.config.num_hidden_layers
+    config = make_dart_config(
+        target.config,
+        draft_length=draft_length,
+        target_layer_ids=[0, layers // 2, layers - 1],
+        draft_vocab_size=len(draft_vocab or []),
+    )
+    config.initializer_range = init_std  # peaked draft distributions, like a trained drafter's
+    torch.manual_seed(seed)
+    model = DARTDraftModel(config).to(target.dtype)
+    if draft_vocab:
+        model.set_draft_vocab(torch.tensor(draft_vocab))
     return model
 
 

@@ -10,7 +10,7 @@ import torch
 import diffdraft
 from diffdraft.drafters.checkpoint import save_draft_model
 
-from conftest import hf_greedy, make_checkpoint, tiny_drafter
+from conftest import hf_greedy, make_checkpoint, tiny_dart, tiny_drafter
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +106,7 @@ def test_requests_must_name_exactly_one_input(checkpoint):
     ("method", "drafter", "message"),
     [
         ("chain", None, "needs a drafter"),
+        ("dart", "none", "needs a drafter"),
         ("beam", None, "unknown method"),
     ],
 )
@@ -136,6 +137,60 @@ def test_drafter_for_another_target_is_rejected(checkpoint, tmp_path):
     save_draft_model(tiny_drafter(bigger).float(), tmp_path / "drafter")
     with pytest.raises(diffdraft.IncompatibleDrafterError, match="hidden size 48"):
         diffdraft.load(checkpoint, drafter=tmp_path / "drafter", method="chain")
+
+
+@pytest.fixture(scope="module")
+def dart_and_trie(checkpoint, tmp_path_factory):
+    """A random DART drafter for the tiny target and a 3-gram trie built with the target's tokenizer."""
+    from diffdraft.ngram.build import build_from_sources
+
+    loaded = diffdraft.load(checkpoint).loaded
+    root = tmp_path_factory.mktemp("dart")
+    save_draft_model(tiny_dart(loaded.model, draft_length=4).float(), root / "dart")
+    corpus = root / "corpus.jsonl"
+    corpus.write_text(
+        "".join(json.dumps({"prompt": t}) + "\n" for t in ["hello world, the quick", "the quick brown fox"])
+    )
+    build_from_sources(
+        loaded.tokenizer, [str(corpus)], root / "trie", min_count=1, decontaminate=False, progress=False
+    )
+    return root / "dart", root / "trie"
+
+
+@pytest.mark.parametrize(("method", "ngram"), [("dart", True), ("dart", False), ("ddtree", False)])
+def test_dart_drafter_and_tree_give_the_same_greedy_text(checkpoint, dart_and_trie, method, ngram):
+    dart, trie = dart_and_trie
+    generator = diffdraft.load(
+        checkpoint, drafter=dart, method=method, budget=12, ngram=trie if ngram else None
+    )
+    result = generator.generate("hello world, the quick", max_new_tokens=20, ignore_eos=True)
+    assert result.token_ids == hf_greedy(generator.loaded.model, result.prompt_token_ids, 20, eos=None)
+    assert max(result.stats.tree_sizes) <= 12
+
+
+def test_dart_tree_over_a_dflash_drafter_is_lossless(checkpoint, drafter_dir, dart_and_trie):
+    generator = diffdraft.load(
+        checkpoint, drafter=drafter_dir, method="dart", budget=8, ngram=dart_and_trie[1]
+    )
+    result = generator.generate("the quick brown", max_new_tokens=16, ignore_eos=True)
+    assert result.token_ids == hf_greedy(generator.loaded.model, result.prompt_token_ids, 16, eos=None)
+
+
+def test_a_trie_of_another_tokenizer_or_an_auto_dart_budget_is_refused(checkpoint, dart_and_trie, tmp_path):
+    import shutil
+
+    dart, trie = dart_and_trie
+    other = tmp_path / "other-trie"
+    shutil.copytree(trie, other)
+    meta = json.loads((other / "ngram.json").read_text())
+    meta["tokenizer_hash"] = "sha256:0000000000000000"
+    (other / "ngram.json").write_text(json.dumps(meta))
+    with pytest.raises(diffdraft.IncompatibleDrafterError, match="rebuild it for this target"):
+        diffdraft.load(checkpoint, drafter=dart, method="dart", ngram=other)
+    with pytest.raises(diffdraft.InvalidRequestError, match="tree size"):
+        diffdraft.load(checkpoint, drafter=dart, method="dart", budget="auto")
+    with pytest.raises(diffdraft.CheckpointError, match="N-gram trie"):
+        diffdraft.load(checkpoint, drafter=dart, method="dart", ngram=tmp_path / "nowhere")
 
 
 def test_the_generator_is_reusable_across_requests(checkpoint, drafter_dir):
@@ -218,3 +273,26 @@ def test_the_shipped_default_drafter_is_lossless_and_gets_accepted():
             expected = hf_greedy(loaded.model, result.prompt_token_ids, 32, eos=gen.end_token_ids)
         assert result.token_ids == expected, method
         assert result.stats.tau > floor, (method, result.stats.acceptance_histogram)
+
+
+@pytest.mark.real_model
+def test_dart_on_the_default_target_matches_transformers_greedy_on_humaneval(tmp_path):
+    """Five HumanEval prompts in float32: DART's drafter and N-gram-pruned tree change no token."""
+    from diffdraft.bench.datasets import load_samples
+    from diffdraft.drafters.checkpoint import DEFAULT_DART_DIR
+    from diffdraft.ngram.build import build_from_sources
+
+    loaded = diffdraft.load("default", method="ar", dtype="float32").loaded
+    texts = ["def add(a, b):\n    return a + b", "for i in range(10):\n    print(i)", "import numpy as np"]
+    (tmp_path / "corpus.jsonl").write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    trie = tmp_path / "trie"
+    build_from_sources(loaded.tokenizer, [str(tmp_path / "corpus.jsonl")], trie, min_count=1, progress=False)
+    drafter = "default-dart" if (DEFAULT_DART_DIR / "config.json").is_file() else None
+    if drafter is None:  # no shipped DART drafter: a random one still exercises every path
+        drafter = tmp_path / "dart"
+        save_draft_model(tiny_dart(loaded.model, draft_length=7, init_std=0.02).float(), drafter)
+    gen = diffdraft.SpeculativeGenerator(loaded, "dart", drafter, budget=32, ngram=trie)
+    for sample in load_samples("humaneval", 5):
+        result = gen.generate(messages=sample.messages, max_new_tokens=24)
+        expected = hf_greedy(loaded.model, result.prompt_token_ids, 24, eos=gen.end_token_ids)
+        assert result.token_ids == expected, sample.id

@@ -11,14 +11,16 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from diffdraft.drafters.dart import DARTDrafter
 from diffdraft.drafters.dflash import DFlashDrafter
 from diffdraft.drafters.lookup_boost import LookupBoostedDrafter
 from diffdraft.drafters.prompt_lookup import PromptLookupDrafter
 from diffdraft.sampling import SamplingParams
 from diffdraft.target import TargetModel
 from diffdraft.trees import ChainBuilder, DDTreeBuilder
+from diffdraft.trees.dart import DartTreeBuilder, DartTreeSettings
 
-from conftest import tiny_drafter, tiny_target
+from conftest import tiny_dart, tiny_drafter, tiny_target
 from test_engine import run_engine
 
 VOCAB = 8
@@ -75,6 +77,11 @@ def methods(model):
         "rejection-chain-lookup-boost": (LookupBoostedDrafter(drafter), ChainBuilder()),
         "walk-ddtree": (drafter, DDTreeBuilder(6)),
         "walk-pld-chain": (PromptLookupDrafter(max_depth=2), ChainBuilder()),
+        # DART's drafter and beam tree, its head restricted to five tokens (holes in q's support)
+        "walk-dart-tree": (
+            DARTDrafter(tiny_dart(model, seed=1, draft_length=1, draft_vocab=[0, 2, 3, 5, 6]), target),
+            DartTreeBuilder(DartTreeSettings(tree_size=6, top_k=3, beam_width=2)),
+        ),
     }
 
 
@@ -86,6 +93,7 @@ def methods(model):
         "rejection-chain-lookup-boost",
         "walk-ddtree",
         "walk-pld-chain",
+        "walk-dart-tree",
     ],
 )
 @pytest.mark.parametrize(

@@ -1,4 +1,5 @@
-"""``diffdraft`` command line: ``generate`` a request, ``train`` drafters, ``bench`` methods side by side."""
+"""``diffdraft`` command line: ``generate`` a request, ``train`` drafters, ``bench`` methods side by side,
+build and inspect ``ngram`` tries."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import sys
 from diffdraft.bench.cli import add_bench_parser, run_bench
 from diffdraft.errors import DiffdraftError, InvalidRequestError
 from diffdraft.generator import METHODS, load
+from diffdraft.ngram.cli import add_ngram_parser, run_ngram
 from diffdraft.train.cli import add_train_parser, run_train
 
 
@@ -20,15 +22,22 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--drafter",
         default=None,
-        help="DFlash/DFlare checkpoint directory, 'default' or 'none' (default: the shipped drafter "
-        "with --target default, else none)",
+        help="DFlash/DFlare or DART checkpoint directory, 'default' (DFlare), 'default-dart' or 'none' "
+        "(default: the shipped drafter of the method with --target default, else none)",
     )
     p.add_argument("--method", choices=METHODS, default="ar", help="decoding method (default: ar)")
     p.add_argument(
         "--budget",
         type=lambda v: v if v == "auto" else int(v),
         default=32,
-        help="DDTree node budget, or 'auto' to pick it from this machine's verification cost (default: 32)",
+        help="DDTree node budget, or 'auto' to pick it from this machine's verification cost; "
+        "for dart the tree size (default: 32)",
+    )
+    p.add_argument(
+        "--ngram",
+        default=None,
+        help="N-gram trie directory for the dart tree (diffdraft ngram build), 'default' or 'none' "
+        "(default: the shipped trie with --target default, else none)",
     )
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -59,10 +68,14 @@ def _read_messages() -> list[dict]:
 
 def _run_generate(args: argparse.Namespace) -> None:
     request = {"messages": _read_messages()} if args.chat else {"prompt": args.prompt}
-    drafter = args.drafter
+    drafter, ngram = args.drafter, args.ngram
     if drafter is None:
-        drafter = "default" if args.target == "default" else "none"
-    generator = load(args.target, drafter, args.method, args.budget, args.dtype, args.device)
+        drafter = (
+            ("default-dart" if args.method == "dart" else "default") if args.target == "default" else "none"
+        )
+    if ngram is None:
+        ngram = "default" if args.target == "default" and args.method == "dart" else "none"
+    generator = load(args.target, drafter, args.method, args.budget, args.dtype, args.device, ngram)
     options = dict(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -98,10 +111,13 @@ def main(argv: list[str] | None = None) -> int:
     _generate_parser(sub)
     add_train_parser(sub)
     add_bench_parser(sub)
+    add_ngram_parser(sub)
     args = parser.parse_args(argv)
     try:
         if args.command == "bench":
             return run_bench(args)
+        if args.command == "ngram":
+            return run_ngram(args)
         run_train(args) if args.command == "train" else _run_generate(args)
     except DiffdraftError as err:
         print(f"diffdraft: error: {err}", file=sys.stderr)

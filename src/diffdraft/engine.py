@@ -64,6 +64,7 @@ class SpeculativeEngine:
             depth = min(self.drafter.max_depth if self.drafter else 0, stop.remaining(len(generated)) - 1)
             with timer("draft"):
                 proposal = self.drafter.propose(all_ids, depth) if depth > 0 else Proposal()
+                proposal.prefix = all_ids
             with timer("tree"):
                 tree = self._build(generated[-1], proposal, sampling, generator, start)
             with timer("mask"):

@@ -18,23 +18,25 @@ from diffdraft.budget import AutoBudgetBuilder, BudgetPlanner, load_or_measure
 from diffdraft.chat import encode_chat, encode_prompt
 from diffdraft.detokenize import INCOMPLETE, IncrementalDecoder
 from diffdraft.drafters.base import Drafter
-from diffdraft.drafters.checkpoint import load_draft_model
-from diffdraft.drafters.dflash import DFlashDrafter
-from diffdraft.drafters.dflash_model import DFlashDraftModel
+from diffdraft.drafters.checkpoint import DraftModel
+from diffdraft.drafters.families import make_drafter
 from diffdraft.drafters.lookup_boost import LookupBoostedDrafter
 from diffdraft.drafters.prompt_lookup import PromptLookupDrafter
 from diffdraft.engine import SpeculativeEngine
 from diffdraft.errors import InvalidRequestError
 from diffdraft.loading import LoadedModel, end_token_ids, load_target
+from diffdraft.ngram.shipped import load_ngram
 from diffdraft.sampling import SamplingParams
 from diffdraft.stats import GenerationStats
 from diffdraft.stopping import StopConditions
 from diffdraft.target import TargetModel
 from diffdraft.trees import ChainBuilder, DDTreeBuilder, TreeBuilder
+from diffdraft.trees.dart import DartTreeBuilder, DartTreeSettings
 
-METHODS = ("ar", "pld", "chain", "ddtree", "chain+pld", "ddtree+pld")
+METHODS = ("ar", "pld", "chain", "ddtree", "chain+pld", "ddtree+pld", "dart")
 """ar: plain decoding; pld: prompt lookup chain; chain: drafter argmax/sampled chain; ddtree: optimal
-tree; ``+pld``: the drafter's proposal boosted by prompt lookup's copied continuation (lookup_boost.py)."""
+tree; ``+pld``: the drafter's proposal boosted by prompt lookup's copied continuation (lookup_boost.py);
+dart: DART's N-gram-pruned beam tree (trees/dart.py). Any drafter checkpoint serves any tree rule."""
 
 
 @dataclass
@@ -69,22 +71,30 @@ def _check_method(method: str) -> None:
         raise InvalidRequestError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
 
 
-def _make_drafter(method: str, drafter: str | os.PathLike | DFlashDraftModel | None, target: TargetModel):
+def _make_drafter(method: str, drafter: str | os.PathLike | DraftModel | None, target: TargetModel):
     if method == "ar":
         return None
     if method == "pld":
         return PromptLookupDrafter()
     if drafter is None or drafter == "none":
         raise InvalidRequestError(
-            f"method {method!r} needs a drafter: pass a DFlash/DFlare checkpoint directory "
+            f"method {method!r} needs a drafter: pass a DFlash/DFlare or DART checkpoint directory "
             "(--drafter PATH), or use --method ar or pld, which need none"
         )
-    model = drafter if isinstance(drafter, DFlashDraftModel) else load_draft_model(drafter)
-    dflash = DFlashDrafter(model, target)
-    return LookupBoostedDrafter(dflash) if method.endswith("+pld") else dflash
+    made = make_drafter(drafter, target)
+    return LookupBoostedDrafter(made) if method.endswith("+pld") else made
 
 
-def _make_builder(method: str, budget: int | str, target: TargetModel) -> TreeBuilder:
+def _make_builder(method: str, budget: int | str, target: TargetModel, ngram, tokenizer) -> TreeBuilder:
+    if method == "dart":
+        if budget == "auto":
+            raise InvalidRequestError(
+                "budget 'auto' applies to ddtree methods; give dart a tree size, e.g. --budget 59"
+            )
+        trie = load_ngram(ngram)
+        if trie is not None:
+            trie.check_tokenizer(tokenizer)
+        return DartTreeBuilder(DartTreeSettings(tree_size=budget), trie)
     if not method.startswith("ddtree"):
         return ChainBuilder()
     if budget == "auto":
@@ -99,16 +109,19 @@ class SpeculativeGenerator:
         self,
         target: LoadedModel,
         method: str = "ar",
-        drafter: str | os.PathLike | DFlashDraftModel | None = None,
+        drafter: str | os.PathLike | DraftModel | None = None,
         budget: int | str = 32,
+        ngram: str | os.PathLike | None = None,
     ) -> None:
+        """``ngram``: the N-gram trie of the ``dart`` tree (a directory, ``"default"`` for the one
+        shipped for the default target, or None for none)."""
         _check_method(method)
         self.loaded = target
         self.tokenizer = target.tokenizer
         self.target = TargetModel(target.model)
         self.method = method
         self.drafter: Drafter | None = _make_drafter(method, drafter, self.target)
-        builder = _make_builder(method, budget, self.target)
+        builder = _make_builder(method, budget, self.target, ngram, self.tokenizer)
         self.engine = SpeculativeEngine(self.target, self.drafter, builder)
         self._auto_budget = builder if isinstance(builder, AutoBudgetBuilder) else None
         self.end_token_ids = end_token_ids(target.model, target.tokenizer)
@@ -202,13 +215,16 @@ def load(
     budget: int | str = 32,
     dtype: str = "auto",
     device: str | None = None,
+    ngram: str | os.PathLike | None = None,
 ) -> SpeculativeGenerator:
     """Load a target (``"default"``, a model directory or a ``.gguf`` file) and a drafter once.
 
-    ``budget="auto"`` picks the DDTree budget from this machine's measured verification cost.
+    ``budget="auto"`` picks the DDTree budget from this machine's measured verification cost; for
+    ``method="dart"`` the budget is the tree size and ``ngram`` the N-gram trie directory
+    (``"default"``: the one shipped for the default target; None: no N-gram term).
     On CPU the target runs diffdraft's inference kernels (same outputs, faster), so the loaded
     models are for inference only.
     """
     _check_method(method)  # before the (slow) model load
     loaded = load_target(target, dtype=dtype, device=device, optimize=True)
-    return SpeculativeGenerator(loaded, method, drafter, budget)
+    return SpeculativeGenerator(loaded, method, drafter, budget, ngram)

@@ -6,6 +6,7 @@ import argparse
 import json
 
 import pytest
+from test_methods import save_dart_and_trie
 
 from diffdraft.bench import methods
 from diffdraft.bench.cli import add_bench_parser, run_bench
@@ -22,6 +23,7 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("bench")
     target = make_checkpoint(root / "target", "llama")
     save_draft_model(tiny_drafter(load_target(target).model, block_size=4).float(), root / "drafter")
+    save_dart_and_trie(target, root)
     prompts = root / "prompts.jsonl"
     prompts.write_text('{"prompt": "hello world, the quick"}\n{"prompt": "the quick brown fox"}\n')
     return root, target, prompts
@@ -69,8 +71,28 @@ def test_the_bench_writes_results_report_and_plots(setup, tmp_path, capsys):
     assert results["auto_budget"]["ddtree:auto"]["budget"] >= 1
     for plot in ("budget_sweep.png", "acceptance_histograms.png", "stage_times.png"):
         assert (out / plot).read_bytes()[:4] == b"\x89PNG"
-    assert "skipping hf-assisted" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "skipping hf-assisted" in err and "skipping dart:59" in err and "skipping ddtree-dart:59" in err
     assert not (out / JOURNAL).exists()  # only an unfinished run leaves its journal
+
+
+def test_dart_runs_beside_dflash_with_its_ngram_lookups_timed(setup, tmp_path):
+    root, *_ = setup
+    out = tmp_path / "out"
+    dart = ["--dart-drafter", str(root / "dart"), "--ngram", str(root / "trie")]
+    methods = ["--methods", "ddtree:4,dart:8,dart-no-ngram:8,ddtree-dart:4"]
+    code = bench([*common(setup, out), "--drafter", str(root / "drafter"), *dart, *methods])
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["methods"] == ["ar", "ddtree:4", "dart:8", "dart-no-ngram:8", "ddtree-dart:4"]
+    assert results["dart_drafter"] == str(root / "dart") and results["ngram"] == str(root / "trie")
+    assert "--dart-drafter" in results["command"] and "--ngram" in results["command"]
+    assert all(r["divergence"] is None for r in results["records"])
+    for r in results["records"]:
+        assert (r["stages"]["ngram"] > 0) == (r["method"] == "dart:8") == (r["ngram_lookups"] > 0)
+    report = (out / "report.md").read_text()
+    assert "| method | lookups per round | median us per lookup |" in report
+    assert "| dart:8 |" in report and "n-gram lookups" in report
 
 
 class OffByOne:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from diffdraft.bench import methods
@@ -18,8 +21,22 @@ from diffdraft.bench.methods import (
 from diffdraft.drafters.checkpoint import save_draft_model
 from diffdraft.errors import InvalidRequestError
 from diffdraft.loading import load_target
+from diffdraft.ngram.build import build_from_sources
 
-from conftest import make_checkpoint, tiny_drafter
+from conftest import make_checkpoint, tiny_dart, tiny_drafter
+
+
+def save_dart_and_trie(target: Path, root: Path) -> tuple[Path, Path]:
+    """A random DART drafter for a tiny saved target and a 3-gram trie built with its tokenizer."""
+    loaded = load_target(target)
+    save_draft_model(tiny_dart(loaded.model, draft_length=4).float(), root / "dart")
+    corpus = root / "corpus.jsonl"
+    texts = ["hello world, the quick", "the quick brown fox", "hello fox, the brown world"]
+    corpus.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    build_from_sources(
+        loaded.tokenizer, [str(corpus)], root / "trie", min_count=1, decontaminate=False, progress=False
+    )
+    return root / "dart", root / "trie"
 
 
 @pytest.fixture(scope="module")
@@ -28,11 +45,23 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def models(checkpoint, tmp_path_factory):
-    drafter = tmp_path_factory.mktemp("drafter")
-    save_draft_model(tiny_drafter(load_target(checkpoint).model, block_size=4).float(), drafter)
+def drafters(checkpoint, tmp_path_factory):
+    """(DFlash drafter, DART drafter, N-gram trie) directories for the tiny target."""
+    root = tmp_path_factory.mktemp("drafters")
+    save_draft_model(tiny_drafter(load_target(checkpoint).model, block_size=4).float(), root / "dflash")
+    return root / "dflash", *save_dart_and_trie(checkpoint, root)
+
+
+@pytest.fixture(scope="module")
+def models(checkpoint, drafters, tmp_path_factory):
+    drafter, dart, trie = drafters
     return BenchModels(
-        checkpoint, drafter=drafter, assistant=checkpoint, cost_cache=tmp_path_factory.mktemp("c")
+        checkpoint,
+        drafter=drafter,
+        assistant=checkpoint,
+        cost_cache=tmp_path_factory.mktemp("c"),
+        dart_drafter=dart,
+        ngram=trie,
     )
 
 
@@ -60,12 +89,29 @@ def test_default_specs_expand_budgets_and_pick_up_new_registrations(monkeypatch)
         "ddtree:auto",
         "chain+pld",
         "ddtree+pld:32",
+        "dart:59",
+        "dart-no-ngram:59",
+        "ddtree-dart:59",
         "mine",
     ]
 
 
 @pytest.mark.parametrize(
-    "label", ["hf", "hf-pld:2", "hf-assisted", "pld", "chain", "ddtree:4", "ddtree:auto", "ar@bfloat16"]
+    "label",
+    [
+        "hf",
+        "hf-pld:2",
+        "hf-assisted",
+        "pld",
+        "chain",
+        "ddtree:4",
+        "ddtree:auto",
+        "ar@bfloat16",
+        "dart",
+        "dart:8",
+        "dart-no-ngram:8",
+        "ddtree-dart:4",
+    ],
 )
 def test_every_method_matches_plain_ar_and_accounts_for_its_time(models, label):
     request = Request(models.tokenizer("hello world, the quick")["input_ids"], max_new_tokens=12)
@@ -84,12 +130,42 @@ def test_every_method_matches_plain_ar_and_accounts_for_its_time(models, label):
         assert done.budgets and all(b >= 1 for b in done.budgets)
 
 
-def test_methods_that_need_a_model_not_given_are_unavailable(checkpoint, tmp_path):
-    bare = BenchModels(checkpoint, cost_cache=tmp_path)
-    for label in ("chain", "ddtree:8", "hf-assisted"):
+def test_methods_that_need_a_model_not_given_are_unavailable(checkpoint, drafters, tmp_path):
+    bare = BenchModels(checkpoint, cost_cache=tmp_path, ngram=drafters[2])
+    for label in ("chain", "ddtree:8", "hf-assisted", "dart", "dart-no-ngram:8", "ddtree-dart:4"):
         with pytest.raises(MethodUnavailable):
             build_method(bare, MethodSpec.parse(label))
+    assert bare._ngram is None  # the trie is loaded only for a dart method that can run
+    only_dflash = BenchModels(checkpoint, cost_cache=tmp_path, drafter=drafters[0])
+    with pytest.raises(MethodUnavailable, match="--dart-drafter"):
+        build_method(only_dflash, MethodSpec.parse("dart:8"))
     with pytest.raises(InvalidRequestError, match="unknown method 'nope'"):
         build_method(bare, MethodSpec("nope"))
     with pytest.raises(InvalidRequestError, match="positive integer"):
         build_method(bare, MethodSpec("hf-pld", "x"))
+
+
+def test_dart_times_its_ngram_lookups_apart_from_the_tree(models):
+    request = Request(models.tokenizer("hello world, the quick")["input_ids"], max_new_tokens=12)
+    dart = build_method(models, MethodSpec.parse("dart:8"))
+    assert build_method(models, MethodSpec.parse("dart-no-ngram:8")).lookups is None
+    assert models.ngram() is dart.lookups.trie  # loaded once, shared
+    done = dart.generate(request)
+    rounds = len(done.acceptance_lengths)
+    # one lookup per beam entry per drafted level: at least one per round
+    assert done.ngram_lookups >= rounds and done.stages["ngram"] > 0 and done.stages["tree"] >= 0
+    assert 0 < done.ngram_lookup_median <= done.stages["ngram"]
+    assert sum(done.stages.values()) <= done.seconds * 1.01
+    again = dart.generate(request)
+    assert again.ngram_lookups == done.ngram_lookups  # counted per generation, not cumulated
+    for label in ("ar", "ddtree-dart:4", "dart-no-ngram:8", "hf"):
+        other = build_method(models, MethodSpec.parse(label)).generate(request)
+        assert other.stages["ngram"] == 0.0 and other.ngram_lookups == 0
+
+
+def test_a_dflash_checkpoint_is_not_taken_for_a_dart_drafter(checkpoint, drafters, tmp_path):
+    mixed = BenchModels(checkpoint, cost_cache=tmp_path, dart_drafter=drafters[0])
+    with pytest.raises(InvalidRequestError, match="not a DART one"):
+        build_method(mixed, MethodSpec.parse("dart:8"))
+    with pytest.raises(InvalidRequestError, match="auto budget"):
+        build_method(BenchModels(checkpoint, dart_drafter=drafters[1]), MethodSpec.parse("dart:auto"))

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from diffdraft.bench.probes import ForwardCall, ForwardProbe, rounds_from_calls
+from diffdraft.bench.probes import ForwardCall, ForwardProbe, TimedNgram, rounds_from_calls
 
 from conftest import tiny_target
 
@@ -34,3 +35,21 @@ def test_the_probe_sees_every_forward_of_hf_generate_and_detaches():
     assert all(c.seconds > 0 for c in probe.calls)
     model(prompt)
     assert len(probe.calls) == generated  # hooks are gone after the block
+
+
+class FakeTrie:
+    order = 3
+    path = "trie"
+
+    def log_probs(self, context, tokens):
+        return np.full(len(tokens), -float(len(context)), dtype=np.float32)
+
+
+def test_timed_ngram_answers_like_the_trie_and_times_each_lookup():
+    timed = TimedNgram(FakeTrie())
+    assert timed.order == 3 and timed.path == "trie"
+    assert timed.log_probs([1, 2], [5, 6, 7]).tolist() == [-2.0, -2.0, -2.0]
+    timed.log_probs([1], [5])
+    seconds = timed.take()
+    assert len(seconds) == 2 and all(s >= 0 for s in seconds)
+    assert timed.take() == []

@@ -56,3 +56,17 @@ def test_the_report_shows_every_method_and_explains_divergences(tmp_path):
     assert len(results["records"]) == 4 and results["summaries"][1]["tau"] == 2.25
     for name in ("budget_sweep.png", "acceptance_histograms.png", "stage_times.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_report_splits_draft_latency_and_shows_ngram_lookups(tmp_path):
+    records = [record("ar", 0, 1.0, [1] * 9), record("dart:8", 0, 0.5, [3, 1, 2, 3], sizes=8)]
+    records[1].completion.stages["ngram"] = 0.004
+    records[1].completion.ngram_lookups, records[1].completion.ngram_lookup_median = 400, 7e-6
+    summaries = summarize(records, CURVE, "bfloat16")
+    header = HEADER | {"dart_drafter": "default-dart", "ngram": "default"}
+    write_outputs(tmp_path, header, BenchRun(records), summaries, checks(summaries), CURVE, tiny_tokenizer())
+    report = (tmp_path / "report.md").read_text()
+    assert "DART drafter: default-dart (N-gram trie: default)" in report
+    assert "| draft | n-gram lookups | tree build |" in report
+    assert "| dart:8 | 100.0 | 7.0 | 10.0 | 1.00 |" in report  # per round: 100 lookups, 1 ms
+    assert "| ar | 100.0 |" not in report  # methods without lookups get no row

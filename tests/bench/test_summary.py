@@ -93,3 +93,18 @@ def test_positions_a_round_did_not_draft_do_not_count_against_it():
     records[1].completion.draft_depths = [1, 1, 2]
     pld = {s.method: s for s in summarize(records, CURVE, "float32")}["pld"]
     assert pld.position_acceptance == pytest.approx([1.0, 1.0])
+
+
+def test_ngram_lookups_are_counted_per_round_and_their_median_weighted_by_lookups():
+    records = [record("ar", 0, 1.0, [1] * 4), record("dart:8", 0, 0.5, [3, 3, 2], sizes=8)]
+    records += [record("dart:8", 1, 0.5, [3, 3, 2], sizes=8)]
+    records[1].completion.ngram_lookups, records[1].completion.ngram_lookup_median = 30, 5e-6
+    records[2].completion.ngram_lookups, records[2].completion.ngram_lookup_median = 10, 1e-6
+    for r in records[1:]:
+        r.completion.stages["ngram"] = 1e-4
+    by_method = {s.method: s for s in summarize(records, CURVE, "float32")}
+    dart = by_method["dart:8"]
+    assert dart.ngram_lookups_per_round == pytest.approx(40 / 6)
+    assert dart.ngram_lookup_us == pytest.approx(5.0)  # 30 of the 40 lookups had the 5 us median
+    assert dart.stage_ms["ngram"] == pytest.approx(1e3 * 2e-4 / 6)
+    assert by_method["ar"].ngram_lookup_us is None and by_method["ar"].stage_ms["ngram"] == 0.0

@@ -27,7 +27,7 @@ def test_loss_is_the_weighted_mean_cross_entropy_and_counts_hits_per_position():
     logits = torch.randn(4, 10)
     labels = torch.tensor([1, 2, 3, 4])
     positions = torch.tensor([1, 2, 1, 3])
-    loss, hits, counts = block_loss(logits, labels, positions, 4, gamma=3.0)
+    loss, hits, counts = block_loss(logits, labels, positions, position_weights(4, 3.0))
     ce = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
     w = torch.exp(-(positions - 1) / 3.0)
     torch.testing.assert_close(loss, (ce * w).sum() / w.sum())
@@ -43,7 +43,7 @@ def test_loss_is_the_weighted_mean_cross_entropy_and_counts_hits_per_position():
 def test_a_label_outside_the_draft_vocabulary_adds_no_loss_but_counts_as_a_miss():
     logits = torch.tensor([[5.0, 0.0, 0.0], [0.0, 0.0, 5.0]])
     labels = torch.tensor([0, IGNORE])
-    loss, hits, counts = block_loss(logits, labels, torch.tensor([1, 2]), 3, gamma=3.0)
+    loss, hits, counts = block_loss(logits, labels, torch.tensor([1, 2]), position_weights(3, 3.0))
     torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(logits[:1], labels[:1]))
     assert hits.tolist() == [0, 1, 0]
     assert counts.tolist() == [0, 1, 1]
@@ -54,11 +54,11 @@ def test_distillation_loss_is_the_weighted_kl_from_the_target_and_zero_when_the_
     logits = torch.randn(3, 7)
     target = torch.randn(3, 7).log_softmax(-1)
     positions = torch.tensor([1, 2, 2])
-    loss, _, counts = block_loss(logits, torch.tensor([0, 1, 2]), positions, 3, 2.0, target)
+    loss, _, counts = block_loss(logits, torch.tensor([0, 1, 2]), positions, position_weights(3, 2.0), target)
     draft = logits.log_softmax(-1)
     kl = (target.exp() * (target - draft)).sum(-1)
     w = torch.exp(-(positions - 1) / 2.0)
     torch.testing.assert_close(loss, (kl * w).sum() / w.sum())
     assert counts.tolist() == [0, 1, 2]
-    same, _, _ = block_loss(logits, torch.tensor([0, 1, 2]), positions, 3, 2.0, draft)
+    same, _, _ = block_loss(logits, torch.tensor([0, 1, 2]), positions, position_weights(3, 2.0), draft)
     assert abs(float(same)) < 1e-6

@@ -247,6 +247,28 @@ def test_fit_then_eval_write_a_drafter_curves_and_an_evaluation(responses, tmp_p
     assert "eval needs between 1 and the 10 samples" in capsys.readouterr().err
 
 
+def test_fit_and_eval_a_dart_drafter(responses, tmp_path, capsys):
+    from diffdraft.cli import main
+    from diffdraft.drafters.checkpoint import load_draft_model
+    from diffdraft.drafters.dart_model import DARTDraftModel
+
+    target_dir, data = responses
+    common = ["--data", str(data), "--target", str(target_dir), "--held-out", "2"]
+    out = tmp_path / "dart"
+    fit = ["train", "fit", *common, "--output-dir", str(out), "--variant", "dart", "--draft-length", "3"]
+    fit += ["--target-layer-ids", "0", "1", "1", "--batch-size", "2", "--epochs", "1", "--save-every", "2"]
+    assert main(fit) == 0
+    drafter = load_draft_model(out / "final")
+    assert isinstance(drafter, DARTDraftModel) and drafter.max_depth == 4
+    assert json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["gamma"] == 0.6
+    report = tmp_path / "eval.json"
+    evaluate = ["train", "eval", *common, "--drafter", str(out / "final"), "--budgets", "4"]
+    assert main([*evaluate, "--max-new-tokens", "8", "--ngram", "none", "--out", str(report)]) == 0
+    result = json.loads(report.read_text())
+    assert len(result["accuracy_by_position"]) == 4
+    assert set(result["tau"]) == {"chain", "ddtree-4", "dart-4"}
+
+
 def test_fit_rejects_malformed_data_and_unwritable_output(responses, tmp_path, capsys):
     from diffdraft.cli import main
 

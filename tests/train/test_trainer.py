@@ -20,7 +20,7 @@ from diffdraft.train.dataset import TrainingSample
 from diffdraft.train.draft_vocab import frequent_tokens
 from diffdraft.train.evaluate import evaluate_drafter
 from diffdraft.train.features import capture_features
-from diffdraft.train.trainer import TrainConfig, Trainer
+from diffdraft.train.trainer import DART, TrainConfig, Trainer
 
 from conftest import tiny_target
 
@@ -89,7 +89,14 @@ def bigram_target():
 
 @pytest.mark.parametrize(
     ("variant", "draft_vocab_size", "compute_dtype"),
-    [(DFLASH, 0, "float32"), (DFLARE, 0, "float32"), (DFLASH, 40, "float32"), (DFLARE, 0, "bfloat16")],
+    [
+        (DFLASH, 0, "float32"),
+        (DFLARE, 0, "float32"),
+        (DFLASH, 40, "float32"),
+        (DFLARE, 0, "bfloat16"),
+        (DART, 0, "float32"),
+        (DART, 40, "float32"),
+    ],
 )
 def test_a_few_hundred_steps_clearly_beat_the_untrained_drafter(
     bigram_target, tmp_path, variant, draft_vocab_size, compute_dtype
@@ -104,6 +111,7 @@ def test_a_few_hundred_steps_clearly_beat_the_untrained_drafter(
         batch_size=4,
         draft_vocab_size=draft_vocab_size,
         compute_dtype=compute_dtype,
+        draft_length=2,
     )
     trainer = Trainer(settings, TargetModel(target), train)
     if draft_vocab_size:

@@ -60,6 +60,20 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         help="DFlash/DFlare checkpoint directory, or 'default' (the shipped drafter of the default "
         "target); enables chain and ddtree",
     )
+    p.add_argument(
+        "--dart-drafter",
+        default=None,
+        help="DART checkpoint directory, or 'default-dart' (the shipped DART drafter of the default target); "
+        "enables dart:SIZE (DART's N-gram-pruned tree of SIZE nodes, default 59), dart-no-ngram:SIZE (the "
+        "same tree without the N-gram term) and ddtree-dart:BUDGET (DDTree over DART's distributions)",
+    )
+    p.add_argument(
+        "--ngram",
+        default=None,
+        help="N-gram trie of the dart tree: a directory built by `diffdraft ngram build`, 'default' (the "
+        "default target's, built once into the cache) or 'none' (default: 'default' with --target default, "
+        "else none)",
+    )
     p.add_argument("--assistant", default=None, help="small model directory for HF assisted generation")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
     p.add_argument("--device", default=None)
@@ -67,7 +81,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         "--methods",
         default=None,
         help=f"comma list of name[:arg][@dtype] (registered: {', '.join(registered())}); 'ddtree' alone "
-        "expands to --budgets; default: every method the given models allow",
+        "expands to --budgets; the dart methods take a tree size (default 59); default: every method the "
+        "given models allow",
     )
     p.add_argument(
         "--budgets", default=None, help=f"DDTree budgets, 'auto' included (default {FULL['budgets']})"
@@ -132,6 +147,8 @@ def run_bench(args: argparse.Namespace) -> int:
         cost_cache=args.cost_cache,
         refresh_cost=args.refresh_cost,
         progress=progress,
+        dart_drafter=args.dart_drafter,
+        ngram=_ngram(args),
     )
     if args.methods is None and models.dtype_name != "float32":
         # the baseline users know, in whichever dtype is fastest for it on this machine
@@ -161,6 +178,8 @@ def run_bench(args: argparse.Namespace) -> int:
         "target": models.main.source,
         "dtype": models.dtype_name,
         "drafter": args.drafter,
+        "dart_drafter": args.dart_drafter,
+        "ngram": _ngram(args) if args.dart_drafter else None,
         "assistant": args.assistant,
         "methods": [r.spec.label for r in runners],
         "options": {k: v for k, v in options.items() if k != "methods"} | {"tie_tolerance": tolerance},
@@ -234,6 +253,13 @@ def _resolve(args: argparse.Namespace) -> dict:
     }
 
 
+def _ngram(args: argparse.Namespace) -> str:
+    """The dart tree's trie: as given, else the default target's one with the default target."""
+    if args.ngram is not None:
+        return args.ngram
+    return "default" if str(args.target) == "default" else "none"
+
+
 def _split(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
@@ -261,6 +287,8 @@ def _command(args: argparse.Namespace, options: dict) -> str:
     parts = ["diffdraft", "bench", "--target", str(args.target), "--dtype", args.dtype]
     for flag, value in (
         ("--drafter", args.drafter),
+        ("--dart-drafter", args.dart_drafter),
+        ("--ngram", _ngram(args) if args.dart_drafter else None),
         ("--assistant", args.assistant),
         ("--device", args.device),
     ):

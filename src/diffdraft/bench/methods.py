@@ -5,12 +5,19 @@ the Hugging Face ones wrap ``model.generate``. A spec on the command line is ``n
 ``ddtree:32`` (budget 32), ``ddtree:auto`` (budget chosen by the cost model), ``hf-pld:3`` (3 lookup
 tokens), ``hf@float32`` (HF greedy on a float32 copy of the target). Adding a drafter later is one
 :func:`register` call; the runner and the report never learn method names.
+
+DART runs beside DFlash/DFlare: ``dart:SIZE`` (DART drafter, DART's N-gram-pruned tree of SIZE
+nodes), ``dart-no-ngram:SIZE`` (the same tree without the N-gram term) and ``ddtree-dart:BUDGET``
+(DDTree over the DART drafter's distributions). The N-gram trie is loaded once and shared; the
+benchmark wraps it in a :class:`~diffdraft.bench.probes.TimedNgram`, so a ``dart`` round's tree time
+splits into the lookups (stage ``ngram``) and the tree search around them (stage ``tree``).
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,21 +26,27 @@ from typing import Protocol
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
-from diffdraft.bench.probes import ForwardProbe, rounds_from_calls
+from diffdraft.bench.probes import ForwardProbe, TimedNgram, rounds_from_calls
 from diffdraft.budget import AutoBudgetBuilder, BudgetPlanner, VerifyCostCurve, load_or_measure
-from diffdraft.drafters.checkpoint import load_draft_model
-from diffdraft.drafters.dflash_model import DFlashDraftModel
+from diffdraft.drafters.checkpoint import DraftModel, load_draft_model
+from diffdraft.drafters.dart_model import DARTDraftModel
 from diffdraft.errors import InvalidRequestError
 from diffdraft.generator import SpeculativeGenerator
 from diffdraft.loading import DTYPES, LoadedModel, end_token_ids, load_target
+from diffdraft.ngram import NgramTrie
+from diffdraft.ngram.shipped import load_ngram
 from diffdraft.stats import STAGES
 from diffdraft.target import TargetModel
+from diffdraft.trees.dart import DartTreeBuilder
 
 REFERENCE = "ar"
 """The method every other is timed and checked against."""
+DART_TREE_SIZE = 59
+"""The DART paper's tree size: what the dart methods run when given no argument."""
 STAGE_NAMES = (
     "prefill",
     "draft",
+    "ngram",
     "tree",
     "mask",
     "verify_forward",
@@ -41,7 +54,8 @@ STAGE_NAMES = (
     "commit",
     "other",
 )
-"""Per-generation time split; ``other`` is everything outside the engine's stages."""
+"""Per-generation time split; ``other`` is everything outside the engine's stages. ``ngram`` is the
+DART tree's N-gram lookups (0 for every other method), ``tree`` the tree building without them."""
 
 
 class MethodUnavailable(InvalidRequestError):
@@ -100,6 +114,10 @@ class Completion:
     """DDTree budget of each round (auto budget only)."""
     draft_depths: list[int] = field(default_factory=list)
     """Positions drafted in each round (one entry per acceptance length)."""
+    ngram_lookups: int = 0
+    """N-gram trie lookups (``log_probs`` calls) the tree made over the generation."""
+    ngram_lookup_median: float = 0.0
+    """Median seconds of one of those lookups."""
 
 
 class MethodRunner(Protocol):
@@ -124,9 +142,16 @@ class BenchModels:
         cost_cache: str | os.PathLike | None = None,
         refresh_cost: bool = False,
         progress: bool = False,
+        dart_drafter: str | os.PathLike | None = None,
+        ngram: str | os.PathLike | None = None,
     ) -> None:
+        """``drafter``: the DFlash/DFlare checkpoint (or ``"default"``); ``dart_drafter``: the DART one
+        (or ``"default-dart"``); ``ngram``: the DART tree's trie (a directory, ``"default"`` or None /
+        ``"none"``), loaded the first time a method needs it."""
         self.target_spec = target
         self.drafter_path = drafter
+        self.dart_drafter_path = dart_drafter
+        self.ngram_spec = ngram
         self.assistant_path = assistant
         self.cost_cache = cost_cache
         self.refresh_cost = refresh_cost
@@ -135,7 +160,8 @@ class BenchModels:
         self.dtype_name = str(main.model.dtype).removeprefix("torch.")
         self.device = main.model.device
         self._targets: dict[tuple[str, bool], LoadedModel] = {(self.dtype_name, True): main}
-        self._drafters: dict[str, DFlashDraftModel] = {}
+        self._drafters: dict[tuple[str, str], DraftModel] = {}
+        self._ngram: NgramTrie | None = None
         self._assistants: dict[str, PreTrainedModel] = {}
         self._curve: VerifyCostCurve | None = None
         self.tokenizer = main.tokenizer
@@ -156,14 +182,39 @@ class BenchModels:
             )
         return self._targets[dtype, optimized]
 
-    def draft_model(self, dtype: str | None = None) -> DFlashDraftModel:
+    def draft_model(self, dtype: str | None = None) -> DraftModel:
         """One drafter per dtype: the generator casts it to its target's dtype in place."""
-        dtype = dtype or self.dtype_name
         if self.drafter_path is None:
             raise MethodUnavailable("this method needs a drafter checkpoint: pass --drafter PATH")
-        if dtype not in self._drafters:
-            self._drafters[dtype] = load_draft_model(self.drafter_path)
-        return self._drafters[dtype]
+        return self._draft_model("drafter", self.drafter_path, dtype)
+
+    def dart_model(self, dtype: str | None = None) -> DARTDraftModel:
+        """The DART drafter, one per dtype like :meth:`draft_model`."""
+        if self.dart_drafter_path is None:
+            raise MethodUnavailable(
+                "this method needs a DART drafter checkpoint: pass --dart-drafter PATH|default-dart"
+            )
+        model = self._draft_model("dart", self.dart_drafter_path, dtype)
+        if not isinstance(model, DARTDraftModel):
+            raise InvalidRequestError(
+                f"--dart-drafter {self.dart_drafter_path} is a DFlash/DFlare checkpoint, not a DART one; "
+                "pass it as --drafter"
+            )
+        return model
+
+    def _draft_model(self, role: str, path: str | os.PathLike, dtype: str | None) -> DraftModel:
+        key = (role, dtype or self.dtype_name)
+        if key not in self._drafters:
+            self._drafters[key] = load_draft_model(path)
+        return self._drafters[key]
+
+    def ngram(self) -> NgramTrie | None:
+        """The DART tree's N-gram trie (checked against the target's tokenizer), loaded once."""
+        if self._ngram is None and self.ngram_spec is not None and str(self.ngram_spec) != "none":
+            trie = load_ngram(self.ngram_spec, progress=self.progress)
+            trie.check_tokenizer(self.tokenizer)  # a trie of another tokenizer fails every dart run
+            self._ngram = trie
+        return self._ngram
 
     def assistant(self, dtype: str | None = None) -> PreTrainedModel:
         dtype = dtype or self.dtype_name
@@ -229,13 +280,31 @@ def build_method(models: BenchModels, spec: MethodSpec) -> MethodRunner:
 class OursRunner:
     """A method of this project: :class:`SpeculativeGenerator` with the matching drafter and tree rule."""
 
-    def __init__(self, models: BenchModels, spec: MethodSpec, needs_drafter: bool) -> None:
+    def __init__(
+        self,
+        models: BenchModels,
+        spec: MethodSpec,
+        needs_drafter: bool,
+        method: str | None = None,
+        drafter: DraftModel | None = None,
+        ngram: NgramTrie | None = None,
+        default_budget: int = 32,
+    ) -> None:
+        """``method``: the generator's method (default ``spec.name``); ``drafter``: a draft network
+        other than ``--drafter``'s; ``ngram``: the trie of the ``dart`` tree, timed per lookup."""
         self.spec = spec
         loaded = models.target(spec.dtype)
         self.dtype = loaded.model.dtype
-        budget = 32 if spec.arg in (None, "auto") else _positive_int(spec)
-        drafter = models.draft_model(spec.dtype) if needs_drafter else None
-        self.generator = SpeculativeGenerator(loaded, spec.name, drafter=drafter, budget=budget)
+        budget = default_budget if spec.arg in (None, "auto") else _positive_int(spec)
+        if drafter is None and needs_drafter:
+            drafter = models.draft_model(spec.dtype)
+        self.generator = SpeculativeGenerator(loaded, method or spec.name, drafter=drafter, budget=budget)
+        self.lookups: TimedNgram | None = None
+        if ngram is not None:
+            builder = self.generator.engine.builder
+            if not isinstance(builder, DartTreeBuilder):
+                raise InvalidRequestError(f"{spec.label}: only the dart tree takes an N-gram trie")
+            self.lookups = builder.ngram = TimedNgram(ngram)
         self.auto: AutoBudgetBuilder | None = None
         if spec.arg == "auto":
             if not spec.name.startswith("ddtree"):
@@ -244,6 +313,8 @@ class OursRunner:
             self.generator.engine.builder = self.auto
 
     def generate(self, request: Request) -> Completion:
+        if self.lookups is not None:
+            self.lookups.take()  # a fresh count per generation
         begin = time.perf_counter()
         result = self.generator.generate(
             prompt_token_ids=request.prompt_token_ids,
@@ -257,6 +328,9 @@ class OursRunner:
         stats = result.stats
         stages = {name: stats.timings[name] for name in STAGES}
         stages["verify_forward"] = stages.pop("verify")
+        lookups = self.lookups.take() if self.lookups is not None else []
+        stages["ngram"] = min(sum(lookups), stages["tree"])  # the lookups ran inside the tree stage
+        stages["tree"] -= stages["ngram"]
         stages["other"] = max(0.0, seconds - sum(stages.values()))
         budgets = []
         if self.auto is not None:
@@ -274,6 +348,8 @@ class OursRunner:
             verify_contexts=list(contexts) if stats.rounds else [],
             budgets=budgets,
             draft_depths=list(stats.draft_depths),
+            ngram_lookups=len(lookups),
+            ngram_lookup_median=statistics.median(lookups) if lookups else 0.0,
         )
 
 
@@ -360,6 +436,19 @@ def _ours(needs_drafter: bool) -> MethodFactory:
     return lambda models, spec: OursRunner(models, spec, needs_drafter)
 
 
+def _dart(method: str, ngram: bool) -> MethodFactory:
+    """A method of the DART drafter (``--dart-drafter``) with the generator's tree rule ``method``."""
+
+    def factory(models: BenchModels, spec: MethodSpec) -> MethodRunner:
+        drafter = models.dart_model(spec.dtype)  # unavailable without one: before any trie is built
+        trie = models.ngram() if ngram else None
+        return OursRunner(
+            models, spec, True, method=method, drafter=drafter, ngram=trie, default_budget=DART_TREE_SIZE
+        )
+
+    return factory
+
+
 def _hf(models: BenchModels, spec: MethodSpec) -> MethodRunner:
     if spec.arg is not None:
         raise InvalidRequestError(f"{spec.label}: hf takes no argument")
@@ -383,3 +472,6 @@ register("chain", _ours(needs_drafter=True))
 register("ddtree", _ours(needs_drafter=True), default_args=("budget",))
 register("chain+pld", _ours(needs_drafter=True))
 register("ddtree+pld", _ours(needs_drafter=True), default_args=("32",))
+register("dart", _dart("dart", ngram=True), default_args=(str(DART_TREE_SIZE),))
+register("dart-no-ngram", _dart("dart", ngram=False), default_args=(str(DART_TREE_SIZE),))
+register("ddtree-dart", _dart("ddtree", ngram=False), default_args=(str(DART_TREE_SIZE),))

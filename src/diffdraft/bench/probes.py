@@ -1,18 +1,26 @@
-"""Forward hooks that time a module's calls and record their sizes.
+"""Probes that time what the engine's stages do not split: a module's forwards, an N-gram trie's lookups.
 
 Hugging Face ``generate`` reports no rounds or stage times; hooks on the model itself see every
 forward it makes, so its rounds get the same accounting of pure model time as the engine's stages
-give diffdraft's methods.
+give diffdraft's methods. DART's tree building queries an N-gram trie; :class:`TimedNgram` wraps the
+trie the benchmark hands the tree, so the lookups are timed apart from the tree search around them
+and the library's own tree pays nothing for the counting.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from diffdraft.ngram import NgramTrie
 
 
 @dataclass
@@ -77,3 +85,32 @@ def rounds_from_calls(calls: list[ForwardCall], prompt_length: int, generated: i
     if calls and calls[0].tokens == prompt_length:
         lengths = lengths[1:]
     return [max(1, n) for n in lengths]
+
+
+class TimedNgram:
+    """An N-gram trie whose ``log_probs`` calls (one per beam entry and tree level) are each timed.
+
+    Drop-in for the trie of :class:`~diffdraft.trees.dart.DartTreeBuilder`; other attributes are the
+    trie's. ``seconds`` holds one entry per call since the last :meth:`take`.
+    """
+
+    def __init__(self, trie: NgramTrie) -> None:
+        self.trie = trie
+        self.order = trie.order
+        self.seconds: list[float] = []
+
+    def log_probs(self, context: Sequence[int], tokens: np.ndarray | Sequence[int]) -> np.ndarray:
+        begin = time.perf_counter()
+        scores = self.trie.log_probs(context, tokens)
+        self.seconds.append(time.perf_counter() - begin)
+        return scores
+
+    def take(self) -> list[float]:
+        """The calls' seconds since the last take, and start counting afresh."""
+        seconds, self.seconds = self.seconds, []
+        return seconds
+
+    def __getattr__(self, name: str) -> object:
+        if name == "trie":  # not set yet (e.g. while copying): no endless recursion
+            raise AttributeError(name)
+        return getattr(self.trie, name)

@@ -23,6 +23,7 @@ from diffdraft.budget import VerifyCostCurve
 
 STAGE_LABELS = {
     "draft": "draft",
+    "ngram": "n-gram lookups",
     "tree": "tree build",
     "mask": "tree mask",
     "verify_forward": "verify forward",
@@ -30,6 +31,8 @@ STAGE_LABELS = {
     "commit": "commit",
     "other": "other",
 }
+PAPER_LOOKUP_US = 6.0
+"""The DART paper's N-gram lookup time per query (its C++ trie), for comparison."""
 BUSY_WARNING = 0.2
 """Share of the CPU busy with other work above which the report warns that timings are unreliable."""
 PLOTS = ("budget_sweep.png", "acceptance_histograms.png", "stage_times.png")
@@ -108,7 +111,12 @@ def markdown(
         f"Command: `{header['command']}`",
         "",
         f"- target: {header['target']} ({header['dtype']}, {env['device']}); "
-        f"drafter: {header['drafter'] or 'none'}",
+        f"drafter: {header['drafter'] or 'none'}"
+        + (
+            f"; DART drafter: {header['dart_drafter']} (N-gram trie: {header.get('ngram') or 'none'})"
+            if header.get("dart_drafter")
+            else ""
+        ),
         f"- machine: {env['cpu']}, {env['cores']} cores, {env['threads']} torch threads; "
         f"torch {env['torch']}, transformers {env['transformers']}; CPU busy with other work "
         f"{_percent(env['busy_before'])} before the run, {_percent(env['busy_after'])} after; "
@@ -213,7 +221,9 @@ def _condition(dataset: str, temperature: float, group: list[MethodSummary]) -> 
         )
     lines += [
         "",
-        "Time per verification round (ms); prefill per generation:",
+        "Time per verification round (ms); prefill per generation. Draft latency = draft (the drafter's "
+        "forward) + n-gram lookups (DART's tree querying its N-gram trie) + tree build (the tree search "
+        "without those lookups):",
         "",
         "| method | rounds | tokens verified | "
         + " | ".join(STAGE_LABELS[s] for s in ROUND_STAGES)
@@ -226,6 +236,24 @@ def _condition(dataset: str, temperature: float, group: list[MethodSummary]) -> 
             f"| {s.method} | {s.rounds} | {s.mean_verify_tokens:.1f} | {stages} | "
             f"{sum(s.stage_ms.values()):.1f} | {s.prefill_ms:.0f} |"
         )
+    looked_up = [s for s in group if s.ngram_lookup_us is not None]
+    if looked_up:
+        lines += [
+            "",
+            "N-gram lookups (one `log_probs` query of the trie, each timed; median over the generations' "
+            "medians, weighted by lookups; the DART paper's C++ trie takes "
+            f"{PAPER_LOOKUP_US:g} us per query):",
+            "",
+            "| method | lookups per round | median us per lookup | mean us per lookup | ms per round |",
+            "|---|---|---|---|---|",
+        ]
+        for s in looked_up:
+            per_round = s.stage_ms.get("ngram", 0.0)
+            mean = 1e3 * per_round / s.ngram_lookups_per_round if s.ngram_lookups_per_round else 0.0
+            lines.append(
+                f"| {s.method} | {s.ngram_lookups_per_round:.1f} | {s.ngram_lookup_us:.1f} | {mean:.1f} | "
+                f"{per_round:.2f} |"
+            )
     lines += [
         "",
         "Acceptance (tau counts the bonus token; position d = draft token d accepted, given d-1 were):",

@@ -67,6 +67,10 @@ class MethodSummary:
     violations: int = 0
     budgets: dict[int, int] = field(default_factory=dict)
     """Rounds per budget (auto budget only)."""
+    ngram_lookups_per_round: float = 0.0
+    """N-gram trie lookups per round (DART's tree)."""
+    ngram_lookup_us: float | None = None
+    """Median microseconds of one lookup: the generations' medians, weighted by their lookups."""
 
 
 @dataclass
@@ -173,7 +177,25 @@ def _summary(
         near_ties=sum(r.divergence is not None and r.divergence["explained"] for r in compared),
         violations=sum(r.divergence is not None and not r.divergence["explained"] for r in compared),
         budgets=dict(sorted(Counter(b for r in group for b in r.completion.budgets).items())),
+        ngram_lookups_per_round=sum(r.completion.ngram_lookups for r in group) / rounds if rounds else 0.0,
+        ngram_lookup_us=_lookup_median_us(group),
     )
+
+
+def _lookup_median_us(group: Sequence[Record]) -> float | None:
+    """The median of the generations' median lookup times, each weighted by its number of lookups
+    (the exact median would need every lookup's time, too many to keep per record)."""
+    timed = sorted((r.completion.ngram_lookup_median, r.completion.ngram_lookups) for r in group)
+    timed = [(median, count) for median, count in timed if count]
+    if not timed:
+        return None
+    half = sum(count for _, count in timed) / 2
+    seen = 0
+    for median, count in timed:
+        seen += count
+        if seen >= half:
+            return 1e6 * median
+    return 1e6 * timed[-1][0]
 
 
 def _position_acceptance(lengths: Sequence[int], depths: Sequence[int]) -> list[float]:

@@ -17,7 +17,7 @@ import torch
 class Proposal:
     """Draft for the ``depth`` positions that follow the root token.
 
-    Exactly one of the two fields is set: one-pass parallel drafters give per-position
+    Exactly one of ``log_probs`` and ``tokens`` is set: one-pass parallel drafters give per-position
     distributions, copy-based drafters (prompt lookup) give an explicit token chain. A proposal is
     handed over: its tensors are fresh, and the receiver may change them in place.
     """
@@ -26,6 +26,9 @@ class Proposal:
     """[depth, V] float32 log-probabilities; row d is the drafter's marginal for depth d + 1."""
     tokens: torch.Tensor | None = None
     """[depth] explicit candidate chain."""
+    prefix: torch.Tensor | None = None
+    """Every committed token, the root last. The engine attaches it, for tree builders that score
+    how drafted tokens continue the text (DART's N-gram term)."""
 
     @property
     def depth(self) -> int:

@@ -1,9 +1,11 @@
-"""Reading and writing DFlash / DFlare checkpoints in the official DFlash layout.
+"""Reading and writing drafter checkpoints: DFlash / DFlare in the official DFlash layout, DART
+in the released DART layout.
 
-A checkpoint is a directory with ``config.json`` (a Qwen3 config plus ``block_size``,
-``num_target_layers`` and ``dflash_config``) and ``model.safetensors`` (or index-sharded
-``model-0000x-of-0000y.safetensors``). Official DFlash checkpoints load unchanged; ours write the
-same layout, with ``dflash_config.variant`` naming DFlare when used.
+A checkpoint is a directory with ``config.json`` and ``model.safetensors`` (or index-sharded
+``model-0000x-of-0000y.safetensors``). DFlash: a Qwen3 config plus ``block_size``,
+``num_target_layers`` and ``dflash_config`` (``variant`` names DFlare when used); official
+checkpoints load unchanged. DART: a Llama config plus ``draft_length`` and ``draft_vocab_size``
+(see :mod:`diffdraft.drafters.dart_model`).
 """
 
 from __future__ import annotations
@@ -15,30 +17,39 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
-from transformers import Qwen3Config
+from transformers import LlamaConfig, Qwen3Config
 
+from diffdraft.drafters.dart_model import DARTDraftModel, is_dart_config
 from diffdraft.drafters.dflash_model import DFlashDraftModel, draft_setting
 from diffdraft.errors import CheckpointError
 
+DraftModel = DFlashDraftModel | DARTDraftModel
+
 DEFAULT_DRAFTER_DIR = Path(__file__).resolve().parent.parent / "default_drafter"
 """The drafter shipped for the embedded default target (SmolLM2-135M-Instruct); see its README."""
+DEFAULT_DART_DIR = Path(__file__).resolve().parent.parent / "default_dart"
+"""The DART drafter shipped for the embedded default target; see its README."""
+# Released DART checkpoints may carry the target's embedding; the drafter always borrows the target's.
+IGNORED_WEIGHTS = {"embed_tokens.weight"}
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 
 
 def resolve_drafter_path(spec: str | os.PathLike) -> Path:
-    """``"default"`` -> the shipped drafter of the default target; anything else is a directory path."""
-    if str(spec) != "default":
+    """``"default"`` / ``"default-dart"`` -> a drafter shipped for the default target; anything else
+    is a directory path."""
+    shipped = {"default": DEFAULT_DRAFTER_DIR, "default-dart": DEFAULT_DART_DIR}.get(str(spec))
+    if shipped is None:
         return Path(spec)
-    if not (DEFAULT_DRAFTER_DIR / "config.json").is_file():
+    if not (shipped / "config.json").is_file():
         raise CheckpointError(
-            f"the default drafter is missing from this installation ({DEFAULT_DRAFTER_DIR}): reinstall "
+            f"the {spec} drafter is missing from this installation ({shipped}): reinstall "
             "diffdraft, pass a drafter checkpoint directory, or use --method ar or pld"
         )
-    return DEFAULT_DRAFTER_DIR
+    return shipped
 
 
-def read_draft_config(path: Path) -> Qwen3Config:
+def read_draft_config(path: Path) -> Qwen3Config | LlamaConfig:
     config_file = path / "config.json"
     if not path.is_dir():
         raise CheckpointError(f"drafter checkpoint {path} does not exist or is not a directory")
@@ -52,10 +63,13 @@ def read_draft_config(path: Path) -> Qwen3Config:
         raise CheckpointError(
             f"{config_file} is not valid JSON ({err}); re-export or re-download it"
         ) from err
+    dart = is_dart_config(raw)
     try:
-        config = Qwen3Config(**raw)
+        config = LlamaConfig(**raw) if dart else Qwen3Config(**raw)
     except Exception as err:  # transformers raises several validation error types
         raise CheckpointError(f"{config_file} is not a consistent drafter config: {err}") from err
+    if dart:
+        return config
     for key in ("mask_token_id", "target_layer_ids"):
         if draft_setting(config, key) is None:
             raise CheckpointError(
@@ -83,17 +97,21 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
-def load_draft_model(path: str | os.PathLike) -> DFlashDraftModel:
-    """Build the draft network from a checkpoint directory (or ``"default"``), checking every weight."""
+def load_draft_model(path: str | os.PathLike) -> DraftModel:
+    """Build the draft network from a checkpoint directory (or a shipped name), checking every weight."""
     path = resolve_drafter_path(path)
     config = read_draft_config(path)
-    model = DFlashDraftModel(config)
-    weights = _read_weights(path)
+    try:
+        model = DARTDraftModel(config) if isinstance(config, LlamaConfig) else DFlashDraftModel(config)
+    except ValueError as err:
+        raise CheckpointError(f"drafter checkpoint {path} has an unusable config: {err}") from err
+    weights = {k: v for k, v in _read_weights(path).items() if k not in IGNORED_WEIGHTS}
     expected = set(model.state_dict())
     missing, unexpected = expected - set(weights), set(weights) - expected
     if missing or unexpected:
+        kind = "DART" if isinstance(model, DARTDraftModel) else f"variant {model.variant!r}"
         raise CheckpointError(
-            f"drafter checkpoint {path} does not match its config (variant {model.variant!r}): "
+            f"drafter checkpoint {path} does not match its config ({kind}): "
             f"missing {sorted(missing)[:6]}, unexpected {sorted(unexpected)[:6]}"
         )
     dtype = next(w.dtype for w in weights.values() if w.is_floating_point())
@@ -101,10 +119,8 @@ def load_draft_model(path: str | os.PathLike) -> DFlashDraftModel:
     return model
 
 
-def save_draft_model(
-    model: DFlashDraftModel, path: str | os.PathLike, dtype: torch.dtype | None = None
-) -> None:
-    """Write ``model`` in the official layout (optionally cast, e.g. to bfloat16 for shipping)."""
+def save_draft_model(model: DraftModel, path: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
+    """Write ``model`` in its family's layout (optionally cast, e.g. to bfloat16 for shipping)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     state = {

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from diffdraft.drafters.base import Proposal
+from diffdraft.drafters.compatibility import check_fits_target
 from diffdraft.drafters.dflash_model import DFLASH, DFlashDraftModel, draft_head
 from diffdraft.errors import IncompatibleDrafterError
 from diffdraft.fused_projections import fuse_projections
@@ -66,36 +67,19 @@ class DFlashDrafter:
 
 
 def check_compatible(model: DFlashDraftModel, target: TargetModel) -> None:
-    """A drafter trained for another target fails silently (low acceptance); fail loudly instead."""
+    """Raise IncompatibleDrafterError when the drafter was made for another target."""
     config = model.config
-    if config.hidden_size != target.hidden_size:
-        raise IncompatibleDrafterError(
-            f"drafter hidden size {config.hidden_size} != target hidden size {target.hidden_size}: "
-            "this drafter was trained for a different target; train one for this target (diffdraft train)"
-        )
-    if config.vocab_size != target.vocab_size:
-        raise IncompatibleDrafterError(
-            f"drafter vocab size {config.vocab_size} != target vocab size {target.vocab_size}: "
-            "the drafter belongs to another target (tokenizers must match)"
-        )
+    check_fits_target(
+        "drafter",
+        config.hidden_size,
+        config.vocab_size,
+        model.draft_vocab,
+        getattr(config, "num_target_layers", None),
+        model.target_layer_ids,
+        target,
+    )
     if not 0 <= model.mask_token_id < target.vocab_size:
         raise IncompatibleDrafterError(
             f"drafter mask_token_id {model.mask_token_id} is outside the target vocabulary "
             f"(size {target.vocab_size}): the drafter belongs to another target"
         )
-    vocab = model.draft_vocab
-    if (
-        vocab is not None
-        and vocab.numel()
-        and not 0 <= int(vocab.min()) <= int(vocab.max()) < target.vocab_size
-    ):
-        raise IncompatibleDrafterError(
-            f"drafter draft_vocab holds token ids outside the target vocabulary (size {target.vocab_size}): "
-            "the drafter belongs to another target"
-        )
-    recorded = getattr(config, "num_target_layers", None)
-    if recorded is not None and recorded != target.num_layers:
-        raise IncompatibleDrafterError(
-            f"drafter was trained on a target with {recorded} layers, this target has {target.num_layers}"
-        )
-    target.check_layer_ids(model.target_layer_ids)

@@ -154,6 +154,11 @@ class DFlashDraftModel(nn.Module):
         if self.variant == DFLARE:
             nn.init.zeros_(self.fusion.weight)  # start from a uniform average of the tapped layers
 
+    @property
+    def max_depth(self) -> int:
+        """Drafted positions per forward: the block after its anchor."""
+        return self.block_size - 1
+
     def rope(self, position_ids: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rotary_emb(like, position_ids)
 

@@ -20,13 +20,14 @@ from torch import distributed as dist
 
 from diffdraft.bench.datasets import sharegpt_held_out
 from diffdraft.drafters.checkpoint import load_draft_model
-from diffdraft.drafters.dflash_model import DFLARE, DFLASH
+from diffdraft.drafters.dflash_model import DFLASH
 from diffdraft.errors import InvalidRequestError
 from diffdraft.loading import end_token_ids, load_target
+from diffdraft.ngram.shipped import load_ngram
 from diffdraft.target import TargetModel
 from diffdraft.train.dataset import load_responses
 from diffdraft.train.draft_vocab import coverage
-from diffdraft.train.evaluate import evaluate_drafter
+from diffdraft.train.evaluate import DartTrees, evaluate_drafter
 from diffdraft.train.features import capture_features
 from diffdraft.train.mask_token import pick_mask_token
 from diffdraft.train.plots import plot_learning_curve, plot_training_curves
@@ -49,8 +50,10 @@ from diffdraft.train.regenerate import (
 from diffdraft.train.source_replies import write_source_replies
 from diffdraft.train.trainer import (
     COMPUTE_DTYPES,
+    DART,
     INIT_LAYERS,
     LABELS,
+    VARIANTS,
     TrainConfig,
     Trainer,
     saved_checkpoints,
@@ -229,7 +232,9 @@ def _add_data_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_fit_parser(steps: argparse._SubParsersAction) -> None:
-    fit = steps.add_parser("fit", help="train a DFlash/DFlare drafter (resumes from the latest checkpoint)")
+    fit = steps.add_parser(
+        "fit", help="train a DFlash/DFlare or DART drafter (resumes from the latest checkpoint)"
+    )
     _add_data_options(fit)
     fit.add_argument("--output-dir", required=True, help="checkpoints, metrics.jsonl, curves.png, final/")
     fit.add_argument("--feature-cache", default=None, help="directory from `train capture` (default: online)")
@@ -247,6 +252,7 @@ def _add_fit_parser(steps: argparse._SubParsersAction) -> None:
         "max_length",
         "target_layer_ids",
         "mask_token_id",
+        "gamma_0",
         "gamma_max",
         "intermediate_size",
         "compute_dtype",
@@ -257,7 +263,13 @@ def _add_fit_parser(steps: argparse._SubParsersAction) -> None:
         if name not in declared_elsewhere:
             flag = f"--{name.replace('_', '-')}"
             fit.add_argument(flag, type=type(value), default=value, help="default: %(default)s")
-    fit.add_argument("--variant", choices=[DFLASH, DFLARE], default=DFLASH, help="default: %(default)s")
+    fit.add_argument(
+        "--variant",
+        choices=VARIANTS,
+        default=DFLASH,
+        help="dflash / dflare: block-diffusion drafters; dart: DART's one-layer shifted-logits drafter "
+        "(--draft-length masks, annealed KL); default: %(default)s",
+    )
     fit.add_argument(
         "--target-layer-ids",
         type=int,
@@ -271,7 +283,16 @@ def _add_fit_parser(steps: argparse._SubParsersAction) -> None:
         default=None,
         help="default: the tokenizer's mask token, else an unused control token",
     )
-    fit.add_argument("--gamma-max", type=float, default=None, help="default: gamma-0 + epochs - 1")
+    fit.add_argument(
+        "--gamma-0",
+        type=float,
+        default=None,
+        help="loss position weighting: dflash/dflare exp(-(k-1)/gamma), default 4.5; dart gamma^(t-1), "
+        "default 0.6",
+    )
+    fit.add_argument(
+        "--gamma-max", type=float, default=None, help="default: gamma-0 + epochs - 1 (dart: gamma-0)"
+    )
     fit.add_argument(
         "--intermediate-size", type=int, default=None, help="draft MLP width (default: target's)"
     )
@@ -315,6 +336,12 @@ def _add_eval_parser(steps: argparse._SubParsersAction) -> None:
         "in it is evaluated and --out gets a learning curve (tau vs training tokens, JSON + PNG)",
     )
     evaluate.add_argument("--budgets", type=int, nargs="+", default=[8, 32, 128], help="DDTree budgets")
+    evaluate.add_argument(
+        "--ngram",
+        default=None,
+        help="also measure tau of DART's tree (dart-B for each budget B) with this N-gram trie: a "
+        "directory, 'default' or 'none' for the tree without the N-gram term (default: not measured)",
+    )
     evaluate.add_argument("--max-new-tokens", type=int, default=64, help="per held-out prompt (default: 64)")
     evaluate.add_argument("--out", default=None, help="also write the result as JSON here")
 
@@ -435,8 +462,8 @@ def _run_fit(args: argparse.Namespace) -> None:
         config = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
         initial = load_draft_model(args.init_drafter) if args.init_drafter else None
         if initial is not None:
-            config.mask_token_id = initial.mask_token_id
-        elif config.mask_token_id is None:
+            config.mask_token_id = getattr(initial, "mask_token_id", None)  # DART drafters have none
+        elif config.mask_token_id is None and config.variant != DART:
             config.mask_token_id = pick_mask_token(
                 loaded.tokenizer, end_token_ids(loaded.model, loaded.tokenizer)
             )
@@ -481,16 +508,22 @@ def _run_eval(args: argparse.Namespace) -> None:
     _, held_out = _split(args, for_eval=True)
     target = TargetModel(loaded.model)
     checkpoints = saved_checkpoints(Path(args.drafter))
+    dart = None
+    if args.ngram is not None:
+        trie = load_ngram(args.ngram)
+        if trie is not None:
+            trie.check_tokenizer(loaded.tokenizer)
+        dart = DartTrees(trie)
     if not checkpoints:
         result = evaluate_drafter(
-            load_draft_model(args.drafter), target, held_out, tuple(args.budgets), args.max_new_tokens
+            load_draft_model(args.drafter), target, held_out, tuple(args.budgets), args.max_new_tokens, dart
         ).to_dict()
     else:
         print(f"learning curve: evaluating {len(checkpoints)} checkpoints of {args.drafter}", flush=True)
         result = {"learning_curve": []}
         for checkpoint in checkpoints:
             evaluation = evaluate_drafter(
-                load_draft_model(checkpoint), target, held_out, tuple(args.budgets), args.max_new_tokens
+                load_draft_model(checkpoint), target, held_out, tuple(args.budgets), args.max_new_tokens, dart
             )
             point = {"checkpoint": checkpoint.name, "tokens_seen": tokens_seen_at(checkpoint)}
             result["learning_curve"].append(point | evaluation.to_dict())

@@ -11,9 +11,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from diffdraft.drafters.dflash import DFlashDrafter
-from diffdraft.drafters.dflash_model import DFlashDraftModel
+from diffdraft.drafters.checkpoint import DraftModel
+from diffdraft.drafters.families import make_drafter
 from diffdraft.engine import SpeculativeEngine
+from diffdraft.ngram import NgramTrie
 from diffdraft.progress import progress_bar
 from diffdraft.sampling import SamplingParams
 from diffdraft.stats import GenerationStats
@@ -22,22 +23,31 @@ from diffdraft.target import TargetModel
 from diffdraft.train.blocks import sample_anchors
 from diffdraft.train.dataset import TrainingSample
 from diffdraft.train.features import OnlineFeatures
-from diffdraft.train.objective import BlockObjective
+from diffdraft.train.objectives import make_objective
 from diffdraft.trees import ChainBuilder, DDTreeBuilder
+from diffdraft.trees.dart import DartTreeBuilder, DartTreeSettings
+
+
+@dataclass(frozen=True)
+class DartTrees:
+    """Also measure tau of DART's tree (``dart-B`` per budget B) with this N-gram trie (None: without
+    the N-gram term)."""
+
+    ngram: NgramTrie | None = None
 
 
 @dataclass
 class DrafterEvaluation:
     accuracy_by_position: list[float]
-    """Teacher-forced top-1 accuracy of block positions 1 .. B-1 on held-out sequences."""
+    """Teacher-forced top-1 accuracy of drafted positions 1 .. max_depth on held-out sequences."""
     agreement_by_position: list[float]
-    """How often the drafter's top-1 at block positions 1 .. B-1 is the target's own top-1 given the
+    """How often the drafter's top-1 at drafted positions 1 .. max_depth is the target's own top-1 given the
     same prefix: what greedy acceptance follows, without the noise of sampled held-out text."""
     target_accuracy: float
     """The target's own teacher-forced top-1 accuracy on the held-out responses: the ceiling of
     ``accuracy_by_position`` (held-out text is sampled, so even the target misses some of it)."""
     tau: dict[str, float]
-    """Mean acceptance length per tree rule ("chain", "ddtree-8", ...), greedy decoding."""
+    """Mean acceptance length per tree rule ("chain", "ddtree-8", "dart-8", ...), greedy decoding."""
     sequences: int
 
     def to_dict(self) -> dict:
@@ -46,19 +56,20 @@ class DrafterEvaluation:
 
 @torch.no_grad()
 def evaluate_drafter(
-    drafter: DFlashDraftModel,
+    drafter: DraftModel,
     target: TargetModel,
     samples: list[TrainingSample],
     budgets: tuple[int, ...] = (8, 32, 128),
     max_new_tokens: int = 64,
+    dart: DartTrees | None = None,
 ) -> DrafterEvaluation:
     # a copy in the target's dtype: the caller's drafter (maybe mid-training) stays as it is
     drafter = copy.deepcopy(drafter).to(device=target.device, dtype=target.dtype).eval()
-    objective = BlockObjective(drafter, target.model)
+    objective = make_objective(drafter, target.model)
     features = OnlineFeatures(target, drafter.target_layer_ids)
-    hits = torch.zeros(drafter.block_size)
-    agreements = torch.zeros(drafter.block_size)
-    counts = torch.zeros(drafter.block_size)
+    hits = torch.zeros(drafter.max_depth + 1)
+    agreements = torch.zeros(drafter.max_depth + 1)
+    counts = torch.zeros(drafter.max_depth + 1)
     target_hits = target_counts = 0
     for sample in progress_bar(samples, desc="drafter accuracy", unit="seq"):
         ids = sample.token_ids
@@ -66,7 +77,7 @@ def evaluate_drafter(
             sample.response_start, ids.shape[0], ids.shape[0], torch.Generator().manual_seed(0)
         )
         taps, logits = features.with_logits(sample.sample_id, ids)
-        _, h, a, n = objective(ids, anchors, taps, 1.0, logits)
+        _, h, a, n = objective(ids, anchors, taps, 1.0, logits, sample.response_start)
         hits += h.cpu()
         agreements += a.cpu()
         counts += n.cpu()
@@ -75,9 +86,11 @@ def evaluate_drafter(
         target_counts += predicted.shape[0]
 
     rules = {"chain": ChainBuilder(), **{f"ddtree-{b}": DDTreeBuilder(b) for b in budgets}}
+    if dart is not None:
+        rules |= {f"dart-{b}": DartTreeBuilder(DartTreeSettings(tree_size=b), dart.ngram) for b in budgets}
     tau = {}
     for name, builder in rules.items():
-        engine = SpeculativeEngine(target, DFlashDrafter(drafter, target), builder)
+        engine = SpeculativeEngine(target, make_drafter(drafter, target), builder)
         stats = GenerationStats()
         for sample in progress_bar(samples, desc=f"tau ({name})", unit="prompt"):
             prompt = sample.token_ids[: sample.response_start].tolist()

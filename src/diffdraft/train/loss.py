@@ -29,19 +29,20 @@ def block_loss(
     logits: torch.Tensor,
     labels: torch.Tensor,
     block_positions: torch.Tensor,
-    block_size: int,
-    gamma: float,
+    weights_by_position: torch.Tensor,
     target_log_probs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Weighted mean loss over labelled rows, plus per-position top-1 hits and counts [B].
 
     Only labelled rows are passed (``logits`` [r, V], ``labels`` [r], ``block_positions`` [r] in
-    1..B-1): the LM head over anchors and past-the-end rows would be wasted work. The loss is the
+    1..B-1, ``weights_by_position`` [B], e.g. :func:`position_weights`): the LM head over anchors
+    and past-the-end rows would be wasted work. The loss is the
     cross-entropy to ``labels``, or with ``target_log_probs`` [r, V] (the target's own distribution
     over the same rows) the KL divergence KL(target || draft): distillation, as DART trains. A label
     of ``IGNORE`` (a token outside the draft vocabulary) adds no cross-entropy but counts as a miss.
     """
-    weights = position_weights(block_size, gamma).to(logits.device)[block_positions]
+    block_size = weights_by_position.shape[0]
+    weights = weights_by_position.to(logits.device)[block_positions]
     if target_log_probs is None:
         per_row = F.cross_entropy(logits.float(), labels, reduction="none", ignore_index=IGNORE)
         weights = weights * (labels != IGNORE)

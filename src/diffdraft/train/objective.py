@@ -7,7 +7,7 @@ from torch import nn
 
 from diffdraft.drafters.dflash_model import DFlashDraftModel, draft_head
 from diffdraft.train.blocks import IGNORE, make_blocks
-from diffdraft.train.loss import block_loss, position_hits
+from diffdraft.train.loss import block_loss, position_hits, position_weights
 
 
 class BlockObjective(nn.Module):
@@ -25,12 +25,8 @@ class BlockObjective(nn.Module):
             target_model.get_input_embeddings(),
             draft_head(target_model.get_output_embeddings(), drafter.draft_vocab),
         ]
-        # Labels index the head's rows: target id -> draft vocabulary index (IGNORE outside it).
         vocab = drafter.draft_vocab
-        self.label_index = None
-        if vocab is not None:
-            self.label_index = torch.full((target_model.config.vocab_size,), IGNORE, dtype=torch.long)
-            self.label_index[vocab.cpu()] = torch.arange(vocab.shape[0])
+        self.label_index = None if vocab is None else head_rows(target_model.config.vocab_size, vocab)
 
     def forward(
         self,
@@ -39,8 +35,10 @@ class BlockObjective(nn.Module):
         taps: torch.Tensor,
         gamma: float,
         target_logits: torch.Tensor | None = None,
+        response_start: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``token_ids`` [n] and ``taps`` [n, T, H] of one sequence; ``anchors`` [m] from sample_anchors.
+        """``token_ids`` [n] and ``taps`` [n, T, H] of one sequence; ``anchors`` [m] from sample_anchors
+        (they lie in the response already, so ``response_start`` is not needed here).
 
         Returns (loss, hits, agreements, counts), the last three per block position [B]: hits match
         the sequence's tokens, agreements the target's own top-1 token given the same prefix (zeros
@@ -67,8 +65,9 @@ class BlockObjective(nn.Module):
         block_positions = rows % block_size
         bias = None if lm_head.bias is None else lm_head.bias.to(dtype)
         logits = nn.functional.linear(hidden[rows], lm_head.weight.to(dtype), bias)
+        weights = position_weights(block_size, gamma)
         if target_logits is None:
-            loss, hits, counts = block_loss(logits, labels, block_positions, block_size, gamma)
+            loss, hits, counts = block_loss(logits, labels, block_positions, weights)
             return loss, hits, torch.zeros_like(hits), counts
         # the token at position p is what the target predicted at position p - 1
         previous = blocks.position_ids[labelled].to(device) - 1
@@ -76,11 +75,17 @@ class BlockObjective(nn.Module):
         greedy = self._head_index(target_rows.argmax(-1).cpu()).to(device)
         if self.drafter.draft_vocab is not None:
             target_rows = target_rows[:, self.drafter.draft_vocab.to(device)]
-        loss, hits, counts = block_loss(
-            logits, labels, block_positions, block_size, gamma, target_rows.log_softmax(-1)
-        )
+        loss, hits, counts = block_loss(logits, labels, block_positions, weights, target_rows.log_softmax(-1))
         return loss, hits, position_hits(logits, greedy, block_positions, block_size), counts
 
     def _head_index(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Target token ids -> rows of the draft head (IGNORE for tokens outside the draft vocabulary)."""
         return token_ids if self.label_index is None else self.label_index[token_ids]
+
+
+def head_rows(vocab_size: int, draft_vocab: torch.Tensor) -> torch.Tensor:
+    """[vocab_size] the draft head's row of each target token id (IGNORE outside the draft vocabulary):
+    labels index the head's rows."""
+    rows = torch.full((vocab_size,), IGNORE, dtype=torch.long)
+    rows[draft_vocab.cpu()] = torch.arange(draft_vocab.shape[0])
+    return rows

