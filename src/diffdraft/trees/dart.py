@@ -85,44 +85,37 @@ class DartTreeBuilder:
         candidates = top.indices.cpu().numpy()
         log_eps = np.log(s.eps)
         draft_scores = np.minimum(np.logaddexp(top.values.cpu().numpy(), log_eps), 0.0)
-        history = [] if proposal.prefix is None else proposal.prefix.tolist()
-        if not history or history[-1] != root_token:
-            history.append(root_token)
-        keep = self.ngram.order - 1 if self.ngram is not None else 0
+        keep = self.ngram.order - 1 if self.ngram is not None else 0  # N-gram context length
+        history = proposal.prefix if proposal.prefix is not None else torch.tensor([root_token])
+        k = candidates.shape[1]
 
         # Candidate nodes, level by level; node 0 is the root.
         parents, tokens, scores = [np.array([-1])], [np.array([root_token])], [np.array([0.0])]
-        tails = [history[len(history) - keep :] if keep else []]  # per beam entry: the n-gram context
+        tails = [history[-keep:].tolist() if keep else []]  # per beam entry: its N-gram context
         beam = np.array([0])  # node ids of the sequences to extend
         count = 1
         for level in range(candidates.shape[0]):
-            level_weight = (level + 1) ** s.level_exponent
-            step = s.logit_decay**level * draft_scores[level]  # [k]
-            rows = []
-            for tail in tails:
-                row = step
-                if self.ngram is not None:
-                    ngram = np.logaddexp(self.ngram.log_probs(tail, candidates[level]), log_eps)
-                    row = row + s.ngram_weight * np.minimum(ngram, 0.0)
-                rows.append(row)
-            parent_scores = np.concatenate(scores)[beam]
-            level_scores = parent_scores[:, None] + level_weight * np.stack(rows)  # [beam, k]
-            parents.append(np.repeat(beam, candidates.shape[1]))
+            increments = np.broadcast_to(s.logit_decay**level * draft_scores[level], (len(beam), k))
+            if self.ngram is not None:
+                ngram = np.stack([self.ngram.log_probs(tail, candidates[level]) for tail in tails])
+                increments = increments + s.ngram_weight * np.minimum(np.logaddexp(ngram, log_eps), 0.0)
+            level_scores = (
+                np.concatenate(scores)[beam][:, None] + (level + 1) ** s.level_exponent * increments
+            )
+            parents.append(np.repeat(beam, k))
             tokens.append(np.tile(candidates[level], len(beam)))
             scores.append(level_scores.reshape(-1))
             best = np.argsort(-scores[-1], kind="stable")[: s.beam_width]
-            if self.ngram is not None:
-                tails = [
-                    (tails[i // candidates.shape[1]] + [int(tokens[-1][i])])[-keep:] if keep else []
-                    for i in best
-                ]
-            else:
-                tails = [[] for _ in best]
+            tails = [_last([*tails[i // k], int(tokens[-1][i])], keep) for i in best]
             beam = count + best
             count += len(scores[-1])
         return _best_nodes(
             np.concatenate(parents), np.concatenate(tokens), np.concatenate(scores), s.tree_size, device
         )
+
+
+def _last(tokens: list[int], count: int) -> list[int]:
+    return tokens[max(0, len(tokens) - count) :]
 
 
 def _best_nodes(
