@@ -91,10 +91,7 @@ def _make_builder(method: str, budget: int | str, target: TargetModel, ngram, to
             raise InvalidRequestError(
                 "budget 'auto' applies to ddtree methods; give dart a tree size, e.g. --budget 59"
             )
-        trie = load_ngram(ngram)
-        if trie is not None:
-            trie.check_tokenizer(tokenizer)
-        return DartTreeBuilder(DartTreeSettings(tree_size=budget), trie)
+        return DartTreeBuilder(DartTreeSettings(tree_size=budget), load_ngram(ngram, tokenizer))
     if not method.startswith("ddtree"):
         return ChainBuilder()
     if budget == "auto":

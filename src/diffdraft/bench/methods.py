@@ -210,10 +210,8 @@ class BenchModels:
 
     def ngram(self) -> NgramTrie | None:
         """The DART tree's N-gram trie (checked against the target's tokenizer), loaded once."""
-        if self._ngram is None and self.ngram_spec is not None and str(self.ngram_spec) != "none":
-            trie = load_ngram(self.ngram_spec, progress=self.progress)
-            trie.check_tokenizer(self.tokenizer)  # a trie of another tokenizer fails every dart run
-            self._ngram = trie
+        if self._ngram is None:
+            self._ngram = load_ngram(self.ngram_spec, self.tokenizer, progress=self.progress)
         return self._ngram
 
     def assistant(self, dtype: str | None = None) -> PreTrainedModel:

@@ -28,6 +28,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, rotate_half
 
 ARCHITECTURE = "DARTDraftModel"
+DART = "dart"
 
 
 def eagle3_layer_ids(num_target_layers: int) -> list[int]:
@@ -102,6 +103,9 @@ class DARTLayer(nn.Module):
 
 class DARTDraftModel(nn.Module):
     """See the module docstring. ``max_depth`` = drafted positions per forward = draft_length + 1."""
+
+    variant = DART
+    """The drafter family, as DFlash drafters name theirs (``dflash`` / ``dflare``)."""
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()

@@ -25,19 +25,18 @@ def default_ngram_dir():
     return cache_root() / f"ngram-smollm2-{DEFAULT_SOURCE}-{DEFAULT_ORDER}gram-min{DEFAULT_MIN_COUNT}"
 
 
-def load_ngram(spec: str | os.PathLike | None, progress: bool = True) -> NgramTrie | None:
+def load_ngram(spec: str | os.PathLike | None, tokenizer, progress: bool = True) -> NgramTrie | None:
     """None or ``"none"`` -> no trie; ``"default"`` -> the default target's (built on first use);
-    anything else a trie directory."""
+    anything else a trie directory. A trie built with another tokenizer than ``tokenizer`` (the
+    target's) is refused: it would score every candidate against the wrong tokens."""
     if spec is None or str(spec) == "none":
         return None
-    if str(spec) != "default":
-        return NgramTrie.load(spec)
-    path = default_ngram_dir()
-    if not (path / "ngram.json").is_file():
+    path = default_ngram_dir() if str(spec) == "default" else spec
+    if str(spec) == "default" and not (path / "ngram.json").is_file():
         print(f"building the default N-gram trie once into {path} (about a minute)", file=sys.stderr)
-        tokenizer, name = target_tokenizer("default")
+        default_tokenizer, name = target_tokenizer("default")
         build_from_sources(
-            tokenizer,
+            default_tokenizer,
             [DEFAULT_SOURCE],
             path,
             order=DEFAULT_ORDER,
@@ -45,4 +44,6 @@ def load_ngram(spec: str | os.PathLike | None, progress: bool = True) -> NgramTr
             tokenizer_name=name,
             progress=progress,
         )
-    return NgramTrie.load(path)
+    trie = NgramTrie.load(path)
+    trie.check_tokenizer(tokenizer)
+    return trie

@@ -510,10 +510,7 @@ def _run_eval(args: argparse.Namespace) -> None:
     checkpoints = saved_checkpoints(Path(args.drafter))
     dart = None
     if args.ngram is not None:
-        trie = load_ngram(args.ngram)
-        if trie is not None:
-            trie.check_tokenizer(loaded.tokenizer)
-        dart = DartTrees(trie)
+        dart = DartTrees(load_ngram(args.ngram, loaded.tokenizer))
     if not checkpoints:
         result = evaluate_drafter(
             load_draft_model(args.drafter), target, held_out, tuple(args.budgets), args.max_new_tokens, dart

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from diffdraft.drafters.dart_model import DARTDraftModel, make_dart_config
-from diffdraft.train.loss import block_loss, position_hits
+from diffdraft.train.loss import draft_loss
 from diffdraft.train.objective import head_rows
 
 
@@ -92,16 +92,15 @@ class DARTObjective(nn.Module):
         rows = trained.nonzero().squeeze(-1)
         logits = model.logits(hidden[rows.to(device)])
         labels = self.label_index[token_ids[predicted[rows]].cpu()].to(device)
-        row_depths = depths[rows].to(device)
-        weights = dart_weights(max_depth, gamma).to(device)
-        if target_logits is None:
-            loss, hits, counts = block_loss(logits, labels, row_depths, weights)
-            return loss, hits, torch.zeros_like(hits), counts
-        target_rows = target_logits[(predicted[rows] - 1).to(device)].float()
-        greedy = self.label_index[target_rows.argmax(-1).cpu()].to(device)
-        target_rows = target_rows[:, model.draft_vocab.to(device)]
-        loss, hits, counts = block_loss(logits, labels, row_depths, weights, target_rows.log_softmax(-1))
-        return loss, hits, position_hits(logits, greedy, row_depths, max_depth + 1), counts
+        return draft_loss(
+            logits,
+            labels,
+            depths[rows].to(device),
+            dart_weights(max_depth, gamma),
+            None if target_logits is None else target_logits[(predicted[rows] - 1).to(device)],
+            self.label_index,
+            model.draft_vocab,
+        )
 
 
 def new_dart_drafter(

@@ -68,3 +68,33 @@ def position_hits(
 def position_counts(block_positions: torch.Tensor, block_size: int) -> torch.Tensor:
     ones = torch.ones_like(block_positions, dtype=torch.float)
     return torch.zeros(block_size, device=block_positions.device).index_add_(0, block_positions, ones)
+
+
+def draft_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    positions: torch.Tensor,
+    weights_by_position: torch.Tensor,
+    target_logits: torch.Tensor | None,
+    head_index: torch.Tensor | None,
+    draft_vocab: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, hits, agreements, counts) of a drafter's labelled rows, for every family's objective.
+
+    ``target_logits`` [r, V] are the target's own logits for the token each row predicts (None:
+    cross-entropy on ``labels``, agreements zero); ``head_index`` maps target ids to rows of the draft
+    head and ``draft_vocab`` the head's rows to target ids (both None for a full-vocabulary head).
+    """
+    if target_logits is None:
+        loss, hits, counts = block_loss(logits, labels, positions, weights_by_position)
+        return loss, hits, torch.zeros_like(hits), counts
+    target_rows = target_logits.float()
+    greedy = target_rows.argmax(-1)
+    if head_index is not None:
+        greedy = head_index[greedy.cpu()].to(logits.device)
+    if draft_vocab is not None:
+        target_rows = target_rows[:, draft_vocab.to(logits.device)]
+    loss, hits, counts = block_loss(
+        logits, labels, positions, weights_by_position, target_rows.log_softmax(-1)
+    )
+    return loss, hits, position_hits(logits, greedy, positions, weights_by_position.shape[0]), counts

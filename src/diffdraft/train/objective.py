@@ -7,7 +7,7 @@ from torch import nn
 
 from diffdraft.drafters.dflash_model import DFlashDraftModel, draft_head
 from diffdraft.train.blocks import IGNORE, make_blocks
-from diffdraft.train.loss import block_loss, position_hits, position_weights
+from diffdraft.train.loss import draft_loss, position_weights
 
 
 class BlockObjective(nn.Module):
@@ -65,18 +65,17 @@ class BlockObjective(nn.Module):
         block_positions = rows % block_size
         bias = None if lm_head.bias is None else lm_head.bias.to(dtype)
         logits = nn.functional.linear(hidden[rows], lm_head.weight.to(dtype), bias)
-        weights = position_weights(block_size, gamma)
-        if target_logits is None:
-            loss, hits, counts = block_loss(logits, labels, block_positions, weights)
-            return loss, hits, torch.zeros_like(hits), counts
         # the token at position p is what the target predicted at position p - 1
         previous = blocks.position_ids[labelled].to(device) - 1
-        target_rows = target_logits[previous].float()
-        greedy = self._head_index(target_rows.argmax(-1).cpu()).to(device)
-        if self.drafter.draft_vocab is not None:
-            target_rows = target_rows[:, self.drafter.draft_vocab.to(device)]
-        loss, hits, counts = block_loss(logits, labels, block_positions, weights, target_rows.log_softmax(-1))
-        return loss, hits, position_hits(logits, greedy, block_positions, block_size), counts
+        return draft_loss(
+            logits,
+            labels,
+            block_positions,
+            position_weights(block_size, gamma),
+            None if target_logits is None else target_logits[previous],
+            self.label_index,
+            self.drafter.draft_vocab,
+        )
 
     def _head_index(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Target token ids -> rows of the draft head (IGNORE for tokens outside the draft vocabulary)."""

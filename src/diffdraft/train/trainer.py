@@ -27,7 +27,7 @@ from torch import distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from diffdraft.drafters.checkpoint import DraftModel, load_draft_model, save_draft_model
-from diffdraft.drafters.dart_model import DARTDraftModel
+from diffdraft.drafters.dart_model import DART
 from diffdraft.drafters.dflash_model import DFLARE, DFLASH, DFlashDraftModel, make_draft_config
 from diffdraft.drafters.families import check_compatible
 from diffdraft.errors import InvalidRequestError
@@ -46,7 +46,6 @@ STATE_FILE = "training_state.pt"
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LABELS = ["target", "tokens"]
 INIT_LAYERS = ["random", "target"]
-DART = "dart"
 VARIANTS = [DFLASH, DFLARE, DART]
 GAMMA_0 = {DFLASH: 4.5, DFLARE: 4.5, DART: 0.6}
 """Each paper's position weighting: DFlare's exp(-(k-1)/gamma) with gamma rising 1 per epoch from
@@ -186,7 +185,6 @@ class Trainer:
             CachedFeatures(feature_cache, layer_ids, fallback=self.online) if feature_cache else self.online
         )
         self.positions = self.drafter.max_depth + 1  # per-depth statistics; index 0 unused
-        self.variant = DART if isinstance(self.drafter, DARTDraftModel) else self.drafter.variant
         objective = make_objective(self.drafter, target.model)
         self.model = DistributedDataParallel(objective) if self.world > 1 else objective
         self.optimizer = torch.optim.AdamW(
@@ -292,10 +290,11 @@ class Trainer:
         """Run to the end (or resume to it); ``on_step(step)`` is a test hook called after each step."""
         c = self.config
         epochs = self.total_steps / self.steps_per_epoch
-        gamma_0 = c.gamma_0 if c.gamma_0 is not None else GAMMA_0[self.variant]
+        variant = self.drafter.variant  # a drafter given to fine-tune decides, not the config
+        gamma_0 = c.gamma_0 if c.gamma_0 is not None else GAMMA_0[variant]
         gamma_max = c.gamma_max
         if gamma_max is None:
-            gamma_max = gamma_0 if self.variant == DART else gamma_0 + max(0.0, epochs - 1)
+            gamma_max = gamma_0 if variant == DART else gamma_0 + max(0.0, epochs - 1)
         progress = progress_bar(
             total=self.total_steps, initial=self.state.step, desc="training drafter", disable=self.rank != 0
         )

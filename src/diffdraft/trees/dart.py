@@ -92,22 +92,20 @@ class DartTreeBuilder:
         # Candidate nodes, level by level; node 0 is the root.
         parents, tokens, scores = [np.array([-1])], [np.array([root_token])], [np.array([0.0])]
         tails = [history[-keep:].tolist() if keep else []]  # per beam entry: its N-gram context
-        beam = np.array([0])  # node ids of the sequences to extend
+        beam, beam_scores = np.array([0]), np.array([0.0])  # node ids and scores of the sequences to extend
         count = 1
         for level in range(candidates.shape[0]):
             increments = np.broadcast_to(s.logit_decay**level * draft_scores[level], (len(beam), k))
             if self.ngram is not None:
                 ngram = np.stack([self.ngram.log_probs(tail, candidates[level]) for tail in tails])
                 increments = increments + s.ngram_weight * np.minimum(np.logaddexp(ngram, log_eps), 0.0)
-            level_scores = (
-                np.concatenate(scores)[beam][:, None] + (level + 1) ** s.level_exponent * increments
-            )
+            level_scores = beam_scores[:, None] + (level + 1) ** s.level_exponent * increments
             parents.append(np.repeat(beam, k))
             tokens.append(np.tile(candidates[level], len(beam)))
             scores.append(level_scores.reshape(-1))
             best = np.argsort(-scores[-1], kind="stable")[: s.beam_width]
             tails = [_last([*tails[i // k], int(tokens[-1][i])], keep) for i in best]
-            beam = count + best
+            beam, beam_scores = count + best, scores[-1][best]
             count += len(scores[-1])
         return _best_nodes(
             np.concatenate(parents), np.concatenate(tokens), np.concatenate(scores), s.tree_size, device
