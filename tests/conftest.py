@@ -50,7 +50,7 @@ def tiny_target(
         head_dim=hidden // 4,
         max_position_embeddings=max_positions,
         initializer_range=init_std,
-        tie_word_embeddings=False,
+        tie_word_embeddings=config_overrides.pop("tie_word_embeddings", False),
         eos_token_id=vocab - 1,
         bos_token_id=0,
         pad_token_id=0,

@@ -7,9 +7,15 @@ import json
 
 import pytest
 
+import diffdraft.cli
 from diffdraft.cli import main
+from diffdraft.drafters.checkpoint import save_draft_model
+from diffdraft.drafters.deer_model import deer_from_causal_lm
+from diffdraft.errors import CheckpointError
+from diffdraft.loading import load_target
+from diffdraft.ngram.trie import tokenizer_fingerprint
 
-from conftest import make_checkpoint
+from conftest import make_checkpoint, tiny_drafter
 
 
 @pytest.fixture(scope="module")
@@ -77,3 +83,57 @@ def test_bad_arguments_exit_2_with_the_reason(checkpoint, capsys, args, message)
 def test_missing_target_is_a_clear_error(tmp_path, capsys):
     assert main(["generate", "--target", str(tmp_path / "missing"), "--prompt", "hi"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def drafters(checkpoint, tmp_path_factory):
+    """(DFlash drafter, DEER drafter) directories for the tiny target."""
+    loaded = load_target(checkpoint)
+    root = tmp_path_factory.mktemp("drafters")
+    save_draft_model(tiny_drafter(loaded.model, block_size=4).float(), root / "dflash")
+    fingerprint = tokenizer_fingerprint(loaded.tokenizer)
+    save_draft_model(deer_from_causal_lm(loaded.model, 1, 4, 0, fingerprint, "tiny target"), root / "deer")
+    return root / "dflash", root / "deer"
+
+
+@pytest.mark.parametrize("method", ["deer", "deer-tree"])
+def test_deer_methods_run_with_a_deer_drafter(checkpoint, drafters, capsys, method):
+    args = ["generate", "--target", str(checkpoint), "--drafter", str(drafters[1]), "--method", method]
+    assert main([*args, "--budget", "6", "--prompt", "hello world", "--max-new-tokens", "8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["token_ids"]) == 8 and out["rounds"] >= 1
+
+
+@pytest.mark.parametrize("method", ["deer", "deer-tree"])
+def test_deer_methods_with_another_drafter_family_exit_2_writing_nothing(
+    checkpoint, drafters, capsys, method
+):
+    args = ["generate", "--target", str(checkpoint), "--drafter", str(drafters[0]), "--method", method]
+    assert main([*args, "--prompt", "hi"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert f"method '{method}' needs a DEER drafter" in captured.err
+    assert "use --method chain or ddtree" in captured.err
+
+
+@pytest.mark.parametrize(
+    ("target", "method", "drafter"),
+    [
+        ("default", "deer", "default-deer"),
+        ("default", "deer-tree", "default-deer"),
+        ("default", "dart", "default-dart"),
+        ("default", "ddtree", "default"),
+        ("elsewhere", "deer", "none"),
+    ],
+)
+def test_the_default_drafter_follows_the_method(monkeypatch, capsys, target, method, drafter):
+    asked = {}
+
+    def load(target, drafter, method, *rest):
+        asked.update(target=target, drafter=drafter, method=method)
+        raise CheckpointError(f"the {drafter} drafter is missing from this installation")
+
+    monkeypatch.setattr(diffdraft.cli, "load", load)
+    assert main(["generate", "--target", target, "--method", method, "--prompt", "hi"]) == 2
+    assert asked == {"target": target, "drafter": drafter, "method": method}
+    assert capsys.readouterr().out == ""

@@ -9,6 +9,8 @@ import torch
 
 import diffdraft
 from diffdraft.drafters.checkpoint import save_draft_model
+from diffdraft.drafters.deer_model import deer_from_causal_lm
+from diffdraft.ngram.trie import tokenizer_fingerprint
 
 from conftest import hf_greedy, make_checkpoint, tiny_dart, tiny_drafter
 
@@ -107,6 +109,7 @@ def test_requests_must_name_exactly_one_input(checkpoint):
     [
         ("chain", None, "needs a drafter"),
         ("dart", "none", "needs a drafter"),
+        ("deer-tree", None, "DFlash/DFlare, DART or DEER checkpoint"),
         ("beam", None, "unknown method"),
     ],
 )
@@ -191,6 +194,64 @@ def test_a_trie_of_another_tokenizer_or_an_auto_dart_budget_is_refused(checkpoin
         diffdraft.load(checkpoint, drafter=dart, method="dart", budget="auto")
     with pytest.raises(diffdraft.CheckpointError, match="N-gram trie"):
         diffdraft.load(checkpoint, drafter=dart, method="dart", ngram=tmp_path / "nowhere")
+
+
+@pytest.fixture(scope="module")
+def deer_dir(checkpoint, tmp_path_factory):
+    """A DEER drafter cut from the tiny target's first layer, recording the target's tokenizer."""
+    loaded = diffdraft.load(checkpoint).loaded
+    path = tmp_path_factory.mktemp("deer")
+    fingerprint = tokenizer_fingerprint(loaded.tokenizer)
+    save_draft_model(deer_from_causal_lm(loaded.model, 1, 4, 0, fingerprint, "the tiny target"), path)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("method", "max_nodes"), [("deer", 4), ("deer-tree", 6), ("chain", 4), ("ddtree", 6), ("dart", 6)]
+)
+def test_deer_methods_and_any_tree_over_a_deer_drafter_give_the_same_greedy_text(
+    checkpoint, deer_dir, method, max_nodes
+):
+    """Chains draft the whole block (4 tokens); trees keep to the budget (6 nodes)."""
+    generator = diffdraft.load(checkpoint, drafter=deer_dir, method=method, budget=6)
+    result = generator.generate("hello world, the quick", max_new_tokens=20, ignore_eos=True)
+    assert result.token_ids == hf_greedy(generator.loaded.model, result.prompt_token_ids, 20, eos=None)
+    assert max(result.stats.draft_depths) == 4  # the DEER drafter drafted its whole block
+    assert max(result.stats.tree_sizes) == max_nodes
+
+
+def test_deer_sampling_with_a_seed_is_reproducible(checkpoint, deer_dir):
+    generator = diffdraft.load(checkpoint, drafter=deer_dir, method="deer")
+    options = dict(prompt="hello", max_new_tokens=16, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)
+    assert generator.generate(**options).token_ids == generator.generate(**options).token_ids
+
+
+def test_deer_tree_takes_an_auto_budget(checkpoint, deer_dir, monkeypatch, tmp_path):
+    from diffdraft import budget
+
+    monkeypatch.setenv("DIFFDRAFT_CACHE", str(tmp_path))
+    monkeypatch.setattr(budget, "DEFAULT_SIZES", (1, 4, 8))
+    monkeypatch.setattr(budget, "DEFAULT_CONTEXTS", (16, 32))
+    generator = diffdraft.load(checkpoint, drafter=deer_dir, method="deer-tree", budget="auto")
+    assert isinstance(generator.engine.builder, budget.AutoBudgetBuilder)
+    result = generator.generate("hello world", max_new_tokens=12, ignore_eos=True)
+    assert result.token_ids == hf_greedy(generator.loaded.model, result.prompt_token_ids, 12, eos=None)
+
+
+@pytest.mark.parametrize("method", ["deer", "deer-tree"])
+def test_deer_methods_refuse_other_drafter_families(checkpoint, drafter_dir, dart_and_trie, method):
+    for other in (drafter_dir, dart_and_trie[0]):
+        with pytest.raises(diffdraft.InvalidRequestError, match=f"method '{method}' needs a DEER drafter"):
+            diffdraft.load(checkpoint, drafter=other, method=method)
+
+
+def test_a_deer_drafter_of_another_tokenizer_is_refused(checkpoint, tmp_path):
+    loaded = diffdraft.load(checkpoint).loaded
+    loaded.tokenizer.add_tokens(["<not-in-the-target's-tokenizer>"])  # this load's only
+    fingerprint = tokenizer_fingerprint(loaded.tokenizer)
+    save_draft_model(deer_from_causal_lm(loaded.model, 1, 4, 0, fingerprint, "elsewhere"), tmp_path)
+    with pytest.raises(diffdraft.IncompatibleDrafterError, match="built with tokenizer"):
+        diffdraft.load(checkpoint, drafter=tmp_path, method="deer")
 
 
 def test_the_generator_is_reusable_across_requests(checkpoint, drafter_dir):
@@ -300,3 +361,31 @@ def test_dart_on_the_default_target_matches_transformers_greedy_on_humaneval(tmp
         taus.append(result.stats.tau)
     if drafter == "default-dart":  # an untrained drafter gets tau ~1.0; the shipped one measures 1.6 here
         assert sum(taus) / len(taus) > 1.3, taus
+
+
+@pytest.mark.real_model
+def test_deer_on_the_default_target_matches_transformers_greedy(tmp_path):
+    """DEER's chain and DDTree over it change no token of the default target (float32)."""
+    from diffdraft.bench.datasets import load_samples
+    from diffdraft.drafters.checkpoint import DEFAULT_DEER_DIR
+
+    loaded = diffdraft.load("default", method="ar", dtype="float32").loaded
+    drafter = "default-deer" if (DEFAULT_DEER_DIR / "config.json").is_file() else None
+    if drafter is None:  # no shipped DEER drafter yet: an untrained one still exercises every path
+        drafter = tmp_path / "deer"
+        fingerprint = tokenizer_fingerprint(loaded.tokenizer)
+        save_draft_model(deer_from_causal_lm(loaded.model, 2, 8, 0, fingerprint, "default target"), drafter)
+    generators = {
+        m: diffdraft.SpeculativeGenerator(loaded, m, drafter, budget=16) for m in ("deer", "deer-tree")
+    }
+    taus = {method: [] for method in generators}
+    for sample in load_samples("humaneval", 5):
+        expected = None
+        for method, gen in generators.items():
+            result = gen.generate(messages=sample.messages, max_new_tokens=24)
+            if expected is None:
+                expected = hf_greedy(loaded.model, result.prompt_token_ids, 24, eos=gen.end_token_ids)
+            assert result.token_ids == expected, (method, sample.id)
+            taus[method].append(result.stats.tau)
+    if drafter == "default-deer":  # an untrained drafter gets tau ~1.0
+        assert sum(taus["deer-tree"]) / 5 > 1.15, taus

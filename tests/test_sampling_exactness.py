@@ -12,6 +12,8 @@ import torch
 from scipy.stats import chisquare
 
 from diffdraft.drafters.dart import DARTDrafter
+from diffdraft.drafters.deer import DEERDrafter
+from diffdraft.drafters.deer_model import DEERDraftModel, deer_from_causal_lm
 from diffdraft.drafters.dflash import DFlashDrafter
 from diffdraft.drafters.lookup_boost import LookupBoostedDrafter
 from diffdraft.drafters.prompt_lookup import PromptLookupDrafter
@@ -26,6 +28,8 @@ from test_engine import run_engine
 VOCAB = 8
 PROMPT = [1, 2, 3, 1, 2]
 RUNS = 1500
+HOLES = [1, 4, 7]
+"""Tokens the holed DEER drafter gives no probability."""
 
 
 def exact_pair_distribution(model, sampling: SamplingParams) -> torch.Tensor:
@@ -66,6 +70,23 @@ def assert_same_distribution(counts: torch.Tensor, probs: torch.Tensor) -> None:
     assert result.pvalue > 1e-3, f"sampled distribution differs from the target's (p={result.pvalue:.2e})"
 
 
+def deer_drafter(model, holes: list[int] = ()) -> DEERDraftModel:
+    """DEER cut from the target's first 2 of 4 layers (q near p, not equal), its head giving ``holes``
+    a logit of about -1e4 at every position: hidden dimension 0 is made a positive constant (1 in
+    every embedding, written to by no layer) and the holes' head rows read only it, negated."""
+    deer = deer_from_causal_lm(model, 2, 3, VOCAB - 2, None, "the exactness test's target")
+    if holes:
+        with torch.no_grad():
+            deer.model.embed_tokens.weight[:, 0] = 1.0
+            for layer in deer.model.layers:
+                layer.self_attn.o_proj.weight[0] = 0.0
+                layer.mlp.down_proj.weight[0] = 0.0
+            deer.model.norm.weight[0] = 1.0
+            deer.lm_head.weight[holes] = 0.0
+            deer.lm_head.weight[holes, 0] = -1e4
+    return deer
+
+
 def methods(model):
     target = TargetModel(model)
     drafter = DFlashDrafter(tiny_drafter(model, seed=1, block_size=3), target)
@@ -82,6 +103,12 @@ def methods(model):
             DARTDrafter(tiny_dart(model, seed=1, draft_length=1, draft_vocab=[0, 2, 3, 5, 6]), target),
             DartTreeBuilder(DartTreeSettings(tree_size=6, top_k=3, beam_width=2)),
         ),
+        # DEER's decoding (generator method deer): its chain, rejection sampled (DEER Eq. 5-6)
+        "rejection-deer-chain": (DEERDrafter(deer_drafter(model), target), ChainBuilder()),
+        # q with holes where p has mass: only the residual max(0, p - q) can emit those tokens
+        "rejection-deer-chain-holes": (DEERDrafter(deer_drafter(model, HOLES), target), ChainBuilder()),
+        # method deer-tree: DDTree over DEER's distributions, holes never in the tree
+        "walk-deer-tree-holes": (DEERDrafter(deer_drafter(model, HOLES), target), DDTreeBuilder(6)),
     }
 
 
@@ -94,6 +121,9 @@ def methods(model):
         "walk-ddtree",
         "walk-pld-chain",
         "walk-dart-tree",
+        "rejection-deer-chain",
+        "rejection-deer-chain-holes",
+        "walk-deer-tree-holes",
     ],
 )
 @pytest.mark.parametrize(
@@ -104,6 +134,17 @@ def test_speculative_sampling_matches_plain_sampling(method, sampling):
     drafter, builder = methods(model)[method]
     counts = sampled_pair_counts(model, drafter, builder, sampling)
     assert_same_distribution(counts, exact_pair_distribution(model, sampling))
+
+
+def test_the_holed_deer_drafter_has_no_mass_where_the_target_has_some():
+    model = tiny_target("qwen3", seed=5, vocab=VOCAB, init_std=0.05)
+    drafter = DEERDrafter(deer_drafter(model, HOLES), TargetModel(model))
+    q = drafter.propose(torch.tensor(PROMPT), 3).log_probs.exp()
+    with torch.no_grad():
+        p = model(torch.tensor([PROMPT])).logits[0, -1].softmax(-1)
+    assert q[:, HOLES].max() < 1e-12
+    assert p[HOLES].min() > 0.05  # the target does emit them: the residual must supply them
+    assert q[:, [0, 2, 3, 5, 6]].min() > 1e-3  # every other token can still be drafted
 
 
 def test_the_check_catches_a_verifier_that_accepts_every_draft(monkeypatch):

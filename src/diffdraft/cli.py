@@ -1,5 +1,5 @@
 """``diffdraft`` command line: ``generate`` a request, ``train`` drafters, ``bench`` methods side by side,
-build and inspect ``ngram`` tries."""
+build and inspect ``ngram`` tries, create and inspect ``deer`` drafters."""
 
 from __future__ import annotations
 
@@ -8,10 +8,14 @@ import json
 import sys
 
 from diffdraft.bench.cli import add_bench_parser, run_bench
+from diffdraft.drafters.deer_cli import add_deer_parser, run_deer
 from diffdraft.errors import DiffdraftError, InvalidRequestError
 from diffdraft.generator import METHODS, load
 from diffdraft.ngram.cli import add_ngram_parser, run_ngram
 from diffdraft.train.cli import add_train_parser, run_train
+
+SHIPPED_DRAFTERS = {"dart": "default-dart", "deer": "default-deer", "deer-tree": "default-deer"}
+"""The drafter a method gets with --target default and no --drafter (others: 'default', DFlare)."""
 
 
 def _generate_parser(sub: argparse._SubParsersAction) -> None:
@@ -22,16 +26,17 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--drafter",
         default=None,
-        help="DFlash/DFlare or DART checkpoint directory, 'default' (DFlare), 'default-dart' or 'none' "
-        "(default: the shipped drafter of the method with --target default, else none)",
+        help="DFlash/DFlare, DART or DEER checkpoint directory, 'default' (DFlare), 'default-dart', "
+        "'default-deer' or 'none' (default: the shipped drafter of the method with --target default, "
+        "else none)",
     )
     p.add_argument("--method", choices=METHODS, default="ar", help="decoding method (default: ar)")
     p.add_argument(
         "--budget",
         type=lambda v: v if v == "auto" else int(v),
         default=32,
-        help="DDTree node budget, or 'auto' to pick it from this machine's verification cost; "
-        "for dart the tree size (default: 32)",
+        help="DDTree node budget (ddtree, ddtree+pld, deer-tree), or 'auto' to pick it from this machine's "
+        "verification cost; for dart the tree size (default: 32)",
     )
     p.add_argument(
         "--ngram",
@@ -70,9 +75,7 @@ def _run_generate(args: argparse.Namespace) -> None:
     request = {"messages": _read_messages()} if args.chat else {"prompt": args.prompt}
     drafter, ngram = args.drafter, args.ngram
     if drafter is None:
-        drafter = (
-            ("default-dart" if args.method == "dart" else "default") if args.target == "default" else "none"
-        )
+        drafter = SHIPPED_DRAFTERS.get(args.method, "default") if args.target == "default" else "none"
     if ngram is None:
         ngram = "default" if args.target == "default" and args.method == "dart" else "none"
     generator = load(args.target, drafter, args.method, args.budget, args.dtype, args.device, ngram)
@@ -112,12 +115,15 @@ def main(argv: list[str] | None = None) -> int:
     add_train_parser(sub)
     add_bench_parser(sub)
     add_ngram_parser(sub)
+    add_deer_parser(sub)
     args = parser.parse_args(argv)
     try:
         if args.command == "bench":
             return run_bench(args)
         if args.command == "ngram":
             return run_ngram(args)
+        if args.command == "deer":
+            return run_deer(args)
         run_train(args) if args.command == "train" else _run_generate(args)
     except DiffdraftError as err:
         print(f"diffdraft: error: {err}", file=sys.stderr)

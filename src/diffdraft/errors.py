@@ -19,3 +19,7 @@ class IncompatibleDrafterError(DiffdraftError):
 
 class UnsupportedModelError(DiffdraftError):
     """The target uses an architecture feature speculative verification cannot reproduce exactly."""
+
+
+class TrainingDivergedError(DiffdraftError):
+    """Drafter training produced a non-finite loss; the last checkpoint is intact and resumable."""

@@ -19,6 +19,7 @@ from diffdraft.chat import encode_chat, encode_prompt
 from diffdraft.detokenize import INCOMPLETE, IncrementalDecoder
 from diffdraft.drafters.base import Drafter
 from diffdraft.drafters.checkpoint import DraftModel
+from diffdraft.drafters.deer import DEERDrafter
 from diffdraft.drafters.families import make_drafter
 from diffdraft.drafters.lookup_boost import LookupBoostedDrafter
 from diffdraft.drafters.prompt_lookup import PromptLookupDrafter
@@ -33,10 +34,15 @@ from diffdraft.target import TargetModel
 from diffdraft.trees import ChainBuilder, DDTreeBuilder, TreeBuilder
 from diffdraft.trees.dart import DartTreeBuilder, DartTreeSettings
 
-METHODS = ("ar", "pld", "chain", "ddtree", "chain+pld", "ddtree+pld", "dart")
+METHODS = ("ar", "pld", "chain", "ddtree", "chain+pld", "ddtree+pld", "dart", "deer", "deer-tree")
 """ar: plain decoding; pld: prompt lookup chain; chain: drafter argmax/sampled chain; ddtree: optimal
 tree; ``+pld``: the drafter's proposal boosted by prompt lookup's copied continuation (lookup_boost.py);
-dart: DART's N-gram-pruned beam tree (trees/dart.py). Any drafter checkpoint serves any tree rule."""
+dart: DART's N-gram-pruned beam tree (trees/dart.py). Any drafter checkpoint serves any of these.
+deer / deer-tree: DEER's decoding (a chain verified by rejection sampling, its Eq. 5-6) and DDTree
+over a DEER drafter; they name the drafter family too, so they take DEER drafters only."""
+DEER_METHODS = ("deer", "deer-tree")
+DDTREE_METHODS = ("ddtree", "ddtree+pld", "deer-tree")
+"""Methods whose tree is DDTree's (and so take a node budget, 'auto' included)."""
 
 
 @dataclass
@@ -71,28 +77,41 @@ def _check_method(method: str) -> None:
         raise InvalidRequestError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
 
 
-def _make_drafter(method: str, drafter: str | os.PathLike | DraftModel | None, target: TargetModel):
+def _make_drafter(
+    method: str, drafter: str | os.PathLike | DraftModel | None, target: TargetModel, tokenizer
+) -> Drafter | None:
+    """``tokenizer``: the target's, so a drafter that reads token ids only (DEER) is checked against it."""
     if method == "ar":
         return None
     if method == "pld":
         return PromptLookupDrafter()
     if drafter is None or drafter == "none":
         raise InvalidRequestError(
-            f"method {method!r} needs a drafter: pass a DFlash/DFlare or DART checkpoint directory "
+            f"method {method!r} needs a drafter: pass a DFlash/DFlare, DART or DEER checkpoint directory "
             "(--drafter PATH), or use --method ar or pld, which need none"
         )
-    made = make_drafter(drafter, target)
+    made = make_drafter(drafter, target, tokenizer)
+    if method in DEER_METHODS and not isinstance(made, DEERDrafter):
+        raise InvalidRequestError(
+            f"method {method!r} needs a DEER drafter (diffdraft deer init / train fit --variant deer); "
+            f"{_drafter_name(drafter)} is a {made.model.variant} drafter: use --method chain or ddtree for it"
+        )
     return LookupBoostedDrafter(made) if method.endswith("+pld") else made
+
+
+def _drafter_name(drafter: str | os.PathLike | DraftModel) -> str:
+    return str(drafter) if isinstance(drafter, (str, os.PathLike)) else "the given drafter"
 
 
 def _make_builder(method: str, budget: int | str, target: TargetModel, ngram, tokenizer) -> TreeBuilder:
     if method == "dart":
         if budget == "auto":
             raise InvalidRequestError(
-                "budget 'auto' applies to ddtree methods; give dart a tree size, e.g. --budget 59"
+                f"budget 'auto' applies to {', '.join(DDTREE_METHODS)}; give dart a tree size, "
+                "e.g. --budget 59"
             )
         return DartTreeBuilder(DartTreeSettings(tree_size=budget), load_ngram(ngram, tokenizer))
-    if not method.startswith("ddtree"):
+    if method not in DDTREE_METHODS:
         return ChainBuilder()
     if budget == "auto":
         return AutoBudgetBuilder(BudgetPlanner(load_or_measure(target, progress=True)))
@@ -117,7 +136,7 @@ class SpeculativeGenerator:
         self.tokenizer = target.tokenizer
         self.target = TargetModel(target.model)
         self.method = method
-        self.drafter: Drafter | None = _make_drafter(method, drafter, self.target)
+        self.drafter: Drafter | None = _make_drafter(method, drafter, self.target, self.tokenizer)
         builder = _make_builder(method, budget, self.target, ngram, self.tokenizer)
         self.engine = SpeculativeEngine(self.target, self.drafter, builder)
         self._auto_budget = builder if isinstance(builder, AutoBudgetBuilder) else None
@@ -216,9 +235,10 @@ def load(
 ) -> SpeculativeGenerator:
     """Load a target (``"default"``, a model directory or a ``.gguf`` file) and a drafter once.
 
-    ``budget="auto"`` picks the DDTree budget from this machine's measured verification cost; for
-    ``method="dart"`` the budget is the tree size and ``ngram`` the N-gram trie directory
-    (``"default"``: the one shipped for the default target; None: no N-gram term).
+    ``budget="auto"`` picks the DDTree budget (ddtree, ddtree+pld, deer-tree) from this machine's
+    measured verification cost; for ``method="dart"`` the budget is the tree size and ``ngram`` the
+    N-gram trie directory (``"default"``: the one shipped for the default target; None: no N-gram
+    term). ``method="deer"`` / ``"deer-tree"`` need a DEER drafter (e.g. ``"default-deer"``).
     On CPU the target runs diffdraft's inference kernels (same outputs, faster), so the loaded
     models are for inference only.
     """

@@ -6,10 +6,10 @@ import argparse
 import json
 
 import pytest
-from test_methods import save_dart_and_trie
+from test_methods import save_dart_and_trie, save_deer
 
 from diffdraft.bench import methods
-from diffdraft.bench.cli import add_bench_parser, run_bench
+from diffdraft.bench.cli import _deer_drafter, add_bench_parser, run_bench
 from diffdraft.bench.journal import JOURNAL
 from diffdraft.bench.methods import MethodSpec, OursRunner, register
 from diffdraft.drafters.checkpoint import save_draft_model
@@ -24,15 +24,20 @@ def setup(tmp_path_factory):
     target = make_checkpoint(root / "target", "llama")
     save_draft_model(tiny_drafter(load_target(target).model, block_size=4).float(), root / "drafter")
     save_dart_and_trie(target, root)
+    save_deer(target, root / "deer")
     prompts = root / "prompts.jsonl"
     prompts.write_text('{"prompt": "hello world, the quick"}\n{"prompt": "the quick brown fox"}\n')
     return root, target, prompts
 
 
-def bench(argv: list[str]) -> int:
+def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     add_bench_parser(parser.add_subparsers())
-    return run_bench(parser.parse_args(["bench", *argv]))
+    return parser.parse_args(["bench", *argv])
+
+
+def bench(argv: list[str]) -> int:
+    return run_bench(parse(argv))
 
 
 def common(setup, out) -> list[str]:
@@ -73,6 +78,8 @@ def test_the_bench_writes_results_report_and_plots(setup, tmp_path, capsys):
         assert (out / plot).read_bytes()[:4] == b"\x89PNG"
     err = capsys.readouterr().err
     assert "skipping hf-assisted" in err and "skipping dart:59" in err and "skipping ddtree-dart:59" in err
+    assert "skipping deer: " in err and "skipping deer-tree:32" in err and "--deer-drafter" in err
+    assert results["deer_drafter"] is None
     assert not (out / JOURNAL).exists()  # only an unfinished run leaves its journal
 
 
@@ -93,6 +100,28 @@ def test_dart_runs_beside_dflash_with_its_ngram_lookups_timed(setup, tmp_path):
     report = (out / "report.md").read_text()
     assert "| method | lookups per round | median us per lookup |" in report
     assert "| dart:8 |" in report and "n-gram lookups" in report
+
+
+def test_deer_runs_beside_dflash_with_its_tau_and_draft_latency_reported(setup, tmp_path):
+    root, *_ = setup
+    out = tmp_path / "out"
+    deer = ["--deer-drafter", str(root / "deer"), "--methods", "ddtree:4,deer,deer-tree:4"]
+    assert bench([*common(setup, out), "--drafter", str(root / "drafter"), *deer]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["methods"] == ["ar", "ddtree:4", "deer", "deer-tree:4"]
+    assert results["deer_drafter"] == str(root / "deer") and "--deer-drafter" in results["command"]
+    assert all(r["divergence"] is None for r in results["records"])
+    deer_records = [r for r in results["records"] if r["method"].startswith("deer")]
+    assert deer_records and all(r["stages"]["draft"] > 0 for r in deer_records)
+    report = (out / "report.md").read_text()
+    for method in ("deer", "deer-tree:4"):  # the summary, time-per-round and acceptance tables
+        assert sum(line.startswith(f"| {method} |") for line in report.splitlines()) >= 3
+
+
+def test_the_default_target_defaults_to_the_shipped_deer_drafter():
+    assert _deer_drafter(parse([])) == "default-deer"
+    assert _deer_drafter(parse(["--target", "elsewhere"])) is None
+    assert _deer_drafter(parse(["--deer-drafter", "mine"])) == "mine"
 
 
 class OffByOne:

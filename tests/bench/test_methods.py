@@ -19,9 +19,11 @@ from diffdraft.bench.methods import (
     register,
 )
 from diffdraft.drafters.checkpoint import save_draft_model
+from diffdraft.drafters.deer_model import deer_from_causal_lm
 from diffdraft.errors import InvalidRequestError
 from diffdraft.loading import load_target
 from diffdraft.ngram.build import build_from_sources
+from diffdraft.ngram.trie import tokenizer_fingerprint
 
 from conftest import make_checkpoint, tiny_dart, tiny_drafter
 
@@ -39,6 +41,14 @@ def save_dart_and_trie(target: Path, root: Path) -> tuple[Path, Path]:
     return root / "dart", root / "trie"
 
 
+def save_deer(target: Path, path: Path) -> Path:
+    """A DEER drafter cut from a tiny saved target's first layer, recording its tokenizer."""
+    loaded = load_target(target)
+    fingerprint = tokenizer_fingerprint(loaded.tokenizer)
+    save_draft_model(deer_from_causal_lm(loaded.model, 1, 4, 0, fingerprint, "tiny target"), path)
+    return path
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("target"), "qwen3")
@@ -46,15 +56,15 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def drafters(checkpoint, tmp_path_factory):
-    """(DFlash drafter, DART drafter, N-gram trie) directories for the tiny target."""
+    """(DFlash drafter, DART drafter, N-gram trie, DEER drafter) directories for the tiny target."""
     root = tmp_path_factory.mktemp("drafters")
     save_draft_model(tiny_drafter(load_target(checkpoint).model, block_size=4).float(), root / "dflash")
-    return root / "dflash", *save_dart_and_trie(checkpoint, root)
+    return root / "dflash", *save_dart_and_trie(checkpoint, root), save_deer(checkpoint, root / "deer")
 
 
 @pytest.fixture(scope="module")
 def models(checkpoint, drafters, tmp_path_factory):
-    drafter, dart, trie = drafters
+    drafter, dart, trie, deer = drafters
     return BenchModels(
         checkpoint,
         drafter=drafter,
@@ -62,6 +72,7 @@ def models(checkpoint, drafters, tmp_path_factory):
         cost_cache=tmp_path_factory.mktemp("c"),
         dart_drafter=dart,
         ngram=trie,
+        deer_drafter=deer,
     )
 
 
@@ -92,6 +103,8 @@ def test_default_specs_expand_budgets_and_pick_up_new_registrations(monkeypatch)
         "dart:59",
         "dart-no-ngram:59",
         "ddtree-dart:59",
+        "deer",
+        "deer-tree:32",
         "mine",
     ]
 
@@ -111,6 +124,9 @@ def test_default_specs_expand_budgets_and_pick_up_new_registrations(monkeypatch)
         "dart:8",
         "dart-no-ngram:8",
         "ddtree-dart:4",
+        "deer",
+        "deer-tree:4",
+        "deer-tree:auto",
     ],
 )
 def test_every_method_matches_plain_ar_and_accounts_for_its_time(models, label):
@@ -126,19 +142,32 @@ def test_every_method_matches_plain_ar_and_accounts_for_its_time(models, label):
     rounds = len(done.acceptance_lengths)
     assert rounds and len(done.verify_sizes) == len(done.verify_seconds) == rounds
     assert sum(done.acceptance_lengths) >= len(done.token_ids) - 1
-    if label == "ddtree:auto":
+    if label.endswith(":auto"):
         assert done.budgets and all(b >= 1 for b in done.budgets)
+    if label.startswith("deer"):  # the DEER drafter's forward is timed as drafting, its block drafted
+        assert done.stages["draft"] > 0 and max(done.draft_depths) == 4
 
 
 def test_methods_that_need_a_model_not_given_are_unavailable(checkpoint, drafters, tmp_path):
     bare = BenchModels(checkpoint, cost_cache=tmp_path, ngram=drafters[2])
-    for label in ("chain", "ddtree:8", "hf-assisted", "dart", "dart-no-ngram:8", "ddtree-dart:4"):
+    for label in (
+        "chain",
+        "ddtree:8",
+        "hf-assisted",
+        "dart",
+        "dart-no-ngram:8",
+        "ddtree-dart:4",
+        "deer",
+        "deer-tree",
+    ):
         with pytest.raises(MethodUnavailable):
             build_method(bare, MethodSpec.parse(label))
     assert bare._ngram is None  # the trie is loaded only for a dart method that can run
     only_dflash = BenchModels(checkpoint, cost_cache=tmp_path, drafter=drafters[0])
     with pytest.raises(MethodUnavailable, match="--dart-drafter"):
         build_method(only_dflash, MethodSpec.parse("dart:8"))
+    with pytest.raises(MethodUnavailable, match="--deer-drafter"):
+        build_method(only_dflash, MethodSpec.parse("deer-tree:8"))
     with pytest.raises(InvalidRequestError, match="unknown method 'nope'"):
         build_method(bare, MethodSpec("nope"))
     with pytest.raises(InvalidRequestError, match="positive integer"):
@@ -158,7 +187,7 @@ def test_dart_times_its_ngram_lookups_apart_from_the_tree(models):
     assert sum(done.stages.values()) <= done.seconds * 1.01
     again = dart.generate(request)
     assert again.ngram_lookups == done.ngram_lookups  # counted per generation, not cumulated
-    for label in ("ar", "ddtree-dart:4", "dart-no-ngram:8", "hf"):
+    for label in ("ar", "ddtree-dart:4", "dart-no-ngram:8", "deer-tree:4", "hf"):
         other = build_method(models, MethodSpec.parse(label)).generate(request)
         assert other.stages["ngram"] == 0.0 and other.ngram_lookups == 0
 
@@ -169,3 +198,20 @@ def test_a_dflash_checkpoint_is_not_taken_for_a_dart_drafter(checkpoint, drafter
         build_method(mixed, MethodSpec.parse("dart:8"))
     with pytest.raises(InvalidRequestError, match="auto budget"):
         build_method(BenchModels(checkpoint, dart_drafter=drafters[1]), MethodSpec.parse("dart:auto"))
+
+
+def test_deer_methods_take_only_a_deer_drafter_and_skip_a_shipped_one_not_installed(
+    checkpoint, drafters, tmp_path, monkeypatch
+):
+    dflash, dart, _, deer = drafters
+    with pytest.raises(InvalidRequestError, match="not a DEER one; pass it as --drafter"):
+        build_method(BenchModels(checkpoint, deer_drafter=dflash), MethodSpec.parse("deer"))
+    with pytest.raises(InvalidRequestError, match="not a DEER one; pass it as --dart-drafter"):
+        build_method(BenchModels(checkpoint, deer_drafter=dart), MethodSpec.parse("deer-tree:4"))
+    with pytest.raises(InvalidRequestError, match="auto budget"):
+        build_method(BenchModels(checkpoint, deer_drafter=deer), MethodSpec.parse("deer:auto"))
+    import diffdraft.drafters.checkpoint
+
+    monkeypatch.setattr(diffdraft.drafters.checkpoint, "DEFAULT_DEER_DIR", tmp_path / "not-shipped")
+    with pytest.raises(MethodUnavailable, match="default-deer drafter is missing"):
+        build_method(BenchModels(checkpoint, deer_drafter="default-deer"), MethodSpec.parse("deer"))

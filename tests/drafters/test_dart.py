@@ -186,5 +186,5 @@ def test_incompatible_or_broken_dart_checkpoints_fail_loudly(tmp_path):
     weights = load_file(tmp_path / "model.safetensors")
     del weights["midlayer.mask_rep"]
     save_file(weights, tmp_path / "model.safetensors")
-    with pytest.raises(CheckpointError, match=r"DART.*missing \['midlayer.mask_rep'\]"):
+    with pytest.raises(CheckpointError, match=r"variant 'dart'.*missing \['midlayer.mask_rep'\]"):
         load_draft_model(tmp_path)

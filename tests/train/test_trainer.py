@@ -14,13 +14,13 @@ from torch import distributed as dist
 
 from diffdraft.drafters.checkpoint import load_draft_model
 from diffdraft.drafters.dflash_model import DFLARE, DFLASH
-from diffdraft.errors import InvalidRequestError
+from diffdraft.errors import InvalidRequestError, TrainingDivergedError
 from diffdraft.target import TargetModel
 from diffdraft.train.dataset import TrainingSample
 from diffdraft.train.draft_vocab import frequent_tokens
 from diffdraft.train.evaluate import evaluate_drafter
 from diffdraft.train.features import capture_features
-from diffdraft.train.trainer import DART, TrainConfig, Trainer
+from diffdraft.train.trainer import DART, DEER, TrainConfig, Trainer
 
 from conftest import tiny_target
 
@@ -96,6 +96,7 @@ def bigram_target():
         (DFLARE, 0, "bfloat16"),
         (DART, 0, "float32"),
         (DART, 40, "float32"),
+        (DEER, 0, "float32"),
     ],
 )
 def test_a_few_hundred_steps_clearly_beat_the_untrained_drafter(
@@ -122,6 +123,41 @@ def test_a_few_hundred_steps_clearly_beat_the_untrained_drafter(
     assert trainer.state.step == 300
     assert trained > untrained + 0.5, (untrained, trained)
     assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 300
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_deer_learns_from_token_labels_without_any_target_forward(bigram_target, tmp_path, stage):
+    """DEER reads tokens only: on the data's tokens its training never runs the target."""
+    target = TargetModel(bigram_target)
+    train = make_samples(bigram_target, 48, seed=1)
+    held_out = make_samples(bigram_target, 6, seed=2)
+    settings = config(tmp_path, variant=DEER, labels="tokens", stage=stage, max_suffix=4, epochs=25)
+    trainer = Trainer(settings, target, train)
+    untrained = chain_tau(bigram_target, load_draft_model_copy(trainer), held_out)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the target ran during DEER training on token labels")
+
+    target.model.forward = refuse
+    trainer.train()
+    del target.model.forward
+    trained = chain_tau(bigram_target, load_draft_model(tmp_path / "final").to(bigram_target.dtype), held_out)
+    assert trained > untrained + 0.5, (untrained, trained)
+
+
+def test_a_non_finite_loss_stops_training_before_the_weights_change(target, tmp_path):
+    trainer = Trainer(
+        config(tmp_path, variant=DEER, labels="tokens", max_steps=3),
+        TargetModel(target),
+        make_samples(target, 8, 3),
+    )
+    before = copy.deepcopy(trainer.drafter.state_dict())
+    trainer.sequence_loss = lambda *args: (
+        (torch.tensor(float("nan"), requires_grad=True),) + (torch.zeros(5),) * 3
+    )
+    with pytest.raises(TrainingDivergedError, match="diverged at step 1"):
+        trainer.train()
+    assert all(torch.equal(before[k], v) for k, v in trainer.drafter.state_dict().items())
 
 
 def load_draft_model_copy(trainer: Trainer):

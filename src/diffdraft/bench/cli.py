@@ -68,6 +68,13 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         "same tree without the N-gram term) and ddtree-dart:BUDGET (DDTree over DART's distributions)",
     )
     p.add_argument(
+        "--deer-drafter",
+        default=None,
+        help="DEER checkpoint directory, or 'default-deer' (the shipped DEER drafter of the default target; "
+        "the default with --target default); enables deer (DEER's chain, rejection-sampled) and "
+        "deer-tree:BUDGET (DDTree over DEER's distributions, default 32)",
+    )
+    p.add_argument(
         "--ngram",
         default=None,
         help="N-gram trie of the dart tree: a directory built by `diffdraft ngram build`, 'default' (the "
@@ -81,8 +88,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         "--methods",
         default=None,
         help=f"comma list of name[:arg][@dtype] (registered: {', '.join(registered())}); 'ddtree' alone "
-        "expands to --budgets; the dart methods take a tree size (default 59); default: every method the "
-        "given models allow",
+        "expands to --budgets; the dart methods take a tree size (default 59), deer-tree a budget (default "
+        "32); default: every method the given models allow",
     )
     p.add_argument(
         "--budgets", default=None, help=f"DDTree budgets, 'auto' included (default {FULL['budgets']})"
@@ -149,6 +156,7 @@ def run_bench(args: argparse.Namespace) -> int:
         progress=progress,
         dart_drafter=args.dart_drafter,
         ngram=_ngram(args),
+        deer_drafter=_deer_drafter(args),
     )
     if args.methods is None and models.dtype_name != "float32":
         # the baseline users know, in whichever dtype is fastest for it on this machine
@@ -180,6 +188,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "drafter": args.drafter,
         "dart_drafter": args.dart_drafter,
         "ngram": _ngram(args) if args.dart_drafter else None,
+        "deer_drafter": _deer_drafter(args) if any(r.spec.name.startswith("deer") for r in runners) else None,
         "assistant": args.assistant,
         "methods": [r.spec.label for r in runners],
         "options": {k: v for k, v in options.items() if k != "methods"} | {"tie_tolerance": tolerance},
@@ -260,6 +269,14 @@ def _ngram(args: argparse.Namespace) -> str:
     return "default" if str(args.target) == "default" else "none"
 
 
+def _deer_drafter(args: argparse.Namespace) -> str | None:
+    """The DEER drafter: as given, else the shipped one with the default target (the methods of a
+    drafter not shipped yet are skipped, unless named in --methods)."""
+    if args.deer_drafter is not None:
+        return args.deer_drafter
+    return "default-deer" if str(args.target) == "default" else None
+
+
 def _split(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
@@ -289,6 +306,7 @@ def _command(args: argparse.Namespace, options: dict) -> str:
         ("--drafter", args.drafter),
         ("--dart-drafter", args.dart_drafter),
         ("--ngram", _ngram(args) if args.dart_drafter else None),
+        ("--deer-drafter", _deer_drafter(args)),
         ("--assistant", args.assistant),
         ("--device", args.device),
     ):

@@ -11,6 +11,10 @@ nodes), ``dart-no-ngram:SIZE`` (the same tree without the N-gram term) and ``ddt
 (DDTree over the DART drafter's distributions). The N-gram trie is loaded once and shared; the
 benchmark wraps it in a :class:`~diffdraft.bench.probes.TimedNgram`, so a ``dart`` round's tree time
 splits into the lookups (stage ``ngram``) and the tree search around them (stage ``tree``).
+
+DEER (a diffusion LM drafter that reads tokens only) runs beside them too: ``deer`` (its chain,
+verified by rejection sampling) and ``deer-tree:BUDGET`` (DDTree over its distributions), both
+with the drafter of ``--deer-drafter``.
 """
 
 from __future__ import annotations
@@ -28,15 +32,17 @@ from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
 from diffdraft.bench.probes import ForwardProbe, TimedNgram, rounds_from_calls
 from diffdraft.budget import AutoBudgetBuilder, BudgetPlanner, VerifyCostCurve, load_or_measure
-from diffdraft.drafters.checkpoint import DraftModel, load_draft_model
+from diffdraft.drafters.checkpoint import DraftModel, load_draft_model, resolve_drafter_path
 from diffdraft.drafters.dart_model import DARTDraftModel
-from diffdraft.errors import InvalidRequestError
+from diffdraft.drafters.deer_model import DEERDraftModel
+from diffdraft.errors import CheckpointError, InvalidRequestError
 from diffdraft.generator import SpeculativeGenerator
 from diffdraft.loading import DTYPES, LoadedModel, end_token_ids, load_target
 from diffdraft.ngram import NgramTrie
 from diffdraft.ngram.shipped import load_ngram
 from diffdraft.stats import STAGES
 from diffdraft.target import TargetModel
+from diffdraft.trees import DDTreeBuilder
 from diffdraft.trees.dart import DartTreeBuilder
 
 REFERENCE = "ar"
@@ -144,13 +150,16 @@ class BenchModels:
         progress: bool = False,
         dart_drafter: str | os.PathLike | None = None,
         ngram: str | os.PathLike | None = None,
+        deer_drafter: str | os.PathLike | None = None,
     ) -> None:
         """``drafter``: the DFlash/DFlare checkpoint (or ``"default"``); ``dart_drafter``: the DART one
         (or ``"default-dart"``); ``ngram``: the DART tree's trie (a directory, ``"default"`` or None /
-        ``"none"``), loaded the first time a method needs it."""
+        ``"none"``), loaded the first time a method needs it; ``deer_drafter``: the DEER checkpoint
+        (or ``"default-deer"``)."""
         self.target_spec = target
         self.drafter_path = drafter
         self.dart_drafter_path = dart_drafter
+        self.deer_drafter_path = deer_drafter
         self.ngram_spec = ngram
         self.assistant_path = assistant
         self.cost_cache = cost_cache
@@ -199,6 +208,26 @@ class BenchModels:
             raise InvalidRequestError(
                 f"--dart-drafter {self.dart_drafter_path} is a DFlash/DFlare checkpoint, not a DART one; "
                 "pass it as --drafter"
+            )
+        return model
+
+    def deer_model(self, dtype: str | None = None) -> DEERDraftModel:
+        """The DEER drafter, one per dtype like :meth:`draft_model`; a shipped one this installation
+        lacks makes its methods unavailable (skipped in a default run), like a drafter not given."""
+        path = self.deer_drafter_path
+        if path is None:
+            raise MethodUnavailable(
+                "this method needs a DEER drafter checkpoint: pass --deer-drafter PATH|default-deer"
+            )
+        try:
+            resolve_drafter_path(path)
+        except CheckpointError as error:
+            raise MethodUnavailable(str(error)) from error
+        model = self._draft_model("deer", path, dtype)
+        if not isinstance(model, DEERDraftModel):
+            raise InvalidRequestError(
+                f"--deer-drafter {path} is a {model.variant} checkpoint, not a DEER one; pass it as "
+                f"{'--dart-drafter' if isinstance(model, DARTDraftModel) else '--drafter'}"
             )
         return model
 
@@ -305,8 +334,8 @@ class OursRunner:
             self.lookups = builder.ngram = TimedNgram(ngram)
         self.auto: AutoBudgetBuilder | None = None
         if spec.arg == "auto":
-            if not spec.name.startswith("ddtree"):
-                raise InvalidRequestError(f"{spec.label}: only ddtree takes an auto budget")
+            if not isinstance(self.generator.engine.builder, DDTreeBuilder):
+                raise InvalidRequestError(f"{spec.label}: only DDTree methods take an auto budget")
             self.auto = AutoBudgetBuilder(BudgetPlanner(models.cost_curve()), initial_budget=budget)
             self.generator.engine.builder = self.auto
 
@@ -447,6 +476,11 @@ def _dart(method: str, ngram: bool) -> MethodFactory:
     return factory
 
 
+def _deer(models: BenchModels, spec: MethodSpec) -> MethodRunner:
+    """A method of the DEER drafter (``--deer-drafter``); the generator's method of the same name."""
+    return OursRunner(models, spec, True, drafter=models.deer_model(spec.dtype))
+
+
 def _hf(models: BenchModels, spec: MethodSpec) -> MethodRunner:
     if spec.arg is not None:
         raise InvalidRequestError(f"{spec.label}: hf takes no argument")
@@ -473,3 +507,5 @@ register("ddtree+pld", _ours(needs_drafter=True), default_args=("32",))
 register("dart", _dart("dart", ngram=True), default_args=(str(DART_TREE_SIZE),))
 register("dart-no-ngram", _dart("dart", ngram=False), default_args=(str(DART_TREE_SIZE),))
 register("ddtree-dart", _dart("ddtree", ngram=False), default_args=(str(DART_TREE_SIZE),))
+register("deer", _deer)
+register("deer-tree", _deer, default_args=("32",))

@@ -116,7 +116,8 @@ def markdown(
             f"; DART drafter: {header['dart_drafter']} (N-gram trie: {header.get('ngram') or 'none'})"
             if header.get("dart_drafter")
             else ""
-        ),
+        )
+        + (f"; DEER drafter: {header['deer_drafter']}" if header.get("deer_drafter") else ""),
         f"- machine: {env['cpu']}, {env['cores']} cores, {env['threads']} torch threads; "
         f"torch {env['torch']}, transformers {env['transformers']}; CPU busy with other work "
         f"{_percent(env['busy_before'])} before the run, {_percent(env['busy_after'])} after; "

@@ -1,11 +1,12 @@
 """Reading and writing drafter checkpoints: DFlash / DFlare in the official DFlash layout, DART
-in the released DART layout.
+in the released DART layout, DEER in its base LM's layout.
 
 A checkpoint is a directory with ``config.json`` and ``model.safetensors`` (or index-sharded
 ``model-0000x-of-0000y.safetensors``). DFlash: a Qwen3 config plus ``block_size``,
 ``num_target_layers`` and ``dflash_config`` (``variant`` names DFlare when used); official
 checkpoints load unchanged. DART: a Llama config plus ``draft_length`` and ``draft_vocab_size``
-(see :mod:`diffdraft.drafters.dart_model`).
+(see :mod:`diffdraft.drafters.dart_model`). DEER: the base LM's config with ``architectures:
+["DEERDraftModel"]`` and ``deer_config`` (see :mod:`diffdraft.drafters.deer_model`).
 """
 
 from __future__ import annotations
@@ -17,18 +18,21 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
-from transformers import LlamaConfig, Qwen3Config
+from transformers import LlamaConfig, PretrainedConfig, Qwen3Config
 
 from diffdraft.drafters.dart_model import DARTDraftModel, is_dart_config
+from diffdraft.drafters.deer_model import DEERDraftModel, deer_config_from, is_deer_config
 from diffdraft.drafters.dflash_model import DFlashDraftModel, draft_setting
 from diffdraft.errors import CheckpointError
 
-DraftModel = DFlashDraftModel | DARTDraftModel
+DraftModel = DFlashDraftModel | DARTDraftModel | DEERDraftModel
 
 DEFAULT_DRAFTER_DIR = Path(__file__).resolve().parent.parent / "default_drafter"
 """The drafter shipped for the embedded default target (SmolLM2-135M-Instruct); see its README."""
 DEFAULT_DART_DIR = Path(__file__).resolve().parent.parent / "default_dart"
 """The DART drafter shipped for the embedded default target; see its README."""
+DEFAULT_DEER_DIR = Path(__file__).resolve().parent.parent / "default_deer"
+"""The DEER drafter shipped for the embedded default target; see its README."""
 # Released DART checkpoints may carry the target's embedding; the drafter always borrows the target's.
 IGNORED_WEIGHTS = {"embed_tokens.weight"}
 WEIGHTS_NAME = "model.safetensors"
@@ -36,9 +40,13 @@ INDEX_NAME = "model.safetensors.index.json"
 
 
 def resolve_drafter_path(spec: str | os.PathLike) -> Path:
-    """``"default"`` / ``"default-dart"`` -> a drafter shipped for the default target; anything else
-    is a directory path."""
-    shipped = {"default": DEFAULT_DRAFTER_DIR, "default-dart": DEFAULT_DART_DIR}.get(str(spec))
+    """``"default"`` / ``"default-dart"`` / ``"default-deer"`` -> a drafter shipped for the default
+    target; anything else is a directory path."""
+    shipped = {
+        "default": DEFAULT_DRAFTER_DIR,
+        "default-dart": DEFAULT_DART_DIR,
+        "default-deer": DEFAULT_DEER_DIR,
+    }.get(str(spec))
     if shipped is None:
         return Path(spec)
     if not (shipped / "config.json").is_file():
@@ -49,7 +57,7 @@ def resolve_drafter_path(spec: str | os.PathLike) -> Path:
     return shipped
 
 
-def read_draft_config(path: Path) -> Qwen3Config | LlamaConfig:
+def read_draft_config(path: Path) -> PretrainedConfig:
     config_file = path / "config.json"
     if not path.is_dir():
         raise CheckpointError(f"drafter checkpoint {path} does not exist or is not a directory")
@@ -63,12 +71,12 @@ def read_draft_config(path: Path) -> Qwen3Config | LlamaConfig:
         raise CheckpointError(
             f"{config_file} is not valid JSON ({err}); re-export or re-download it"
         ) from err
-    dart = is_dart_config(raw)
+    dart, deer = is_dart_config(raw), is_deer_config(raw)
     try:
-        config = LlamaConfig(**raw) if dart else Qwen3Config(**raw)
+        config = deer_config_from(raw) if deer else LlamaConfig(**raw) if dart else Qwen3Config(**raw)
     except Exception as err:  # transformers raises several validation error types
         raise CheckpointError(f"{config_file} is not a consistent drafter config: {err}") from err
-    if dart:
+    if dart or deer:
         return config
     for key in ("mask_token_id", "target_layer_ids"):
         if draft_setting(config, key) is None:
@@ -101,15 +109,22 @@ def load_draft_model(path: str | os.PathLike) -> DraftModel:
     """Build the draft network from a checkpoint directory (or a shipped name), checking every weight."""
     path = resolve_drafter_path(path)
     config = read_draft_config(path)
+    family = (
+        DEERDraftModel
+        if getattr(config, "deer_config", None)
+        else DARTDraftModel
+        if isinstance(config, LlamaConfig)
+        else DFlashDraftModel
+    )
     try:
-        model = DARTDraftModel(config) if isinstance(config, LlamaConfig) else DFlashDraftModel(config)
+        model = family(config)
     except ValueError as err:
         raise CheckpointError(f"drafter checkpoint {path} has an unusable config: {err}") from err
     weights = {k: v for k, v in _read_weights(path).items() if k not in IGNORED_WEIGHTS}
     expected = set(model.state_dict())
     missing, unexpected = expected - set(weights), set(weights) - expected
     if missing or unexpected:
-        kind = "DART" if isinstance(model, DARTDraftModel) else f"variant {model.variant!r}"
+        kind = f"variant {model.variant!r}"
         raise CheckpointError(
             f"drafter checkpoint {path} does not match its config ({kind}): "
             f"missing {sorted(missing)[:6]}, unexpected {sorted(unexpected)[:6]}"

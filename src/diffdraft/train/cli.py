@@ -24,6 +24,7 @@ from diffdraft.drafters.dflash_model import DFLASH
 from diffdraft.errors import InvalidRequestError
 from diffdraft.loading import end_token_ids, load_target
 from diffdraft.ngram.shipped import load_ngram
+from diffdraft.ngram.trie import tokenizer_fingerprint
 from diffdraft.target import TargetModel
 from diffdraft.train.dataset import load_responses
 from diffdraft.train.draft_vocab import coverage
@@ -258,6 +259,7 @@ def _add_fit_parser(steps: argparse._SubParsersAction) -> None:
         "compute_dtype",
         "labels",
         "init_layers",
+        "tokenizer_fingerprint",
     }
     for name, value in asdict(defaults).items():
         if name not in declared_elsewhere:
@@ -268,7 +270,9 @@ def _add_fit_parser(steps: argparse._SubParsersAction) -> None:
         choices=VARIANTS,
         default=DFLASH,
         help="dflash / dflare: block-diffusion drafters; dart: DART's one-layer shifted-logits drafter "
-        "(--draft-length masks, annealed KL); default: %(default)s",
+        "(--draft-length masks, annealed KL); deer: DEER's standalone diffusion LM (--num-layers of the "
+        "target's first layers unless --init-drafter, e.g. from `diffdraft deer init`; --stage 1|2); "
+        "default: %(default)s",
     )
     fit.add_argument(
         "--target-layer-ids",
@@ -288,7 +292,7 @@ def _add_fit_parser(steps: argparse._SubParsersAction) -> None:
         type=float,
         default=None,
         help="loss position weighting: dflash/dflare exp(-(k-1)/gamma), default 4.5; dart gamma^(t-1), "
-        "default 0.6",
+        "default 0.6; deer stage 2's alpha^(R-i), default 1.01",
     )
     fit.add_argument(
         "--gamma-max", type=float, default=None, help="default: gamma-0 + epochs - 1 (dart: gamma-0)"
@@ -460,6 +464,7 @@ def _run_fit(args: argparse.Namespace) -> None:
         train, _ = _split(args)
         fields = {f.name for f in dataclasses.fields(TrainConfig)}
         config = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
+        config.tokenizer_fingerprint = tokenizer_fingerprint(loaded.tokenizer)
         initial = load_draft_model(args.init_drafter) if args.init_drafter else None
         if initial is not None:
             config.mask_token_id = getattr(initial, "mask_token_id", None)  # DART drafters have none

@@ -30,14 +30,20 @@ class OnlineFeatures:
         self.target = target
         self.layer_ids = layer_ids
 
-    def __call__(self, sample_id: str, token_ids: torch.Tensor) -> torch.Tensor:
+    def __call__(self, sample_id: str, token_ids: torch.Tensor) -> torch.Tensor | None:
+        """None for a drafter that taps nothing (DEER): then no target forward runs at all."""
+        if not self.layer_ids:
+            return None
         # a normal tensor: inference-mode tensors cannot enter autograd
         return self.target.taps(token_ids, self.layer_ids).clone()
 
-    def with_logits(self, sample_id: str, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Taps [n, T, H] and the target's next-token logits [n, V], from one forward."""
+    def with_logits(
+        self, sample_id: str, token_ids: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Taps [n, T, H] (None when none are tapped) and the target's next-token logits [n, V],
+        from one forward."""
         out = self.target.taps_and_logits(token_ids, self.layer_ids)
-        return out.hidden.clone(), out.logits.clone()
+        return None if out.hidden is None else out.hidden.clone(), out.logits.clone()
 
 
 class CachedFeatures:

@@ -44,17 +44,26 @@ def block_loss(
     block_size = weights_by_position.shape[0]
     weights = weights_by_position.to(logits.device)[block_positions]
     if target_log_probs is None:
-        per_row = F.cross_entropy(logits.float(), labels, reduction="none", ignore_index=IGNORE)
         weights = weights * (labels != IGNORE)
-    else:
-        draft_log_probs = logits.float().log_softmax(-1)
-        per_row = F.kl_div(draft_log_probs, target_log_probs, log_target=True, reduction="none").sum(-1)
+    per_row = row_losses(logits, labels, target_log_probs, log_probs=True)
     loss = (per_row * weights).sum() / weights.sum().clamp_min(1e-8)
     return (
         loss,
         position_hits(logits, labels, block_positions, block_size),
         position_counts(block_positions, block_size),
     )
+
+
+def row_losses(
+    logits: torch.Tensor, labels: torch.Tensor, target: torch.Tensor | None, log_probs: bool = False
+) -> torch.Tensor:
+    """[r] cross-entropy to ``labels`` (0 where a label is IGNORE), or with ``target`` [r, V] (logits,
+    or log-probabilities if ``log_probs``) KL(target || draft)."""
+    if target is None:
+        return F.cross_entropy(logits.float(), labels, reduction="none", ignore_index=IGNORE)
+    target_log_probs = target.float() if log_probs else target.float().log_softmax(-1)
+    draft_log_probs = logits.float().log_softmax(-1)
+    return F.kl_div(draft_log_probs, target_log_probs, log_target=True, reduction="none").sum(-1)
 
 
 def position_hits(

@@ -1,9 +1,9 @@
-"""The drafter training loop: DFlash / DFlare (DFlare paper, sections 3.3, 4.3 and A.1) and DART.
+"""The drafter training loop: DFlash / DFlare (DFlare paper, sections 3.3, 4.3, A.1), DART and DEER.
 
 One optimizer step = ``batch_size`` sequences (global, over all processes). Each sequence gives
 many anchored drafts trained in one drafter forward under a sparse mask (each family's objective:
-``objective.py``, ``dart_objective.py``). The target's embedding (and for DFlash its LM head) is
-shared and frozen; only the drafter learns.
+``objective.py``, ``dart_objective.py``, ``deer_objective.py``). The target's embedding (and for
+DFlash its LM head) is shared and frozen; only the drafter learns (DEER owns its embedding and head).
 
 Everything random is derived from (seed, epoch, sample), so the run is reproducible, resumes
 exactly after a kill (optimizer, scheduler and data position are checkpointed), and gives the same
@@ -28,9 +28,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from diffdraft.drafters.checkpoint import DraftModel, load_draft_model, save_draft_model
 from diffdraft.drafters.dart_model import DART
+from diffdraft.drafters.deer_model import DEER, deer_from_causal_lm
 from diffdraft.drafters.dflash_model import DFLARE, DFLASH, DFlashDraftModel, make_draft_config
 from diffdraft.drafters.families import check_compatible
-from diffdraft.errors import InvalidRequestError
+from diffdraft.errors import InvalidRequestError, TrainingDivergedError
 from diffdraft.progress import progress_bar
 from diffdraft.target import TargetModel
 from diffdraft.train.blocks import sample_anchors
@@ -46,10 +47,12 @@ STATE_FILE = "training_state.pt"
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LABELS = ["target", "tokens"]
 INIT_LAYERS = ["random", "target"]
-VARIANTS = [DFLASH, DFLARE, DART]
-GAMMA_0 = {DFLASH: 4.5, DFLARE: 4.5, DART: 0.6}
+VARIANTS = [DFLASH, DFLARE, DART, DEER]
+GAMMA_0 = {DFLASH: 4.5, DFLARE: 4.5, DART: 0.6, DEER: 1.01}
 """Each paper's position weighting: DFlare's exp(-(k-1)/gamma) with gamma rising 1 per epoch from
-4.5; DART's gamma ** (t-1) with gamma fixed at 0.6 (its Table 4)."""
+4.5; DART's gamma ** (t-1) with gamma fixed at 0.6 (its Table 4); DEER's stage-2 alpha ** (R-i),
+alpha fixed at 1.01 (its Fig. 6: 1.05 diverged)."""
+FIXED_GAMMA = {DART, DEER}
 
 
 @dataclass
@@ -91,6 +94,13 @@ class TrainConfig:
     the forward that yields the taps; "tokens" = cross-entropy on the training text's tokens."""
     init_layers: str = "random"
     """"target" = draft layers start as copies of the target's last layers; "random" = fresh."""
+    stage: int = 1
+    """DEER only: 1 = continuation distillation (noised blocks, Eq. 1-2); 2 = Scribe refinement
+    (the last R ~ U(1, max_suffix) tokens masked, weights alpha ** (R - i), Eq. 3-4)."""
+    max_suffix: int = 96
+    """DEER stage 2 only: the largest R (the paper's 96)."""
+    tokenizer_fingerprint: str | None = None
+    """DEER only: recorded in a new drafter, so a target with another tokenizer refuses it."""
 
     def __post_init__(self) -> None:
         for name, allowed in (
@@ -185,7 +195,7 @@ class Trainer:
             CachedFeatures(feature_cache, layer_ids, fallback=self.online) if feature_cache else self.online
         )
         self.positions = self.drafter.max_depth + 1  # per-depth statistics; index 0 unused
-        objective = make_objective(self.drafter, target.model)
+        objective = make_objective(self.drafter, target.model, config.stage, config.max_suffix)
         self.model = DistributedDataParallel(objective) if self.world > 1 else objective
         self.optimizer = torch.optim.AdamW(
             self.drafter.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay
@@ -224,6 +234,15 @@ class Trainer:
             )
         if c.mask_token_id is None:
             raise InvalidRequestError("mask_token_id is required to build a new drafter")
+        if c.variant == DEER:  # the target's own first layers, embedding and head (deer init's recipe)
+            return deer_from_causal_lm(
+                self.target.model,
+                c.num_layers,
+                c.block_size,
+                c.mask_token_id,
+                c.tokenizer_fingerprint,
+                f"first {c.num_layers} layers of the training target",
+            )
         draft_config = make_draft_config(
             self.target.config,
             num_layers=c.num_layers,
@@ -283,7 +302,12 @@ class Trainer:
             self.target.device.type, dtype=compute_dtype, enabled=compute_dtype != torch.float32
         ):
             return self.model(
-                ids, anchors, taps.to(self.target.device), gamma, target_logits, sample.response_start
+                ids,
+                anchors,
+                None if taps is None else taps.to(self.target.device),
+                gamma,
+                target_logits,
+                sample.response_start,
             )
 
     def train(self, on_step=None) -> TrainState:
@@ -294,7 +318,7 @@ class Trainer:
         gamma_0 = c.gamma_0 if c.gamma_0 is not None else GAMMA_0[variant]
         gamma_max = c.gamma_max
         if gamma_max is None:
-            gamma_max = gamma_0 if variant == DART else gamma_0 + max(0.0, epochs - 1)
+            gamma_max = gamma_0 if variant in FIXED_GAMMA else gamma_0 + max(0.0, epochs - 1)
         progress = progress_bar(
             total=self.total_steps, initial=self.state.step, desc="training drafter", disable=self.rank != 0
         )
@@ -321,6 +345,12 @@ class Trainer:
                 agreements += a.cpu()
                 counts += n.cpu()
                 self.state.tokens_seen += int(sample.token_ids.shape[0]) * self.world
+            if not math.isfinite(total_loss):  # before the step: the weights and checkpoints stay sound
+                raise TrainingDivergedError(
+                    f"training diverged at step {step + 1} (loss {total_loss}); rerun to resume from the "
+                    "last checkpoint with a lower --learning-rate (DEER stage 2: a lower alpha, --gamma-0; "
+                    "the paper saw 1.05 diverge and 1.01 train)"
+                )
             grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), c.grad_clip)
             self.optimizer.step()
             self.scheduler.step()

@@ -1,0 +1,159 @@
+"""DEER's two-stage Diffusion-to-AR alignment on one sequence (DEER paper, Sec. 3.1, Eq. 1-4).
+
+One forward trains many blocks: the sequence's rows are causal (as at inference, where they are
+the drafter's cached prefix) and each block's rows follow them, seeing the prefix up to the
+block's root and the block's own rows bidirectionally (row layout: :mod:`~diffdraft.drafters.deer_model`).
+Row ``r`` of the block rooted at ``a`` sits at position ``a + r`` and predicts token ``a + r + 1``;
+row 0 is the root's own prefix row (depth 1).
+
+* Stage 1, continuation distillation (Eq. 1-2): per block a noise level t ~ U(0, 1]; each of the
+  ``block_size - 1`` rows after the root holds the mask token with probability t, else the true
+  token. A row is trained when the token it predicts is hidden from the block, with weight 1/t;
+  every prefix row of the response is also trained at depth 1 (weight 1), which costs nothing.
+* Stage 2, Scribe refinement (Eq. 3-4): per block the last R tokens are masked, R ~ U(1, max_suffix);
+  the row predicting the i-th of them has weight alpha ** (R - i), so the rows nearest the prefix
+  (which verification reaches first) weigh most. The paper saw alpha = 1.05 diverge, 1.01 train.
+* Evaluation (``max_suffix`` None): stage 2's shape with R = block_size, inference's exact blocks.
+
+The loss is the weighted mean of the trained rows' cross-entropy to the data's tokens (the target's
+answers, as the paper), or of the KL to the target's own distributions when they are given. Noise
+is drawn from a generator seeded by the sequence's anchors, themselves drawn from (seed, epoch,
+sample), so a resumed run sees the same noise.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from diffdraft.drafters.deer_model import DEERDraftModel
+from diffdraft.train.loss import position_counts, position_hits, row_losses
+
+
+class DEERObjective(nn.Module):
+    """DEER drafter -> (loss, hits, agreements, counts) per sequence, like the other objectives
+    (per-depth arrays of ``block_size + 1`` entries, index 0 unused). ``gamma`` is stage 2's alpha."""
+
+    def __init__(self, drafter: DEERDraftModel, stage: int = 2, max_suffix: int | None = None) -> None:
+        super().__init__()
+        if stage not in (1, 2):
+            raise ValueError(f"DEER training stage must be 1 or 2, got {stage}")
+        if max_suffix is not None and max_suffix < 1:
+            raise ValueError(f"max_suffix must be >= 1, got {max_suffix}")
+        self.drafter = drafter
+        self.stage = stage
+        self.max_suffix = max_suffix
+
+    def forward(
+        self,
+        token_ids: torch.Tensor,
+        anchors: torch.Tensor,
+        taps: torch.Tensor | None,
+        gamma: float,
+        target_logits: torch.Tensor | None = None,
+        response_start: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        model = self.drafter
+        n, device = token_ids.shape[0], model.lm_head.weight.device
+        generator = torch.Generator().manual_seed(int(anchors.sum()) * 1_000_003 + n)
+        anchors = anchors[anchors <= n - 2]
+        lengths, noise = self._blocks(anchors.shape[0], generator)
+        lengths = torch.minimum(lengths, n - 1 - anchors)  # no block predicts past the sequence end
+        rows = _block_rows(token_ids, anchors, lengths, noise, model.mask_token_id, generator)
+
+        prefix = torch.arange(n)
+        positions = torch.cat([prefix, rows.positions])
+        predicted = positions + 1
+        depths = torch.cat([torch.ones(n, dtype=torch.long), rows.steps + 1])
+        hidden_label = torch.cat([prefix >= max(response_start - 1, 0), rows.label_hidden])
+        trained = (predicted < n) & hidden_label
+        stage_one = self.stage == 1 and self.max_suffix is not None
+        prefix_weights = torch.ones(n)
+        if not stage_one:  # depth 1 only where a block is rooted, as the first of its R tokens
+            trained[:n] &= torch.isin(prefix, anchors)
+            prefix_weights[anchors] = rows.root_weights(gamma)
+        weights = torch.cat([prefix_weights, rows.weights(gamma, stage_one)])
+
+        input_ids = torch.cat([token_ids, rows.input_ids]).to(device)[None]
+        mask = _visibility(n, anchors, rows).to(device)[None, None]
+        hidden = model(input_ids, positions.to(device)[None], mask)[0]
+        index = trained.nonzero().squeeze(-1)
+        logits = model.lm_head(hidden[index.to(device)])
+        labels = token_ids[predicted[index]].to(device)
+        row_depths = depths[index].clamp_max(model.max_depth).to(device)
+        target_rows = None if target_logits is None else target_logits[(predicted[index] - 1).to(device)]
+        per_row = row_losses(logits, labels, target_rows)
+        row_weights = weights[index].to(device)
+        loss = (per_row * row_weights).sum() / row_weights.sum().clamp_min(1e-8)
+        size = model.max_depth + 1
+        hits = position_hits(logits, labels, row_depths, size)
+        agreements = (
+            torch.zeros_like(hits)
+            if target_rows is None
+            else position_hits(logits, target_rows.argmax(-1), row_depths, size)
+        )
+        return loss, hits, agreements, position_counts(row_depths, size)
+
+    def _blocks(self, count: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per block: how many tokens it predicts, and its mask probability (1 = all masked)."""
+        block_size = self.drafter.block_size
+        if self.max_suffix is None:
+            return torch.full((count,), block_size), torch.ones(count)
+        if self.stage == 2:
+            return torch.randint(1, self.max_suffix + 1, (count,), generator=generator), torch.ones(count)
+        noise = 1 - torch.rand(count, generator=generator)  # U(0, 1]
+        return torch.full((count,), block_size), noise
+
+
+class _BlockRows:
+    """The rows after each block's root, block after block."""
+
+    def __init__(self, owners, steps, positions, input_ids, label_hidden, lengths, noise) -> None:
+        self.owners, self.steps, self.positions = owners, steps, positions
+        self.input_ids, self.label_hidden = input_ids, label_hidden
+        self.lengths, self.noise = lengths, noise
+        self.group = torch.arange(lengths.shape[0]).repeat_interleave((lengths - 1).clamp_min(0))
+
+    def weights(self, alpha: float, stage_one: bool) -> torch.Tensor:
+        """Per row: 1/t (stage 1) or alpha ** (R - i) for the i-th predicted token (stage 2)."""
+        if stage_one:
+            return 1 / self.noise[self.group]
+        return torch.tensor(alpha, dtype=torch.float64).pow(self.lengths[self.group] - self.steps - 1).float()
+
+    def root_weights(self, alpha: float) -> torch.Tensor:
+        return torch.tensor(alpha, dtype=torch.float64).pow(self.lengths - 1).float()
+
+
+def _block_rows(
+    token_ids: torch.Tensor,
+    anchors: torch.Tensor,
+    lengths: torch.Tensor,
+    noise: torch.Tensor,
+    mask_token_id: int,
+    generator: torch.Generator,
+) -> _BlockRows:
+    extra = (lengths - 1).clamp_min(0)
+    owners = anchors.repeat_interleave(extra)
+    starts = torch.cumsum(extra, 0) - extra
+    steps = torch.arange(int(extra.sum())) - starts.repeat_interleave(extra) + 1
+    positions = owners + steps
+    masked = torch.rand(positions.shape[0], generator=generator) < noise.repeat_interleave(extra)
+    n = token_ids.shape[0]
+    truth = token_ids[positions.clamp_max(n - 1)]
+    input_ids = torch.where(masked, torch.full_like(truth, mask_token_id), truth)
+    # a row's label (token at position + 1) is hidden unless the next row of its block shows it
+    last_of_block = steps == lengths.repeat_interleave(extra) - 1
+    next_masked = torch.cat([masked[1:], torch.ones(1, dtype=torch.bool)])
+    label_hidden = last_of_block | next_masked
+    return _BlockRows(owners, steps, positions, input_ids, label_hidden, lengths, noise)
+
+
+def _visibility(n: int, anchors: torch.Tensor, rows: _BlockRows) -> torch.Tensor:
+    """[q, q] bool over ``[sequence rows ; block rows]`` (True = may attend)."""
+    prefix = torch.arange(n)
+    sees_prefix = torch.cat(
+        [prefix[:, None] >= prefix[None, :], torch.zeros(n, rows.owners.shape[0], dtype=torch.bool)], dim=1
+    )
+    block_sees_prefix = prefix[None, :] <= rows.owners[:, None]
+    block_sees_block = rows.group[:, None] == rows.group[None, :]
+    return torch.cat([sees_prefix, torch.cat([block_sees_prefix, block_sees_block], dim=1)], dim=0)
