@@ -31,6 +31,7 @@ from test_engine import run_engine
 DEER_CONFIG_KEYS = {
     "block_size",
     "mask_token_id",
+    "denoising_steps",
     "base_architectures",
     "tokenizer_fingerprint",
     "initialized_from",
@@ -38,10 +39,17 @@ DEER_CONFIG_KEYS = {
 
 
 def tiny_deer(
-    base: torch.nn.Module, layers: int = 2, block_size: int = 4, mask_token_id: int = 1, fingerprint=None
+    base: torch.nn.Module,
+    layers: int = 2,
+    block_size: int = 4,
+    mask_token_id: int = 1,
+    fingerprint=None,
+    denoising_steps: int = 1,
 ) -> DEERDraftModel:
     """A DEER drafter cut from ``base`` (untrained: its mask rows are the base LM's guesses)."""
-    return deer_from_causal_lm(base, layers, block_size, mask_token_id, fingerprint, "tiny test LM")
+    return deer_from_causal_lm(
+        base, layers, block_size, mask_token_id, fingerprint, "tiny test LM", denoising_steps
+    )
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -51,13 +59,14 @@ def tiny_deer(
     base=st.sampled_from(["target", "other"]),
     rule=st.sampled_from(["chain", "ddtree", "dart", "dart-ngram"]),
     block_size=st.integers(1, 6),
+    steps=st.integers(1, 3),
     layers=st.integers(1, 4),
     budget=st.integers(1, 24),
     prompt_len=st.integers(1, 20),
     max_new_tokens=st.integers(1, 30),
 )
 def test_greedy_deer_is_identical_to_transformers_generate(
-    family, seed, base, rule, block_size, layers, budget, prompt_len, max_new_tokens
+    family, seed, base, rule, block_size, steps, layers, budget, prompt_len, max_new_tokens
 ):
     target = tiny_target(family, seed=seed, vocab=64)
     vocab = target.config.vocab_size
@@ -70,7 +79,8 @@ def test_greedy_deer_is_identical_to_transformers_generate(
     other = ["llama", "qwen3"][seed % 2]
     source = target if base == "target" else tiny_target(other, seed=seed + 1, vocab=vocab)
     mask_token_id = int(torch.randint(vocab, (), generator=g))
-    drafter = DEERDrafter(tiny_deer(source, layers, block_size, mask_token_id), TargetModel(target))
+    model = tiny_deer(source, layers, block_size, mask_token_id, denoising_steps=steps)
+    drafter = DEERDrafter(model, TargetModel(target))
     dart_settings = DartTreeSettings(tree_size=budget, top_k=4, beam_width=3)
     builder = {
         "chain": ChainBuilder(),
@@ -116,6 +126,36 @@ def test_cached_drafting_equals_a_fresh_forward_every_round():
     assert len(checked) >= stats.rounds - 1 >= 4  # a last round with one token left drafts nothing
     assert max(stats.acceptance_lengths) >= 3  # rounds that commit several tokens at once
     assert min(checked) < 5  # rounds near the end draft fewer positions than the drafter could
+
+
+def test_each_denoising_step_shows_the_tokens_filled_so_far_and_leaves_the_cache_as_it_was():
+    base = tiny_target("llama", seed=6, vocab=24, layers=3)
+    target = TargetModel(base)
+    one_step = DEERDrafter(tiny_deer(base, 2, 5, 22), target)
+    two_steps = DEERDrafter(tiny_deer(base, 2, 5, 22, denoising_steps=2), target)
+    ids = torch.tensor([3, 9, 4, 17, 6, 2])
+    first = one_step.propose(ids, 5).log_probs
+    refined = two_steps.propose(ids, 5).log_probs
+    assert two_steps._cache.get_seq_length() == ids.shape[0]  # only committed tokens stay cached
+    # step 1 fills the 3 most confident depths; step 2 re-drafts the others with those tokens shown
+    filled = torch.zeros(5, dtype=torch.bool)
+    filled[first.max(-1).values.topk(3).indices] = True
+    torch.testing.assert_close(refined[filled], first[filled])
+    rows = torch.where(filled[:-1], first[:-1].argmax(-1), torch.full((4,), 22))
+    visible = torch.ones(10, 10, dtype=torch.bool).tril()
+    visible[6:, 6:] = True
+    model = two_steps.model
+    with torch.no_grad():
+        hidden = model(torch.cat([ids, rows])[None], torch.arange(10)[None], visible[None, None])
+        expected = model.lm_head(hidden[0, 6:]).float().log_softmax(-1)
+    torch.testing.assert_close(refined[1:][~filled[1:]], expected[~filled[1:]], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(refined, first)  # the second step changed something
+
+
+def test_a_block_as_long_as_the_context_is_refused():
+    base = tiny_target("llama", vocab=24, max_positions=8)
+    with pytest.raises(IncompatibleDrafterError, match="smaller --block-size"):
+        DEERDrafter(tiny_deer(base, 1, 8, 22), TargetModel(base))
 
 
 def truncated(base: torch.nn.Module, layers: int) -> torch.nn.Module:

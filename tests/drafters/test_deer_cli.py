@@ -56,7 +56,18 @@ def _assert_copied(drafter: DEERDraftModel, base: torch.nn.Module, layers: int) 
 
 def test_init_copies_the_first_layers(checkpoint, tmp_path, capsys):
     out = tmp_path / "drafter"
-    args = init_args(checkpoint, out, "--num-layers", "1", "--mask-token-id", "7", "--block-size", "4")
+    args = init_args(
+        checkpoint,
+        out,
+        "--num-layers",
+        "1",
+        "--mask-token-id",
+        "7",
+        "--block-size",
+        "4",
+        "--denoising-steps",
+        "2",
+    )
     assert main(args) == 0
     printed = capsys.readouterr().out.strip().splitlines()
     assert len(printed) == 1
@@ -66,7 +77,7 @@ def test_init_copies_the_first_layers(checkpoint, tmp_path, capsys):
     drafter = load_draft_model(out)
     assert isinstance(drafter, DEERDraftModel)
     assert drafter.config.num_hidden_layers == 1 and len(drafter.model.layers) == 1
-    assert drafter.block_size == 4 and drafter.mask_token_id == 7
+    assert drafter.block_size == 4 and drafter.mask_token_id == 7 and drafter.denoising_steps == 2
     assert drafter.lm_head.weight.dtype == torch.float32 and not drafter.tied
     settings = drafter.config.deer_config
     assert settings["base_architectures"] == ["LlamaForCausalLM"]
@@ -124,6 +135,10 @@ def test_force_replaces_a_non_empty_out(checkpoint, tmp_path, capsys):
         (
             ["--num-layers", "1", "--mask-token-id", "3", "--block-size", "0"],
             "--block-size must be at least 1",
+        ),
+        (
+            ["--num-layers", "1", "--mask-token-id", "3", "--denoising-steps", "0"],
+            "--denoising-steps must be at least 1",
         ),
         (["--num-layers", "1", "--mask-token-id", str(CHECKPOINT_VOCAB)], "leave it out to pick one"),
         (["--num-layers", "1", "--mask-token-id", "-1"], "leave it out to pick one"),

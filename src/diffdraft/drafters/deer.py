@@ -32,6 +32,7 @@ class DEERDrafter:
         self.target_layer_ids: list[int] = []
         self.max_depth = model.block_size
         self.mask_token_id = model.mask_token_id
+        self.denoising_steps = model.denoising_steps
         self.reset()
 
     def reset(self) -> None:
@@ -42,26 +43,56 @@ class DEERDrafter:
 
     @torch.inference_mode()
     def propose(self, token_ids: torch.Tensor, depth: int) -> Proposal:
+        """Depth 1 is the root row's (causal) prediction; the mask rows give depths 2..depth. With
+        S denoising steps, each later forward shows the tokens filled so far in their rows, and a
+        depth's distribution is the one its token was filled from (any proposal is exact: the
+        target verifies every drafted token)."""
         cached = self._cache.get_seq_length()
         new = token_ids[cached:].to(self.lm.device)  # committed since the last round, root last
-        masks = depth - 1
-        rows = torch.cat([new, torch.full((masks,), self.mask_token_id, device=new.device)])
-        visible = torch.ones(rows.shape[0], rows.shape[0], dtype=torch.bool, device=new.device).tril_()
-        visible[new.shape[0] :, new.shape[0] :] = True  # the mask rows see one another
+        rows = torch.full((depth - 1,), self.mask_token_id, device=new.device)
+        log_probs = self._forward(torch.cat([new, rows]), cached, new.shape[0])
+        self.lm.keep_path(self._cache, cached, list(range(new.shape[0])))  # drop the mask rows
+        filled = torch.zeros(depth, dtype=torch.bool, device=new.device)
+        per_step = -(-depth // self.denoising_steps)
+        for _ in range(self.denoising_steps - 1):
+            # fill the most confident open depths; depth d's token is the input of row d
+            confidence = log_probs.max(-1).values.masked_fill(filled, float("-inf"))
+            chosen = confidence.topk(min(per_step, int((~filled).sum()))).indices
+            filled[chosen] = True
+            rows = torch.where(filled[:-1], log_probs[:-1].argmax(-1), rows)
+            if bool(filled[:-1].all()):  # every row shows a token: nothing left to refine
+                break
+            start = cached + new.shape[0]
+            refined = self._forward(rows, start, 0)  # depths 2..; depth 1's row is causal: unchanged
+            self.lm.keep_path(self._cache, start, [])
+            log_probs[1:] = torch.where(filled[1:, None], log_probs[1:], refined)
+        return Proposal(log_probs=log_probs)
+
+    def _forward(self, rows: torch.Tensor, start: int, causal: int) -> torch.Tensor:
+        """Log-probs of the rows from the last of the ``causal`` leading rows on (every row when
+        none is causal); the other rows see the cache, the causal rows and one another. The rows
+        enter the cache at ``start``: the caller crops what must not stay."""
+        visible = torch.ones(rows.shape[0], rows.shape[0], dtype=torch.bool, device=rows.device)
+        visible[:causal, :causal].tril_()
+        visible[:causal, causal:] = False
         out = self.lm.verify(
             self._cache,
             rows,
-            torch.arange(cached, cached + rows.shape[0], device=new.device),
+            torch.arange(start, start + rows.shape[0], device=rows.device),
             self.lm.attention_mask(self._cache, visible),
             [],
         )
-        self.lm.keep_path(self._cache, cached, list(range(new.shape[0])))  # drop the mask rows
-        return Proposal(log_probs=out.logits[new.shape[0] - 1 :].float().log_softmax(-1))
+        return out.logits[max(causal - 1, 0) :].float().log_softmax(-1)
 
 
 def check_compatible(model: DEERDraftModel, target: TargetModel) -> None:
     """A DEER drafter reads the target's tokens: only the vocabulary must match (and the tokenizer,
     checked by :func:`check_tokenizer` where the tokenizer is known)."""
+    if model.block_size >= target.max_context:
+        raise IncompatibleDrafterError(
+            f"DEER block size {model.block_size} leaves no room for a prompt in the target's context of "
+            f"{target.max_context} tokens: build a drafter with a smaller --block-size"
+        )
     vocab = model.lm_head.weight.shape[0]
     if vocab != target.vocab_size:
         raise IncompatibleDrafterError(

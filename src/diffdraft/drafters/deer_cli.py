@@ -50,6 +50,13 @@ def add_deer_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
         help=f"tokens drafted per forward (default: {DEFAULT_BLOCK_SIZE})",
     )
     init.add_argument(
+        "--denoising-steps",
+        type=int,
+        default=1,
+        metavar="S",
+        help="forwards per draft: each later one shows the most confident tokens so far (default: 1)",
+    )
+    init.add_argument(
         "--mask-token-id",
         type=int,
         default=None,
@@ -90,6 +97,8 @@ def _run_init(args: argparse.Namespace) -> None:
     out = Path(args.out).expanduser()
     if args.block_size < 1:
         raise InvalidRequestError(f"--block-size must be at least 1, got {args.block_size}")
+    if args.denoising_steps < 1:
+        raise InvalidRequestError(f"--denoising-steps must be at least 1, got {args.denoising_steps}")
     _check_out_dir(out, args.force)  # before loading MODEL: refuse in a second, not after a load
     loaded = load_target(args.base, "float32", "cpu")
     initialized_from = f"{MODEL_NAME} (embedded default)" if args.base == "default" else args.base
@@ -115,6 +124,7 @@ def _run_init(args: argparse.Namespace) -> None:
         mask_token_id,
         tokenizer_fingerprint(loaded.tokenizer),
         initialized_from,
+        args.denoising_steps,
     )
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
@@ -159,6 +169,7 @@ def _run_info(args: argparse.Namespace) -> None:
     settings = model.config.deer_config
     print(f"drafter: {args.drafter}")
     print(f"block size: {model.block_size}")
+    print(f"denoising steps: {model.denoising_steps}")
     print(f"layers: {model.config.num_hidden_layers}")
     print(
         f"parameters: {_parameter_count(model):,} ({str(model.lm_head.weight.dtype).removeprefix('torch.')})"

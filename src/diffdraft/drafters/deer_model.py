@@ -14,7 +14,9 @@ used from step 0 (the shifted logits that AR-initialised diffusion LMs such as D
   another (bidirectionally) and predict depths 2..block_size.
 
 Every drafted position is conditioned on the prefix alone (DEER's within-block independence,
-its Sec. 3.2), and one forward gives all ``block_size`` per-position distributions.
+its Sec. 3.2), and one forward gives all ``block_size`` per-position distributions. Optionally
+(``deer_config.denoising_steps`` S > 1) the drafter denoises in S forwards, each filling the most
+confident still-masked positions with their argmax (:mod:`diffdraft.drafters.deer`).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ def make_deer_config(
     mask_token_id: int,
     tokenizer_fingerprint: str | None,
     initialized_from: str,
+    denoising_steps: int = 1,
 ) -> PretrainedConfig:
     """A copy of ``base`` cut to ``num_layers`` layers, carrying DEER's settings in ``deer_config``."""
     config = base.__class__(**base.to_dict())
@@ -61,6 +64,7 @@ def make_deer_config(
         "base_architectures": base_architectures,
         "tokenizer_fingerprint": tokenizer_fingerprint,
         "initialized_from": initialized_from,
+        "denoising_steps": denoising_steps,
     }
     return config
 
@@ -88,8 +92,11 @@ class DEERDraftModel(nn.Module):
         self.block_size = int(settings["block_size"])
         self.mask_token_id = int(settings["mask_token_id"])
         self.tokenizer_fingerprint: str | None = settings.get("tokenizer_fingerprint")
+        self.denoising_steps = int(settings.get("denoising_steps", 1))
         if self.block_size < 1:
             raise ValueError(f"deer_config.block_size must be >= 1, got {self.block_size}")
+        if self.denoising_steps < 1:
+            raise ValueError(f"deer_config.denoising_steps must be >= 1, got {self.denoising_steps}")
         if not 0 <= self.mask_token_id < config.vocab_size:
             raise ValueError(
                 f"deer_config.mask_token_id {self.mask_token_id} is outside the vocabulary "
@@ -147,6 +154,7 @@ def deer_from_causal_lm(
     mask_token_id: int,
     tokenizer_fingerprint: str | None,
     initialized_from: str,
+    denoising_steps: int = 1,
 ) -> DEERDraftModel:
     """A DEER drafter whose embedding, first ``num_layers`` layers, final norm and head are copies of
     ``causal_lm``'s (DEER built its math drafter from Qwen2.5-0.5B the same way)."""
@@ -161,7 +169,7 @@ def deer_from_causal_lm(
             f"num_layers must be in [1, {available}] (the base LM's layer count), got {num_layers}"
         )
     config = make_deer_config(
-        base, num_layers, block_size, mask_token_id, tokenizer_fingerprint, initialized_from
+        base, num_layers, block_size, mask_token_id, tokenizer_fingerprint, initialized_from, denoising_steps
     )
     drafter = DEERDraftModel(config)
     source = {k: v.detach().float().cpu() for k, v in causal_lm.state_dict().items()}
