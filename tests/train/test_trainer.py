@@ -248,6 +248,10 @@ def test_bad_inputs_are_clear_errors(target, tmp_path):
         Trainer(config(blocker / "out"), TargetModel(target), samples)
     with pytest.raises(InvalidRequestError, match="compute_dtype must be one of"):
         config(tmp_path, compute_dtype="float16")
+    with pytest.raises(InvalidRequestError, match=r"stage must be 1 .* or 2"):
+        config(tmp_path, variant=DEER, stage=3)
+    with pytest.raises(InvalidRequestError, match="max_suffix must be at least 1"):
+        config(tmp_path, variant=DEER, stage=2, max_suffix=0)
 
 
 def test_bfloat16_compute_runs_the_matmuls_in_bfloat16_and_keeps_float32_weights(target, tmp_path):

@@ -111,6 +111,12 @@ class TrainConfig:
         ):
             if getattr(self, name) not in allowed:
                 raise InvalidRequestError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.stage not in (1, 2):
+            raise InvalidRequestError(
+                f"stage must be 1 (continuation distillation) or 2 (Scribe refinement), got {self.stage}"
+            )
+        if self.max_suffix < 1:
+            raise InvalidRequestError(f"max_suffix must be at least 1, got {self.max_suffix}")
 
     def anchors_for(self, length: int) -> int:
         return self.anchors_per_sequence or max(1, length // 6)
