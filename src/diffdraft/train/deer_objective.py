@@ -82,7 +82,9 @@ class DEERObjective(nn.Module):
         labels = token_ids[predicted[index]].to(device)
         row_depths = depths[index].clamp_max(model.max_depth).to(device)
         target_rows = None if target_logits is None else target_logits[(predicted[index] - 1).to(device)]
-        per_row = row_losses(logits, labels, target_rows)
+        per_row = row_losses(
+            logits, labels, None if target_rows is None else target_rows.float().log_softmax(-1)
+        )
         row_weights = weights[index].to(device)
         loss = (per_row * row_weights).sum() / row_weights.sum().clamp_min(1e-8)
         size = model.max_depth + 1

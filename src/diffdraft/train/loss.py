@@ -45,7 +45,7 @@ def block_loss(
     weights = weights_by_position.to(logits.device)[block_positions]
     if target_log_probs is None:
         weights = weights * (labels != IGNORE)
-    per_row = row_losses(logits, labels, target_log_probs, log_probs=True)
+    per_row = row_losses(logits, labels, target_log_probs)
     loss = (per_row * weights).sum() / weights.sum().clamp_min(1e-8)
     return (
         loss,
@@ -55,13 +55,12 @@ def block_loss(
 
 
 def row_losses(
-    logits: torch.Tensor, labels: torch.Tensor, target: torch.Tensor | None, log_probs: bool = False
+    logits: torch.Tensor, labels: torch.Tensor, target_log_probs: torch.Tensor | None
 ) -> torch.Tensor:
-    """[r] cross-entropy to ``labels`` (0 where a label is IGNORE), or with ``target`` [r, V] (logits,
-    or log-probabilities if ``log_probs``) KL(target || draft)."""
-    if target is None:
+    """[r] cross-entropy to ``labels`` (0 where a label is IGNORE), or with ``target_log_probs``
+    [r, V] KL(target || draft)."""
+    if target_log_probs is None:
         return F.cross_entropy(logits.float(), labels, reduction="none", ignore_index=IGNORE)
-    target_log_probs = target.float() if log_probs else target.float().log_softmax(-1)
     draft_log_probs = logits.float().log_softmax(-1)
     return F.kl_div(draft_log_probs, target_log_probs, log_target=True, reduction="none").sum(-1)
 
