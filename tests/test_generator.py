@@ -72,10 +72,36 @@ def test_sampling_with_a_seed_is_reproducible_and_methods_agree_on_lengths(check
     assert chain.generate(**options).token_ids == chain.generate(**options).token_ids
 
 
+@pytest.mark.parametrize("method", ["ar", "ddtree+pld"])
+def test_generate_batch_gives_each_request_its_alone_result(checkpoint, drafter_dir, method):
+    generator = diffdraft.load(checkpoint, drafter=drafter_dir, method=method, budget=6)
+    requests = [
+        "hello world",
+        diffdraft.GenerationRequest("the quick brown", max_new_tokens=5, ignore_eos=True),
+        diffdraft.GenerationRequest("fox", max_new_tokens=14, temperature=0.9, seed=3, ignore_eos=True),
+        diffdraft.GenerationRequest(messages=None, prompt="world hello", max_new_tokens=9, stop=["o"]),
+        diffdraft.GenerationRequest(
+            "hello", max_new_tokens=12, temperature=1.0, top_p=0.8, seed=11, ignore_eos=True
+        ),
+    ]
+    expected = [
+        generator.generate(r) if isinstance(r, str) else generator.generate(**vars(r)) for r in requests
+    ]
+    results = generator.generate_batch(requests, max_batch_size=3)
+    assert [r.token_ids for r in results] == [e.token_ids for e in expected]
+    assert [r.text for r in results] == [e.text for e in expected]
+    assert [r.stats.stop_reason for r in results] == [e.stats.stop_reason for e in expected]
+    with pytest.raises(diffdraft.InvalidRequestError, match="max_batch_size must be >= 1"):
+        generator.generate_batch(requests, max_batch_size=0)
+    with pytest.raises(diffdraft.InvalidRequestError, match="temperature must be >= 0"):
+        generator.generate_batch(["hello", diffdraft.GenerationRequest("hi", temperature=-1.0)])
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
         (dict(temperature=-0.1), "temperature must be >= 0"),
+        (dict(temperature=0.5, seed=2**70), r"seed must be an integer in \[-9223372036854775808, "),
         (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
         (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
         (dict(top_k=-1), "top_k must be an integer >= 0"),
@@ -389,3 +415,20 @@ def test_deer_on_the_default_target_matches_transformers_greedy(tmp_path):
             taus[method].append(result.stats.tau)
     if drafter == "default-deer":  # an untrained drafter gets tau ~1.0
         assert sum(taus["deer-tree"]) / 5 > 1.15, taus
+
+
+@pytest.mark.real_model
+def test_a_batch_on_the_default_target_gives_every_request_its_alone_tokens():
+    """Four HumanEval prompts in float32, three at a time with the shipped drafter: each output is the
+    one the request gets alone (greedy) or with its own seed (sampled)."""
+    from diffdraft.bench.datasets import load_samples
+
+    loaded = diffdraft.load("default", method="ar", dtype="float32").loaded
+    gen = diffdraft.SpeculativeGenerator(loaded, "ddtree+pld", "default", budget=8)
+    requests = [
+        diffdraft.GenerationRequest(messages=sample.messages, max_new_tokens=20 + 4 * i, seed=i)
+        for i, sample in enumerate(load_samples("humaneval", 4))
+    ]
+    requests[3].temperature = 0.8
+    alone = [gen.generate(**vars(request)).token_ids for request in requests]
+    assert [r.token_ids for r in gen.generate_batch(requests, max_batch_size=3)] == alone

@@ -1,7 +1,14 @@
 """diffdraft: lossless speculative decoding with one-pass parallel drafters and optimal draft trees."""
 
 from diffdraft.errors import CheckpointError, DiffdraftError, IncompatibleDrafterError, InvalidRequestError
-from diffdraft.generator import METHODS, GenerationChunk, GenerationResult, SpeculativeGenerator, load
+from diffdraft.generator import (
+    METHODS,
+    GenerationChunk,
+    GenerationRequest,
+    GenerationResult,
+    SpeculativeGenerator,
+    load,
+)
 from diffdraft.sampling import SamplingParams
 from diffdraft.stats import GenerationStats
 
@@ -10,6 +17,7 @@ __all__ = [
     "CheckpointError",
     "DiffdraftError",
     "GenerationChunk",
+    "GenerationRequest",
     "GenerationResult",
     "GenerationStats",
     "IncompatibleDrafterError",

@@ -2,6 +2,11 @@
 
 One loop serves every method; drafters, tree builders and verifiers are plugged in. Plain
 autoregressive decoding is the same loop with no drafter (every tree is just the root).
+
+A round is split around its target forward (:class:`SequenceRun`: ``draft`` before, ``commit``
+after), so :class:`SpeculativeEngine` runs one sequence's rounds and
+:class:`~diffdraft.batching.BatchEngine` verifies several sequences' trees in one forward with the
+same per-sequence code.
 """
 
 from __future__ import annotations
@@ -14,8 +19,8 @@ import torch
 from diffdraft.drafters.base import Drafter, Proposal
 from diffdraft.sampling import SamplingParams, greedy_tokens, sample_from
 from diffdraft.stats import GenerationStats, StageTimer
-from diffdraft.stopping import StopConditions
-from diffdraft.target import TargetModel
+from diffdraft.stopping import StopConditions, StopDecision
+from diffdraft.target import TargetModel, TargetOutput, VerifyInput
 from diffdraft.trees import DraftTree, TreeBuilder
 from diffdraft.verify import accept
 
@@ -30,6 +35,18 @@ class SpeculativeEngine:
         if drafter is not None:
             target.check_speculation_supported()
 
+    def start(
+        self,
+        prompt_ids: list[int],
+        stop: StopConditions,
+        sampling: SamplingParams,
+        stats: GenerationStats,
+        seed: int | None = None,
+        drafter: Drafter | None = None,
+    ) -> SequenceRun:
+        """A new sequence; ``drafter``: its own (a fork of the engine's) when several run at once."""
+        return SequenceRun(self, prompt_ids, stop, sampling, stats, seed, drafter or self.drafter)
+
     def run(
         self,
         prompt_ids: list[int],
@@ -39,75 +56,117 @@ class SpeculativeEngine:
         seed: int | None = None,
     ) -> Iterator[list[int]]:
         """Yield the tokens committed by the prefill and by each round, until a stop condition holds."""
-        begin = time.perf_counter()
-        timer = StageTimer(stats, self.target.device)
-        generator = None
+        sequence = self.start(prompt_ids, stop, sampling, stats, seed)
+        yield sequence.prefill()
+        while not sequence.done:
+            step = sequence.draft()
+            with sequence.timer("verify"):
+                out = self.target.verify(
+                    step.cache, step.token_ids, step.position_ids, step.mask, self.layer_ids
+                )
+            yield sequence.commit(out, sequence.timer.last)
+
+
+class SequenceRun:
+    """One sequence's state in the loop: its KV cache, drafter context, random stream and stats."""
+
+    def __init__(
+        self,
+        engine: SpeculativeEngine,
+        prompt_ids: list[int],
+        stop: StopConditions,
+        sampling: SamplingParams,
+        stats: GenerationStats,
+        seed: int | None,
+        drafter: Drafter | None,
+    ) -> None:
+        self.engine = engine
+        self.target = engine.target
+        self.drafter = drafter
+        self.stop = stop
+        self.sampling = sampling
+        self.stats = stats
+        self.timer = StageTimer(stats, self.target.device)
+        self.generator = None
         if seed is not None:
-            generator = torch.Generator(device=self.target.device).manual_seed(seed)
-        ids = torch.tensor(prompt_ids, dtype=torch.long, device=self.target.device)
-        cache = self.target.new_cache()
+            self.generator = torch.Generator(device=self.target.device).manual_seed(seed)
+        self.prompt_ids = torch.tensor(prompt_ids, dtype=torch.long, device=self.target.device)
+        self.cache = self.target.new_cache()
+        self.generated: list[int] = []
+        self.decision: StopDecision | None = None
+        self._round: tuple[DraftTree, Proposal, int] | None = None  # the tree awaiting verification
+        self._begin = time.perf_counter()
+
+    @property
+    def done(self) -> bool:
+        return self.decision is not None
+
+    def prefill(self) -> list[int]:
+        """Run the prompt through the target; returns the first token."""
+        self._begin = time.perf_counter()
         if self.drafter is not None:
             self.drafter.reset()
-
-        with timer("prefill"):
-            out = self.target.prefill(cache, ids, self.layer_ids)
+        with self.timer("prefill"):
+            out = self.target.prefill(self.cache, self.prompt_ids, self.engine.layer_ids)
             if self.drafter is not None:
                 self.drafter.extend_context(out.hidden, 0)
-            first = self._pick(out.logits[-1], sampling, generator)
-        generated = [first]
-        decision = stop.check(generated, 1)
-        yield [first]
+            first = _pick(out.logits[-1], self.sampling, self.generator)
+        return self._extend([first])
 
-        while decision is None:
-            start = len(prompt_ids) + len(generated) - 1  # absolute position of the root
-            all_ids = torch.cat([ids, torch.tensor(generated, device=ids.device)])
-            depth = min(self.drafter.max_depth if self.drafter else 0, stop.remaining(len(generated)) - 1)
-            with timer("draft"):
-                proposal = self.drafter.propose(all_ids, depth) if depth > 0 else Proposal()
-                proposal.prefix = all_ids
-            with timer("tree"):
-                tree = self._build(generated[-1], proposal, sampling, generator, start)
-            with timer("mask"):
-                mask = self.target.attention_mask(cache, tree.ancestor_mask()) if tree.num_nodes else None
-            with timer("verify"):
-                out = self.target.verify(cache, tree.tokens, tree.position_ids(start), mask, self.layer_ids)
-            stats.verify_seconds.append(timer.last)
-            with timer("accept"):
-                result = accept(tree, out.logits, sampling, generator)
-            with timer("commit"):
-                self.target.keep_path(cache, start, result.path)
-                if self.drafter is not None:
-                    hidden = out.hidden[result.path] if out.hidden is not None else None
-                    self.drafter.extend_context(hidden, start)
-                new = [*tree.tokens[result.path[1:]].tolist(), result.next_token]
-            stats.rounds += 1
-            stats.acceptance_lengths.append(len(new))
-            stats.accepted_nodes.append(result.path[1:])
-            stats.draft_depths.append(proposal.depth)
-            stats.tree_sizes.append(tree.num_nodes)
-            generated.extend(new)
-            decision = stop.check(generated, len(new))
-            if decision is not None:
-                new = new[: max(0, len(new) - (len(generated) - decision.keep))]
-            yield new
+    def draft(self) -> VerifyInput:
+        """Draft and build this round's tree; the returned input is what the target must verify."""
+        start = len(self.prompt_ids) + len(self.generated) - 1  # absolute position of the root
+        all_ids = torch.cat([self.prompt_ids, torch.tensor(self.generated, device=self.prompt_ids.device)])
+        max_depth = self.drafter.max_depth if self.drafter else 0
+        depth = min(max_depth, self.stop.remaining(len(self.generated)) - 1)
+        with self.timer("draft"):
+            proposal = self.drafter.propose(all_ids, depth) if depth > 0 else Proposal()
+            proposal.prefix = all_ids
+        with self.timer("tree"):
+            if proposal.depth == 0:
+                tree = DraftTree.root_only(self.generated[-1], self.target.device)
+            else:
+                tree = self.engine.builder.build(
+                    self.generated[-1], proposal, self.sampling, self.generator, start
+                )
+        with self.timer("mask"):
+            mask = self.target.attention_mask(self.cache, tree.ancestor_mask()) if tree.num_nodes else None
+        self._round = (tree, proposal, start)
+        return VerifyInput(self.cache, tree.tokens, tree.position_ids(start), mask)
 
-        stats.stop_reason = decision.reason
-        stats.total_seconds = time.perf_counter() - begin
+    def commit(self, out: TargetOutput, verify_seconds: float) -> list[int]:
+        """Accept from the verified tree, keep its accepted path; returns the tokens this round added
+        (cut at a stop condition). ``verify_seconds``: the forward's time, recorded in the stats."""
+        tree, proposal, start = self._round
+        self._round = None
+        self.stats.verify_seconds.append(verify_seconds)
+        with self.timer("accept"):
+            result = accept(tree, out.logits, self.sampling, self.generator)
+        with self.timer("commit"):
+            self.target.keep_path(self.cache, start, result.path)
+            if self.drafter is not None:
+                hidden = out.hidden[result.path] if out.hidden is not None else None
+                self.drafter.extend_context(hidden, start)
+            new = [*tree.tokens[result.path[1:]].tolist(), result.next_token]
+        stats = self.stats
+        stats.rounds += 1
+        stats.acceptance_lengths.append(len(new))
+        stats.accepted_nodes.append(result.path[1:])
+        stats.draft_depths.append(proposal.depth)
+        stats.tree_sizes.append(tree.num_nodes)
+        return self._extend(new)
 
-    def _build(
-        self,
-        root: int,
-        proposal: Proposal,
-        sampling: SamplingParams,
-        generator: torch.Generator | None,
-        context: int,
-    ) -> DraftTree:
-        if proposal.depth == 0:
-            return DraftTree.root_only(root, self.target.device)
-        return self.builder.build(root, proposal, sampling, generator, context)
+    def _extend(self, new: list[int]) -> list[int]:
+        self.generated.extend(new)
+        self.decision = self.stop.check(self.generated, len(new))
+        if self.decision is not None:
+            new = new[: max(0, len(new) - (len(self.generated) - self.decision.keep))]
+            self.stats.stop_reason = self.decision.reason
+            self.stats.total_seconds = time.perf_counter() - self._begin
+        return new
 
-    @staticmethod
-    def _pick(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> int:
-        if sampling.greedy:
-            return int(greedy_tokens(logits))
-        return int(sample_from(sampling.probs(logits), generator))
+
+def _pick(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> int:
+    if sampling.greedy:
+        return int(greedy_tokens(logits))
+    return int(sample_from(sampling.probs(logits), generator))

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from diffdraft.batching import BatchEngine
 from diffdraft.budget import AutoBudgetBuilder, BudgetPlanner, load_or_measure
 from diffdraft.chat import encode_chat, encode_prompt
 from diffdraft.detokenize import INCOMPLETE, IncrementalDecoder
@@ -23,7 +24,7 @@ from diffdraft.drafters.deer import DEERDrafter
 from diffdraft.drafters.families import make_drafter
 from diffdraft.drafters.lookup_boost import LookupBoostedDrafter
 from diffdraft.drafters.prompt_lookup import PromptLookupDrafter
-from diffdraft.engine import SpeculativeEngine
+from diffdraft.engine import SequenceRun, SpeculativeEngine
 from diffdraft.errors import InvalidRequestError
 from diffdraft.loading import LoadedModel, end_token_ids, load_target
 from diffdraft.ngram.shipped import load_ngram
@@ -41,6 +42,8 @@ dart: DART's N-gram-pruned beam tree (trees/dart.py). Any drafter checkpoint ser
 deer / deer-tree: DEER's decoding (a chain verified by rejection sampling, its Eq. 5-6) and DDTree
 over a DEER drafter; they name the drafter family too, so they take DEER drafters only."""
 DEER_METHODS = ("deer", "deer-tree")
+SEED_RANGE = (-(2**63), 2**64)
+"""What a torch random generator accepts as a seed."""
 DDTREE_METHODS = ("ddtree", "ddtree+pld", "deer-tree")
 """Methods whose tree is DDTree's (and so take a node budget, 'auto' included)."""
 
@@ -70,6 +73,61 @@ class GenerationChunk:
     text: str
     token_ids: list[int]
     result: GenerationResult | None = None
+
+
+@dataclass
+class GenerationRequest:
+    """One generation's settings (what :meth:`SpeculativeGenerator.stream` takes)."""
+
+    prompt: str | None = None
+    """Text used as given (no chat template)."""
+    messages: list[dict] | None = None
+    """Chat messages; the target's chat template is applied."""
+    prompt_token_ids: Sequence[int] | None = None
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    """Seeds the request's own random stream (sampling only): the same seed, the same output."""
+    stop: Sequence[str] = ()
+    ignore_eos: bool = False
+
+
+@dataclass
+class PreparedRequest:
+    """A checked, encoded request and its output so far: text is decoded as tokens arrive and
+    released in chunks that never show half a character or the start of a stop string."""
+
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    seed: int | None
+    stop: StopConditions
+    text_of: IncrementalDecoder
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    generated: list[int] = field(default_factory=list)
+    pending: list[int] = field(default_factory=list)
+    """Tokens whose text is not shown yet."""
+    shown: str = ""
+
+    def add(self, new: list[int]) -> GenerationChunk | None:
+        """Take a round's tokens; the chunk of text they make visible, if any."""
+        self.generated.extend(new)
+        self.pending.extend(new)
+        text = self.stop.cut_text(self.text_of(self.generated)).rstrip(INCOMPLETE)
+        if self.stop.stop_strings:
+            text = text[: max(0, len(text) - max(map(len, self.stop.stop_strings)) + 1)]
+        if len(text) <= len(self.shown):
+            return None
+        chunk = GenerationChunk(text=text[len(self.shown) :], token_ids=self.pending)
+        self.shown, self.pending = text, []
+        return chunk
+
+    def finish(self) -> GenerationChunk:
+        """The rest of the text and the result, once generation ended."""
+        text = self.stop.cut_text(self.text_of(self.generated))
+        result = GenerationResult(list(self.prompt_ids), self.generated, text, self.stats)
+        return GenerationChunk(text=text[len(self.shown) :], token_ids=self.pending, result=result)
 
 
 def _check_method(method: str) -> None:
@@ -142,60 +200,99 @@ class SpeculativeGenerator:
         self._auto_budget = builder if isinstance(builder, AutoBudgetBuilder) else None
         self.end_token_ids = end_token_ids(target.model, target.tokenizer)
 
-    def generate(self, prompt: str | None = None, **kwargs) -> GenerationResult:
+    def generate(self, prompt: str | None = None, **options) -> GenerationResult:
         """Generate to completion; same arguments as :meth:`stream`."""
-        *_, last = self.stream(prompt, **kwargs)
+        *_, last = self.stream(prompt, **options)
         return last.result
 
-    def stream(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: list[dict] | None = None,
-        prompt_token_ids: Sequence[int] | None = None,
-        max_new_tokens: int = 256,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        stop: Sequence[str] = (),
-        ignore_eos: bool = False,
-    ) -> Iterator[GenerationChunk]:
-        """Yield text as rounds commit tokens. Give exactly one of prompt (used as given),
-        messages (chat template applied) or prompt_token_ids."""
-        prompt_ids = self._encode(prompt, messages, prompt_token_ids)
-        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    def stream(self, prompt: str | None = None, **options) -> Iterator[GenerationChunk]:
+        """Yield text as rounds commit tokens. ``options`` are :class:`GenerationRequest`'s fields:
+        exactly one of prompt (used as given), messages (chat template applied) or
+        prompt_token_ids, and the sampling and stopping settings."""
+        request = self.prepare(GenerationRequest(prompt, **options))
+        for new in self.engine.run(
+            request.prompt_ids, request.stop, request.sampling, request.stats, request.seed
+        ):
+            chunk = request.add(new)
+            if chunk is not None:
+                yield chunk
+        yield self.finish(request)
+
+    def generate_batch(
+        self, requests: Sequence[GenerationRequest | str], max_batch_size: int = 8
+    ) -> list[GenerationResult]:
+        """Generate several requests together (strings are prompts with default settings); see
+        :meth:`stream_batch`. Results come in the order of ``requests``."""
+        results: list[GenerationResult | None] = [None] * len(requests)
+        for index, result in self.stream_batch(requests, max_batch_size):
+            results[index] = result
+        return results
+
+    def stream_batch(
+        self, requests: Sequence[GenerationRequest | str], max_batch_size: int = 8
+    ) -> Iterator[tuple[int, GenerationResult]]:
+        """Yield ``(index in requests, result)`` as each request finishes. Up to ``max_batch_size``
+        requests share each round's target forward, and a waiting request joins as soon as another
+        finishes. Each result is the one :meth:`generate` gives for that request alone. Every request
+        is checked before any is generated."""
+        if max_batch_size < 1:
+            raise InvalidRequestError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        prepared = [
+            self.prepare(r if isinstance(r, GenerationRequest) else GenerationRequest(r)) for r in requests
+        ]
+        batch = BatchEngine(self.engine)
+        running: dict[SequenceRun, int] = {}
+        waiting = list(range(len(prepared)))
+        while waiting or batch.active:
+            while waiting and len(batch.active) < max_batch_size:
+                index = waiting.pop(0)
+                request = prepared[index]
+                sequence, first = batch.add(
+                    request.prompt_ids, request.stop, request.sampling, request.stats, request.seed
+                )
+                request.add(first)
+                if sequence.done:
+                    yield index, self.finish(request).result
+                else:
+                    running[sequence] = index
+            for sequence, new in batch.step():
+                request = prepared[running[sequence]]
+                request.add(new)
+                if sequence.done:
+                    yield running.pop(sequence), self.finish(request).result
+
+    def prepare(self, request: GenerationRequest) -> PreparedRequest:
+        """Check and encode a request (an :class:`InvalidRequestError` names what is wrong)."""
+        prompt_ids = self._encode(request.prompt, request.messages, request.prompt_token_ids)
+        sampling = SamplingParams(temperature=request.temperature, top_k=request.top_k, top_p=request.top_p)
+        seed = request.seed
+        if seed is not None and not (isinstance(seed, int) and SEED_RANGE[0] <= seed < SEED_RANGE[1]):
+            raise InvalidRequestError(
+                f"seed must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}), got {seed!r}"
+            )
         if seed is None and not sampling.greedy:
             seed = int(torch.randint(0, 2**62, ()).item())
         text_of = IncrementalDecoder(self._decode)  # the output's text each round, decoding its tail
         stop_conditions = StopConditions(
-            end_token_ids=() if ignore_eos else self.end_token_ids,
-            max_new_tokens=max_new_tokens,
+            end_token_ids=() if request.ignore_eos else self.end_token_ids,
+            max_new_tokens=request.max_new_tokens,
             max_total_tokens=self.target.max_context,
             prompt_length=len(prompt_ids),
-            stop_strings=stop,
+            stop_strings=request.stop,
             decode=text_of,
         )
-        stats = GenerationStats()
-        generated: list[int] = []
-        pending: list[int] = []  # tokens whose text is not shown yet
-        shown = ""
-        for new in self.engine.run(prompt_ids, stop_conditions, sampling, stats, seed):
-            generated.extend(new)
-            pending.extend(new)
-            text = self._visible_text(text_of(generated), stop_conditions)
-            if len(text) > len(shown):
-                yield GenerationChunk(text=text[len(shown) :], token_ids=pending)
-                shown, pending = text, []
+        return PreparedRequest(prompt_ids, sampling, seed, stop_conditions, text_of)
+
+    def finish(self, request: PreparedRequest) -> GenerationChunk:
+        """The last chunk of a request whose generation ended, with its result; the auto budget
+        learns from what its rounds accepted and cost."""
         if self._auto_budget is not None:
-            # the budget planner learns what this generation's rounds accepted and what they cost
+            stats = request.stats
             outside = sum(
                 seconds for stage, seconds in stats.timings.items() if stage not in ("prefill", "verify")
             )
             self._auto_budget.observe_generation(stats, outside / max(1, stats.rounds))
-        text = stop_conditions.cut_text(text_of(generated))
-        result = GenerationResult(list(prompt_ids), generated, text, stats)
-        yield GenerationChunk(text=text[len(shown) :], token_ids=pending, result=result)
+        return request.finish()
 
     def _encode(self, prompt, messages, prompt_token_ids) -> list[int]:
         given = [x is not None for x in (prompt, messages, prompt_token_ids)]
@@ -214,14 +311,6 @@ class SpeculativeGenerator:
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    @staticmethod
-    def _visible_text(text: str, stop: StopConditions) -> str:
-        """Text safe to show now: no half-decoded characters, no prefix of a stop string yet."""
-        text = stop.cut_text(text).rstrip(INCOMPLETE)
-        if stop.stop_strings:
-            text = text[: max(0, len(text) - max(map(len, stop.stop_strings)) + 1)]
-        return text
 
 
 def load(

@@ -12,6 +12,8 @@ forward. Module hooks do not run on this path.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
@@ -26,6 +28,15 @@ from diffdraft.fused_projections import ProjectionSlice, StackedProjection
 
 SUPPORTED_LAYERS = {"LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"}
 """Decoder layers whose forward is the Llama one (Qwen3 adds per-head q/k norms, handled here)."""
+
+
+@dataclass
+class Segment:
+    """One sequence of a packed forward: its cache, how many of the tokens are its, and its mask."""
+
+    cache: DynamicCache
+    length: int
+    mask: torch.Tensor | None
 
 
 class LeanForward:
@@ -61,8 +72,23 @@ class LeanForward:
 
         ``mask`` is the additive 4D mask of :meth:`TargetModel.attention_mask`; None only for a
         single token, which sees the whole cache (a prefill goes through Hugging Face's forward)."""
-        if mask is None and token_ids.shape[0] != 1:
-            raise ValueError("without a mask the lean forward takes one token; prefill through Hugging Face")
+        return self.packed([Segment(cache, token_ids.shape[0], mask)], token_ids, position_ids, layer_ids)[0]
+
+    def packed(
+        self,
+        segments: list[Segment],
+        token_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        layer_ids: list[int],
+    ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """:meth:`__call__` for several sequences at once: ``token_ids`` / ``position_ids`` are every
+        segment's, concatenated in order. Projections and MLPs run over all tokens in one matmul;
+        attention runs per segment over its own cache and mask. Returns (logits, taps) per segment."""
+        for segment in segments:
+            if segment.mask is None and segment.length != 1:
+                raise ValueError(
+                    "without a mask the lean forward takes one token; prefill through Hugging Face"
+                )
         hidden = self.decoder.embed_tokens.forward(token_ids[None])
         positions = position_ids[None]
         rotary = self.decoder.rotary_emb(hidden, positions)
@@ -75,7 +101,7 @@ class LeanForward:
             residual = hidden
             normed = layer.input_layernorm.forward(hidden)
             hidden = residual + _attention(
-                layer.self_attn, stacked, normed, rotary, positions, mask, cache, attend
+                layer.self_attn, stacked, normed, rotary, positions, segments, attend
             )
             residual = hidden
             mlp = layer.mlp
@@ -90,7 +116,11 @@ class LeanForward:
             taps[last] = hidden
         logits = self.model.lm_head.forward(hidden)[0]
         stacked = torch.stack([taps[i][0] for i in layer_ids], dim=1) if layer_ids else None
-        return logits, stacked
+        if len(segments) == 1:
+            return [(logits, stacked)]
+        sizes = [segment.length for segment in segments]
+        split_taps = stacked.split(sizes) if stacked is not None else [None] * len(segments)
+        return list(zip(logits.split(sizes), split_taps, strict=True))
 
 
 def _stacked_qkv(attention: nn.Module) -> StackedProjection | None:
@@ -108,11 +138,10 @@ def _attention(
     hidden: torch.Tensor,
     rotary: tuple[torch.Tensor, torch.Tensor],
     positions: torch.Tensor,
-    mask: torch.Tensor | None,
-    cache,
+    segments: list[Segment],
     attend,
 ) -> torch.Tensor:
-    """``attention.forward`` of the Llama family, minus its keyword plumbing."""
+    """``attention.forward`` of the Llama family, minus its keyword plumbing, per segment."""
     shape = (*hidden.shape[:-1], -1, attention.head_dim)
     if stacked is not None:  # rotate q and k heads in one go: the same elementwise ops per element
         heads = stacked.linear(hidden).view(shape).transpose(1, 2)  # [b, q + k + v heads, n, d]
@@ -133,17 +162,26 @@ def _attention(
         query, key = query.transpose(1, 2), key.transpose(1, 2)
         value = attention.v_proj.forward(hidden).view(shape).transpose(1, 2)
         query, key = apply_rotary_pos_emb(query, key, *rotary)
-    key, value = cache.update(key, value, attention.layer_idx)
     extra = {"sliding_window": None} if hasattr(attention, "sliding_window") else {}  # Qwen2/3 pass it
-    out, _ = attend(
-        attention,
-        query,
-        key,
-        value,
-        mask,
-        dropout=0.0,
-        scaling=attention.scaling,
-        position_ids=positions,
-        **extra,
-    )
+    outputs = []
+    offset = 0
+    for segment in segments:
+        part = slice(offset, offset + segment.length)
+        if len(segments) == 1:
+            part = slice(None)
+        offset += segment.length
+        keys, values = segment.cache.update(key[:, :, part], value[:, :, part], attention.layer_idx)
+        out, _ = attend(
+            attention,
+            query[:, :, part],
+            keys,
+            values,
+            segment.mask,
+            dropout=0.0,
+            scaling=attention.scaling,
+            position_ids=positions[:, part],
+            **extra,
+        )
+        outputs.append(out)
+    out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
     return attention.o_proj.forward(out.reshape(*shape[:-2], -1).contiguous())

@@ -7,6 +7,7 @@ id ``i`` is the *output* of decoder layer ``i``, i.e. Hugging Face ``hidden_stat
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +15,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from diffdraft.errors import IncompatibleDrafterError, UnsupportedModelError
 from diffdraft.kv_cache import growable_cache, keep_rows
-from diffdraft.lean_forward import LeanForward
+from diffdraft.lean_forward import LeanForward, Segment
 
 
 @dataclass
@@ -23,6 +24,17 @@ class TargetOutput:
     """[n, V] logits after each input token (only the last row after a prefill)."""
     hidden: torch.Tensor | None
     """[n, T, H] outputs of the tapped decoder layers, or None when nothing is tapped."""
+
+
+@dataclass
+class VerifyInput:
+    """One sequence's share of a verification forward: its tree's tokens over its own cache."""
+
+    cache: DynamicCache
+    token_ids: torch.Tensor
+    position_ids: torch.Tensor
+    mask: torch.Tensor | None
+    """The 4D mask of :meth:`TargetModel.attention_mask`; None for a lone root (plain decoding)."""
 
 
 class _TapsComplete(Exception):
@@ -154,6 +166,21 @@ class TargetModel:
             )
             return TargetOutput(logits=logits, hidden=hidden)
         return self._forward(cache, token_ids, position_ids, attention_mask, layer_ids, logits_to_keep=0)
+
+    @torch.inference_mode()
+    def verify_batch(self, inputs: Sequence[VerifyInput], layer_ids: list[int]) -> list[TargetOutput]:
+        """:meth:`verify` for several sequences, each over its own cache: Llama-shaped targets verify
+        them all in one packed forward (the weights are read once for every sequence's tree), others
+        one forward per sequence."""
+        if self.lean is None:
+            return [self.verify(i.cache, i.token_ids, i.position_ids, i.mask, layer_ids) for i in inputs]
+        segments = [Segment(i.cache, i.token_ids.shape[0], i.mask) for i in inputs]
+        tokens = torch.cat([i.token_ids.to(self.device) for i in inputs])
+        positions = torch.cat([i.position_ids.to(self.device) for i in inputs])
+        return [
+            TargetOutput(logits, hidden)
+            for logits, hidden in self.lean.packed(segments, tokens, positions, layer_ids)
+        ]
 
     def _forward(
         self,

@@ -13,6 +13,7 @@ from diffdraft.bench.cli import _deer_drafter, add_bench_parser, run_bench
 from diffdraft.bench.journal import JOURNAL
 from diffdraft.bench.methods import MethodSpec, OursRunner, register
 from diffdraft.drafters.checkpoint import save_draft_model
+from diffdraft.errors import InvalidRequestError
 from diffdraft.loading import load_target
 
 from conftest import make_checkpoint, tiny_drafter
@@ -146,3 +147,29 @@ def test_a_planted_mismatch_fails_the_run_loudly(setup, tmp_path, monkeypatch, c
     assert "LOSSLESS CHECK FAILED" in capsys.readouterr().err
     report = (out / "report.md").read_text()
     assert "**BUG: clear margin**" in report and "**FAIL: 4 unexplained**" in report
+
+
+def test_batch_sizes_measure_whole_batch_throughput_losslessly(setup, tmp_path):
+    root, *_ = setup
+    out = tmp_path / "batch"
+    argv = [*common(setup, out), "--drafter", str(root / "drafter"), "--batch-sizes", "1,2"]
+    assert bench(argv) == 0
+    data = json.loads((out / "batch.json").read_text())
+    points = {(p["method"], p["batch_size"]): p for p in data["points"]}
+    assert set(points) == {(m, b) for m in ("ar", "ddtree:8", "ddtree+pld:8") for b in (1, 2)}
+    for point in points.values():
+        assert point["violations"] == 0
+        assert point["identical"] == 2  # float32: every output equals plain AR's at batch 1
+        assert len(point["seconds"]) == 2 and point["tokens"] > 0
+    assert points["ar", 1]["tokens"] == points["ddtree+pld:8", 2]["tokens"]
+    assert set(data["verify_cost"]["seconds"]) == {"1", "2"}
+    assert "--batch-sizes 1,2" in data["command"]
+    assert "| ddtree+pld:8 |" in (out / "batch.md").read_text()
+    assert (out / "batch_throughput.png").stat().st_size > 0
+
+
+def test_batch_sizes_refuse_methods_without_a_batch_mode(setup, tmp_path):
+    with pytest.raises(InvalidRequestError, match="drop hf"):
+        bench([*common(setup, tmp_path / "x"), "--methods", "ar,hf", "--batch-sizes", "1,2"])
+    with pytest.raises(InvalidRequestError, match="at least 1"):
+        bench([*common(setup, tmp_path / "x"), "--batch-sizes", "0"])

@@ -22,11 +22,12 @@ from diffdraft.bench.methods import (
     BenchModels,
     MethodSpec,
     MethodUnavailable,
+    OursRunner,
     build_method,
     default_specs,
     registered,
 )
-from diffdraft.bench.runner import BenchOptions, Record, run_benchmark
+from diffdraft.bench.runner import BenchOptions, Record, encode_turn, run_benchmark
 from diffdraft.bench.summary import checks, summarize
 from diffdraft.errors import InvalidRequestError
 
@@ -38,6 +39,8 @@ FULL = {
     "repeats": 3,
     "budgets": "8,16,32,64,128,auto",
 }
+BATCH_METHODS = ("ar", "ddtree:8", "ddtree+pld:8")
+"""What --batch-sizes measures unless --methods says otherwise."""
 QUICK = {
     "datasets": "humaneval,mtbench",
     "samples": 2,
@@ -132,6 +135,13 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         "--threads", type=int, default=None, help="torch threads (default: torch's choice, one per core)"
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument(
+        "--batch-sizes",
+        default=None,
+        help="measure whole-batch throughput instead: comma list of batch sizes, e.g. 1,2,4,8 (every prompt "
+        f"generated with continuous batching at each size; default methods {','.join(BATCH_METHODS)}); "
+        "writes batch.md, batch.json and batch_throughput.png",
+    )
     return p
 
 
@@ -143,6 +153,9 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     busy_before = _cpu_busy()
+    batch_sizes = _batch_sizes(args.batch_sizes) if args.batch_sizes is not None else None
+    if batch_sizes is not None and args.methods is None:
+        args.methods = ",".join(BATCH_METHODS)
     options = _resolve(args)
     progress = not args.no_progress
     models = BenchModels(
@@ -158,6 +171,8 @@ def run_bench(args: argparse.Namespace) -> int:
         ngram=_ngram(args),
         deer_drafter=_deer_drafter(args),
     )
+    if batch_sizes is not None:
+        return _run_batch_bench(args, models, options, batch_sizes, started)
     if args.methods is None and models.dtype_name != "float32":
         # the baseline users know, in whichever dtype is fastest for it on this machine
         options["methods"].append(MethodSpec("hf", dtype="float32"))
@@ -220,6 +235,65 @@ def run_bench(args: argparse.Namespace) -> int:
             f"diffdraft: error: LOSSLESS CHECK FAILED: {len(run.violations)} outputs diverge from plain AR "
             f"at a clear float32 margin (see 'Divergences' in {Path(args.out) / 'report.md'})",
             file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+def _batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(part) for part in _split(text)]
+    except ValueError as error:
+        raise InvalidRequestError(f"--batch-sizes must be whole numbers, e.g. 1,2,4,8: {error}") from error
+    if not sizes or min(sizes) < 1:
+        raise InvalidRequestError(f"--batch-sizes must be at least 1, got {text!r}")
+    return sorted(set(sizes))
+
+
+def _run_batch_bench(
+    args: argparse.Namespace, models: BenchModels, options: dict, batch_sizes: list[int], started: float
+) -> int:
+    """``--batch-sizes``: whole-batch throughput of our methods (first turns of the samples, greedy)."""
+    from diffdraft.bench.batching import measure_batch_verify_cost, run_batch_benchmark, write_batch_outputs
+
+    runners = _build_runners(models, options["methods"], explicit=True)
+    foreign = [r.spec.label for r in runners if not isinstance(r, OursRunner)]
+    if foreign:
+        raise InvalidRequestError(
+            f"--batch-sizes measures diffdraft's own methods; drop {', '.join(foreign)} from --methods"
+        )
+    samples = [s for name in options["datasets"] for s in load_samples(name, options["samples"])]
+    prompts = [encode_turn(models.tokenizer, sample, sample.messages) for sample in samples]
+    tolerance = args.tie_tolerance
+    if tolerance is None:
+        tolerance = TIE_TOLERANCE[models.main.model.dtype]
+    checker = LosslessChecker(lambda: models.target("float32", optimized=False).model, tolerance)
+    progress = not args.no_progress
+    points = run_batch_benchmark(
+        runners, prompts, batch_sizes, options["max_new_tokens"], options["repeats"], checker, progress
+    )
+    cost = measure_batch_verify_cost(runners[0].generator.target, batch_sizes)
+    machine = _machine(models)
+    header = {
+        "command": _command(args, options),
+        "machine": f"{machine['cpu']}, {machine['cores']} cores, {machine['threads']} torch threads, "
+        f"{models.dtype_name}",
+        "prompts": len(prompts),
+        "max_new_tokens": options["max_new_tokens"],
+        "repeats": options["repeats"],
+        "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
+        "elapsed_seconds": time.time() - started,
+    }
+    written = write_batch_outputs(args.out, header, points, cost)
+    for point in points:
+        print(
+            f"{point.method:>16} batch {point.batch_size}: {point.tokens_per_second:6.1f} tok/s, "
+            f"tau {point.tau:.2f}, {point.violations} unexplained divergences"
+        )
+    print("wrote " + ", ".join(str(p) for p in written))
+    if any(point.violations for point in points):
+        print(
+            "diffdraft: error: LOSSLESS CHECK FAILED in the batch benchmark (see batch.md)", file=sys.stderr
         )
         return 1
     return 0
@@ -320,6 +394,8 @@ def _command(args: argparse.Namespace, options: dict) -> str:
     for flag, value in (("--tie-tolerance", args.tie_tolerance), ("--threads", args.threads)):
         if value is not None:
             parts += [flag, str(value)]
+    if args.batch_sizes is not None:
+        parts += ["--batch-sizes", args.batch_sizes]
     parts += ["--out", str(args.out)]
     return shlex.join(parts)
 

@@ -97,14 +97,14 @@ def run_benchmark(
     turns = sum(sample.turns for sample in samples)
     total = turns * options.repeats * len(runners) * len(options.temperatures)
     bar = progress_bar(total=total, desc="bench", unit="gen", disable=not options.progress)
-    _warm_up(runners, _encode(tokenizer, samples[0], samples[0].messages), options, bar)
+    _warm_up(runners, encode_turn(tokenizer, samples[0], samples[0].messages), options, bar)
     run = BenchRun()
     rotation = 0
     for temperature in options.temperatures:
         for sample in samples:
             messages = list(sample.messages) if sample.messages is not None else None
             for turn in range(sample.turns):
-                prompt = _encode(tokenizer, sample, messages)
+                prompt = encode_turn(tokenizer, sample, messages)
                 for repeat in range(options.repeats):
                     order = [*runners[rotation:], *runners[:rotation]]
                     rotation = (rotation + 1) % len(runners)
@@ -178,7 +178,7 @@ def _warm_up(runners: Sequence[MethodRunner], prompt: list[int], options: BenchO
         runner.generate(Request(prompt, options.warmup_tokens, seed=options.seed))
 
 
-def _encode(tokenizer: PreTrainedTokenizerBase, sample: Sample, messages: list[dict] | None) -> list[int]:
+def encode_turn(tokenizer: PreTrainedTokenizerBase, sample: Sample, messages: list[dict] | None) -> list[int]:
     if sample.prompt is not None:
         return encode_prompt(tokenizer, sample.prompt)
     return encode_chat(tokenizer, messages)

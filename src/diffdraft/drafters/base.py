@@ -7,6 +7,7 @@ The engine never learns a drafter's name. It tells the drafter which target laye
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -56,3 +57,17 @@ class Drafter(Protocol):
 
     def propose(self, token_ids: torch.Tensor, depth: int) -> Proposal:
         """Draft ``depth`` positions after ``token_ids[-1]`` (the root; all committed tokens given)."""
+
+    def fork(self) -> Drafter:
+        """A drafter with an empty context that shares this one's weights: one per sequence when
+        several sequences are decoded at once."""
+
+
+class ForksByCopy:
+    """``fork`` for drafters whose ``reset`` rebinds (never mutates) every piece of per-sequence
+    state: a shallow copy shares the weights, and its reset gives it state of its own."""
+
+    def fork(self):
+        clone = copy.copy(self)
+        clone.reset()
+        return clone

@@ -12,14 +12,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from diffdraft.drafters.base import Proposal
+from diffdraft.drafters.base import ForksByCopy, Proposal
 from diffdraft.drafters.compatibility import check_fits_target
 from diffdraft.drafters.dart_model import DARTDraftModel
 from diffdraft.packed_linear import has_packed_layers, pack_linear_layers
 from diffdraft.target import TargetModel
 
 
-class DARTDrafter:
+class DARTDrafter(ForksByCopy):
     def __init__(self, model: DARTDraftModel, target: TargetModel) -> None:
         check_compatible(model, target)
         self.model = model.to(device=target.device, dtype=target.dtype).eval()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from diffdraft.drafters.base import Proposal
+from diffdraft.drafters.base import ForksByCopy, Proposal
 from diffdraft.drafters.deer_model import DEERDraftModel
 from diffdraft.errors import IncompatibleDrafterError
 from diffdraft.fused_projections import fuse_projections
@@ -20,7 +20,7 @@ from diffdraft.packed_linear import has_packed_layers, pack_linear_layers
 from diffdraft.target import TargetModel
 
 
-class DEERDrafter:
+class DEERDrafter(ForksByCopy):
     def __init__(self, model: DEERDraftModel, target: TargetModel) -> None:
         check_compatible(model, target)
         self.model = model.to(device=target.device, dtype=target.dtype).eval()

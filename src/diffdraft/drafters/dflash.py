@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from diffdraft.drafters.base import Proposal
+from diffdraft.drafters.base import ForksByCopy, Proposal
 from diffdraft.drafters.compatibility import check_fits_target
 from diffdraft.drafters.dflash_model import DFLASH, DFlashDraftModel, draft_head
 from diffdraft.errors import IncompatibleDrafterError
@@ -18,7 +18,7 @@ from diffdraft.packed_linear import has_packed_layers, pack_linear, pack_linear_
 from diffdraft.target import TargetModel
 
 
-class DFlashDrafter:
+class DFlashDrafter(ForksByCopy):
     def __init__(self, model: DFlashDraftModel, target: TargetModel) -> None:
         check_compatible(model, target)
         self.model = model.to(device=target.device, dtype=target.dtype).eval()

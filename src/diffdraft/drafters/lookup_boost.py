@@ -45,6 +45,9 @@ class LookupBoostedDrafter:
         self.max_depth = max(drafter.max_depth, self.lookup.max_depth)
         self.reset()
 
+    def fork(self) -> LookupBoostedDrafter:
+        return LookupBoostedDrafter(self.drafter.fork(), self.lookup.fork(), self.weight)
+
     def reset(self) -> None:
         self.drafter.reset()
         shape = (self.lookup.max_ngram + 1, self.max_depth)

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from diffdraft.drafters.base import Proposal
+from diffdraft.drafters.base import ForksByCopy, Proposal
 
 
-class PromptLookupDrafter:
+class PromptLookupDrafter(ForksByCopy):
     target_layer_ids: list[int] = []  # noqa: RUF012  (part of the Drafter protocol; never mutated)
 
     def __init__(self, max_depth: int = 10, max_ngram: int = 3, min_ngram: int = 1) -> None:

@@ -1,0 +1,239 @@
+"""Whole-batch throughput: tokens/s of our methods at several batch sizes, on the same prompts.
+
+Each method generates every prompt with continuous batching (``generate_batch``) at each batch
+size, interleaved (batch size outermost per repeat, methods rotating), and every output is checked
+against plain AR at batch 1. A second table measures what one packed verification forward costs
+for B sequences of q tokens each: speculation pays while tau exceeds t(B, q) / t(B, 1), and a
+CPU's forward cost grows with the total tokens B·q, so the batch that AR fills with B tokens the
+trees fill B·q times over.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import matplotlib
+import numpy as np
+import torch
+
+matplotlib.use("Agg")  # files only: no display on servers or in CI
+import matplotlib.pyplot as plt
+
+from diffdraft.bench.lossless import LosslessChecker
+from diffdraft.bench.methods import REFERENCE, OursRunner
+from diffdraft.errors import InvalidRequestError
+from diffdraft.generator import GenerationRequest
+from diffdraft.progress import progress_bar
+from diffdraft.target import TargetModel, VerifyInput
+
+COST_TREE_SIZES = (1, 9, 17, 33)
+"""Tokens per sequence in the verify-cost table: plain decoding, and trees of 8, 16 and 32 nodes."""
+COST_CONTEXT = 256
+
+
+@dataclass
+class BatchPoint:
+    method: str
+    batch_size: int
+    seconds: list[float] = field(default_factory=list)
+    """Wall time of the whole batch of prompts, per repeat."""
+    tokens: int = 0
+    """Tokens generated over all prompts (one repeat)."""
+    tau: float = 0.0
+    identical: int = 0
+    near_ties: int = 0
+    violations: int = 0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / float(np.mean(self.seconds)) if self.seconds else float("nan")
+
+
+def run_batch_benchmark(
+    runners: Sequence[OursRunner],
+    prompts: Sequence[list[int]],
+    batch_sizes: Sequence[int],
+    max_new_tokens: int,
+    repeats: int,
+    checker: LosslessChecker,
+    progress: bool = True,
+) -> list[BatchPoint]:
+    """Every method at every batch size over all ``prompts`` (greedy), ``repeats`` times."""
+    reference = next((r for r in runners if r.spec.label == REFERENCE), None)
+    if reference is None:
+        raise InvalidRequestError("the batch benchmark needs plain AR (method 'ar') as the reference")
+    requests = [GenerationRequest(prompt_token_ids=p, max_new_tokens=max_new_tokens) for p in prompts]
+    points = {(r.spec.label, b): BatchPoint(r.spec.label, b) for r in runners for b in batch_sizes}
+    for runner in runners:  # warm-up: kernels, caches and the auto budget's first rounds
+        runner.generator.generate_batch(requests[: max(batch_sizes)], max(batch_sizes))
+    expected = [r.token_ids for r in reference.generator.generate_batch(requests, 1)]
+    total = repeats * len(points)
+    with progress_bar(total=total, desc="batch bench", unit="batch", disable=not progress) as bar:
+        rotation = 0
+        for repeat in range(repeats):
+            for batch_size in batch_sizes:
+                order = [*runners[rotation:], *runners[:rotation]]
+                rotation = (rotation + 1) % len(runners)
+                for runner in order:
+                    point = points[runner.spec.label, batch_size]
+                    begin = time.perf_counter()
+                    results = runner.generator.generate_batch(requests, batch_size)
+                    point.seconds.append(time.perf_counter() - begin)
+                    if repeat == 0:
+                        _check(point, results, expected, prompts, checker)
+                    bar.update()
+                    bar.set_postfix_str(f"{runner.spec.label} batch {batch_size}")
+    return list(points.values())
+
+
+def _check(point: BatchPoint, results, expected, prompts, checker: LosslessChecker) -> None:
+    point.tokens = sum(len(r.token_ids) for r in results)
+    lengths = [n for r in results for n in r.stats.acceptance_lengths]
+    point.tau = float(np.mean(lengths)) if lengths else 0.0
+    for result, reference, prompt in zip(results, expected, prompts, strict=True):
+        divergence = checker.check(list(prompt), reference, result.token_ids)
+        if divergence is None:
+            point.identical += 1
+        elif divergence.explained:
+            point.near_ties += 1
+        else:
+            point.violations += 1
+
+
+@dataclass
+class BatchVerifyCost:
+    context: int
+    """Cached tokens of every sequence."""
+    seconds: dict[int, dict[int, float]]
+    """{B: {q: median seconds of one packed forward of B sequences with q tokens each}}."""
+
+
+def measure_batch_verify_cost(
+    target: TargetModel, batch_sizes: Sequence[int], sizes: Sequence[int] = COST_TREE_SIZES, repeats: int = 5
+) -> BatchVerifyCost:
+    """What one packed verification forward costs for B sequences of q tokens (chains), every
+    sequence over its own cache of :data:`COST_CONTEXT` tokens (less on a short-context target)."""
+    context = max(1, min(COST_CONTEXT, target.max_context - max(sizes)))
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, target.vocab_size, (context + max(sizes),), generator=generator).to(target.device)
+    caches = []
+    for _ in range(max(batch_sizes)):
+        cache = target.new_cache()
+        target.prefill(cache, ids[:context], [])
+        caches.append(cache)
+    timings: dict[tuple[int, int], list[float]] = {(b, q): [] for b in batch_sizes for q in sizes}
+    for repeat in range(repeats + 1):  # the first pass warms up and is not kept
+        for b, q in timings:
+            chain = torch.tril(torch.ones(q, q, dtype=torch.bool))
+            mask = target.attention_mask(caches[0], chain) if q > 1 else None
+            tokens = ids[context : context + q]
+            positions = torch.arange(context, context + q, device=target.device)
+            inputs = [VerifyInput(cache, tokens, positions, mask) for cache in caches[:b]]
+            begin = time.perf_counter()
+            target.verify_batch(inputs, [])
+            if target.device.type == "cuda":
+                torch.cuda.synchronize()
+            if repeat:
+                timings[b, q].append(time.perf_counter() - begin)
+            for cache in caches[:b]:
+                cache.crop(-q)
+    seconds = {b: {q: float(np.median(timings[b, q])) for q in sizes} for b in batch_sizes}
+    return BatchVerifyCost(context, seconds)
+
+
+def write_batch_outputs(
+    out_dir: str | Path, header: dict, points: Sequence[BatchPoint], cost: BatchVerifyCost
+) -> list[Path]:
+    """batch.json, batch.md and batch_throughput.png in ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    data = {
+        **header,
+        "points": [asdict(p) | {"tokens_per_second": p.tokens_per_second} for p in points],
+        "verify_cost": {
+            "context": cost.context,
+            "seconds": {str(b): {str(q): s for q, s in row.items()} for b, row in cost.seconds.items()},
+        },
+    }
+    (out / "batch.json").write_text(json.dumps(data, indent=1) + "\n")
+    (out / "batch.md").write_text(batch_markdown(header, points, cost))
+    return [
+        out / "batch.json",
+        out / "batch.md",
+        plot_batch_throughput(points, cost, out / "batch_throughput.png"),
+    ]
+
+
+def batch_markdown(header: dict, points: Sequence[BatchPoint], cost: BatchVerifyCost) -> str:
+    sizes = sorted({p.batch_size for p in points})
+    methods = list(dict.fromkeys(p.method for p in points))
+    by = {(p.method, p.batch_size): p for p in points}
+    ar = {b: by[REFERENCE, b].tokens_per_second for b in sizes}
+    lines = [
+        "# diffdraft bench: whole-batch throughput",
+        "",
+        f"Command: `{header['command']}`",
+        "",
+        f"- {header['machine']}; {header['started']}, {header['elapsed_seconds']:.0f} s",
+        f"- {header['prompts']} prompts, {header['max_new_tokens']} new tokens each, greedy, "
+        f"{header['repeats']} repeats; a batch size of B keeps up to B sequences in every round "
+        "(continuous batching: a waiting prompt joins when one finishes)",
+        "",
+        "Tokens/s of the whole batch (speedup over `ar` at the same batch size in brackets; tau = "
+        "mean tokens per sequence per round):",
+        "",
+        "| method | " + " | ".join(f"batch {b}" for b in sizes) + " | lossless vs ar at batch 1 |",
+        "|---|" + "---|" * (len(sizes) + 1),
+    ]
+    for method in methods:
+        cells = []
+        for b in sizes:
+            point = by[method, b]
+            cells.append(
+                f"{point.tokens_per_second:.1f} ({point.tokens_per_second / ar[b]:.2f}x, tau {point.tau:.2f})"
+            )
+        checked = [by[method, b] for b in sizes]
+        lossless = (
+            f"{sum(p.identical for p in checked)} identical, {sum(p.near_ties for p in checked)} near-tie, "
+            f"{sum(p.violations for p in checked)} unexplained"
+        )
+        lines.append(f"| {method} | " + " | ".join(cells) + f" | {lossless} |")
+    qs = sorted(next(iter(cost.seconds.values())))
+    lines += [
+        "",
+        f"One packed verification forward, B sequences of q tokens each over {cost.context} cached tokens "
+        "apiece (ms; t(B, q) / t(B, 1) in brackets: the tau a tree of q - 1 nodes needs to pay for itself "
+        "at that batch size):",
+        "",
+        "| batch | " + " | ".join(f"q = {q}" for q in qs) + " |",
+        "|---|" + "---|" * len(qs),
+    ]
+    for b, row in cost.seconds.items():
+        lines.append(
+            f"| {b} | " + " | ".join(f"{1000 * row[q]:.1f} ({row[q] / row[1]:.2f})" for q in qs) + " |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot_batch_throughput(points: Sequence[BatchPoint], cost: BatchVerifyCost, path: Path) -> Path:
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for method in dict.fromkeys(p.method for p in points):
+        mine = sorted((p for p in points if p.method == method), key=lambda p: p.batch_size)
+        left.plot([p.batch_size for p in mine], [p.tokens_per_second for p in mine], marker="o", label=method)
+    left.set(xlabel="batch size", ylabel="tokens/s (whole batch)", title="Throughput vs batch size")
+    left.set_xscale("log", base=2)
+    left.legend()
+    sizes = sorted(cost.seconds)
+    for q in sorted(cost.seconds[sizes[0]]):
+        right.plot(sizes, [1000 * cost.seconds[b][q] for b in sizes], marker="o", label=f"q = {q}")
+    right.set(xlabel="batch size B", ylabel="ms per forward", title="Packed verification cost t(B, q)")
+    right.set_xscale("log", base=2)
+    right.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path

@@ -1,0 +1,163 @@
+"""Batch > 1: every sequence of a batch gets exactly the output it gets alone (greedy and sampled with
+its own seed), while sequences join and leave between rounds; the packed verification forward gives
+each sequence the logits and taps of its own forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from diffdraft.batching import BatchEngine
+from diffdraft.drafters.dart import DARTDrafter
+from diffdraft.drafters.deer import DEERDrafter
+from diffdraft.drafters.deer_model import deer_from_causal_lm
+from diffdraft.engine import SpeculativeEngine
+from diffdraft.sampling import SamplingParams
+from diffdraft.stats import GenerationStats
+from diffdraft.stopping import StopConditions
+from diffdraft.target import TargetModel, VerifyInput
+from diffdraft.trees import DDTreeBuilder
+from diffdraft.trees.dart import DartTreeBuilder, DartTreeSettings
+
+from conftest import tiny_dart, tiny_target
+from test_engine import make_method
+
+
+def requests_for(target, seed: int, count: int) -> list[tuple[list[int], int, int]]:
+    """(prompt, max_new_tokens, seed) per request: motifs repeated so prompt lookup finds matches."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = target.config.vocab_size
+    made = []
+    for i in range(count):
+        length = int(torch.randint(1, 20, (), generator=g))
+        motif = torch.randint(1, vocab - 1, (max(1, length // 3),), generator=g).tolist()
+        made.append(((motif * 3 + [5])[:length], int(torch.randint(1, 30, (), generator=g)), seed * 31 + i))
+    return made
+
+
+def alone(engine: SpeculativeEngine, request, sampling: SamplingParams) -> list[int]:
+    prompt, max_new_tokens, seed = request
+    stop = StopConditions(
+        [engine.target.vocab_size - 1], max_new_tokens, engine.target.max_context, len(prompt)
+    )
+    return [t for chunk in engine.run(prompt, stop, sampling, GenerationStats(), seed) for t in chunk]
+
+
+def batched(engine: SpeculativeEngine, requests, sampling: SamplingParams, max_batch: int) -> list[list[int]]:
+    """Continuous batching: at most ``max_batch`` at once; a waiting request joins when one leaves."""
+    batch = BatchEngine(engine)
+    outputs: list[list[int]] = [[] for _ in requests]
+    index_of = {}
+    waiting = list(enumerate(requests))
+    while waiting or batch.active:
+        while waiting and len(batch.active) < max_batch:
+            i, (prompt, max_new_tokens, seed) = waiting.pop(0)
+            stop = StopConditions(
+                [engine.target.vocab_size - 1], max_new_tokens, engine.target.max_context, len(prompt)
+            )
+            sequence, first = batch.add(prompt, stop, sampling, GenerationStats(), seed)
+            index_of[sequence] = i
+            outputs[i].extend(first)
+        for sequence, new in batch.step():
+            outputs[index_of[sequence]].extend(new)
+    return outputs
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    family=st.sampled_from(["llama", "qwen2", "qwen3"]),
+    seed=st.integers(0, 10_000),
+    method=st.sampled_from(["ar", "pld", "chain", "ddtree-4", "ddtree-32", "chain+pld", "ddtree-8+pld"]),
+    count=st.integers(1, 6),
+    max_batch=st.integers(1, 4),
+    temperature=st.sampled_from([0.0, 0.0, 0.7, 1.0]),
+    vocab=st.sampled_from([48, 96]),
+)
+def test_each_sequence_of_a_batch_gets_the_output_it_gets_alone(
+    family, seed, method, count, max_batch, temperature, vocab
+):
+    target = tiny_target(family, seed=seed, vocab=vocab)  # float64: packing changes no sample
+    drafter, builder = make_method(method, target, [], [], 5, seed)
+    engine = SpeculativeEngine(TargetModel(target), drafter, builder)
+    requests = requests_for(target, seed, count)
+    sampling = SamplingParams(temperature=temperature)
+    expected = [alone(engine, request, sampling) for request in requests]
+    assert batched(engine, requests, sampling, max_batch) == expected
+
+
+@pytest.mark.parametrize("family", ["dart", "deer"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_dart_and_deer_drafters_fork_one_context_per_sequence(family, temperature):
+    target = tiny_target("qwen3", seed=4)
+    wrapped = TargetModel(target)
+    if family == "dart":
+        drafter = DARTDrafter(tiny_dart(target, seed=4), wrapped)
+        builder = DartTreeBuilder(DartTreeSettings(tree_size=12), None)
+    else:
+        drafter, builder = (
+            DEERDrafter(deer_from_causal_lm(target, 2, 4, 1, None, "tiny test LM", 1), wrapped),
+            DDTreeBuilder(8),
+        )
+    engine = SpeculativeEngine(wrapped, drafter, builder)
+    requests = requests_for(target, 4, 5)
+    sampling = SamplingParams(temperature=temperature)
+    expected = [alone(engine, request, sampling) for request in requests]
+    assert batched(engine, requests, sampling, 3) == expected
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_packed_verification_gives_each_sequence_its_own_forward(family):
+    target = TargetModel(tiny_target(family, seed=2))
+    assert target.lean is not None
+    layer_ids = [0, 3]
+    g = torch.Generator().manual_seed(2)
+    inputs, references = [], []
+    for prompt_len, nodes in [(5, 1), (9, 4), (3, 6)]:
+        prompt = torch.randint(1, 60, (prompt_len,), generator=g)
+        tokens = torch.randint(1, 60, (nodes,), generator=g)
+        tree = torch.tril(torch.ones(nodes, nodes, dtype=torch.bool))  # a chain
+        positions = torch.arange(prompt_len, prompt_len + nodes)
+        caches = []
+        for _ in range(2):
+            cache = target.new_cache()
+            target.prefill(cache, prompt, layer_ids)
+            caches.append(cache)
+        mask = target.attention_mask(caches[0], tree) if nodes > 1 else None
+        references.append(target.verify(caches[0], tokens, positions, mask, layer_ids))
+        inputs.append(VerifyInput(caches[1], tokens, positions, mask))
+    outputs = target.verify_batch(inputs, layer_ids)
+    for output, reference, given_input in zip(outputs, references, inputs, strict=True):
+        torch.testing.assert_close(output.logits, reference.logits)
+        torch.testing.assert_close(output.hidden, reference.hidden)
+        assert given_input.cache.get_seq_length() == given_input.position_ids[-1] + 1
+
+
+def test_a_removed_sequence_leaves_the_others_untouched():
+    target = tiny_target("llama", seed=5)
+    drafter, builder = make_method("ddtree-4", target, [], [], 5, 5)
+    engine = SpeculativeEngine(TargetModel(target), drafter, builder)
+    requests = [(prompt, 30, seed) for prompt, _, seed in requests_for(target, 5, 3)]
+    sampling = SamplingParams()
+    expected = alone(engine, requests[1], sampling)
+    batch = BatchEngine(engine)
+    sequences = []
+    for prompt, max_new_tokens, seed in requests:
+        stop = StopConditions(
+            [target.config.vocab_size - 1], max_new_tokens, engine.target.max_context, len(prompt)
+        )
+        sequences.append(batch.add(prompt, stop, sampling, GenerationStats(), seed)[0])
+    kept = sequences[1]
+    output = list(kept.generated)
+    for round_ in range(100):
+        if round_ == 1:  # every sequence took one round; two are cancelled
+            batch.remove(sequences[0])
+            batch.remove(sequences[2])
+        for sequence, new in batch.step():
+            if sequence is kept:
+                output.extend(new)
+        if not batch.active:
+            break
+    assert output == expected
+    assert batch.active == []
