@@ -1,5 +1,6 @@
 """``diffdraft`` command line: ``generate`` a request, ``train`` drafters, ``bench`` methods side by side,
-build and inspect ``ngram`` tries, create and inspect ``deer`` drafters."""
+build and inspect ``ngram`` tries, create and inspect ``deer`` drafters, ``serve`` an OpenAI-compatible
+API and put a running server under load (``serve-load``)."""
 
 from __future__ import annotations
 
@@ -10,16 +11,18 @@ import sys
 from diffdraft.bench.cli import add_bench_parser, run_bench
 from diffdraft.drafters.deer_cli import add_deer_parser, run_deer
 from diffdraft.errors import DiffdraftError, InvalidRequestError
-from diffdraft.generator import METHODS, load
+from diffdraft.export.cli import add_export_parser, run_export
+from diffdraft.generator import METHODS, SpeculativeGenerator, load
 from diffdraft.ngram.cli import add_ngram_parser, run_ngram
+from diffdraft.serve.cli import add_serve_load_parser, add_serve_parser, run_serve, run_serve_load
 from diffdraft.train.cli import add_train_parser, run_train
 
 SHIPPED_DRAFTERS = {"dart": "default-dart", "deer": "default-deer", "deer-tree": "default-deer"}
 """The drafter a method gets with --target default and no --drafter (others: 'default', DFlare)."""
 
 
-def _generate_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate text from one prompt or chat")
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """The options that pick what :func:`load_generator` loads (shared by generate and serve)."""
     p.add_argument(
         "--target", default="default", help="model directory, .gguf file, or 'default' (SmolLM2-135M)"
     )
@@ -44,14 +47,30 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
         help="N-gram trie directory for the dart tree (diffdraft ngram build), 'default' or 'none' "
         "(default: the shipped trie with --target default, else none)",
     )
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+
+
+def load_generator(args: argparse.Namespace) -> SpeculativeGenerator:
+    """Load what :func:`add_model_arguments`' options name; without --drafter / --ngram, --target
+    default gets the method's shipped drafter and trie, any other target none."""
+    drafter, ngram = args.drafter, args.ngram
+    if drafter is None:
+        drafter = SHIPPED_DRAFTERS.get(args.method, "default") if args.target == "default" else "none"
+    if ngram is None:
+        ngram = "default" if args.target == "default" and args.method == "dart" else "none"
+    return load(args.target, drafter, args.method, args.budget, args.dtype, args.device, ngram)
+
+
+def _generate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text from one prompt or chat")
+    add_model_arguments(p)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
-    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="prompt text, used as given (no chat template)")
     source.add_argument("--chat", action="store_true", help="read chat messages as JSON from stdin")
@@ -73,12 +92,7 @@ def _read_messages() -> list[dict]:
 
 def _run_generate(args: argparse.Namespace) -> None:
     request = {"messages": _read_messages()} if args.chat else {"prompt": args.prompt}
-    drafter, ngram = args.drafter, args.ngram
-    if drafter is None:
-        drafter = SHIPPED_DRAFTERS.get(args.method, "default") if args.target == "default" else "none"
-    if ngram is None:
-        ngram = "default" if args.target == "default" and args.method == "dart" else "none"
-    generator = load(args.target, drafter, args.method, args.budget, args.dtype, args.device, ngram)
+    generator = load_generator(args)
     options = dict(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -116,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     add_bench_parser(sub)
     add_ngram_parser(sub)
     add_deer_parser(sub)
+    add_export_parser(sub)
+    add_serve_parser(sub)
+    add_serve_load_parser(sub)
     args = parser.parse_args(argv)
     try:
         if args.command == "bench":
@@ -124,6 +141,12 @@ def main(argv: list[str] | None = None) -> int:
             return run_ngram(args)
         if args.command == "deer":
             return run_deer(args)
+        if args.command == "serve":
+            return run_serve(args)
+        if args.command == "serve-load":
+            return run_serve_load(args)
+        if args.command == "export":
+            return run_export(args)
         run_train(args) if args.command == "train" else _run_generate(args)
     except DiffdraftError as err:
         print(f"diffdraft: error: {err}", file=sys.stderr)

@@ -23,3 +23,7 @@ class UnsupportedModelError(DiffdraftError):
 
 class TrainingDivergedError(DiffdraftError):
     """Drafter training produced a non-finite loss; the last checkpoint is intact and resumable."""
+
+
+class ExportError(DiffdraftError):
+    """A drafter cannot be exported for a serving engine: the engine cannot run one of its features."""

@@ -1,0 +1,143 @@
+"""The DFlash checkpoint both serving engines load, built from one of our drafters.
+
+vLLM and SGLang read the same official DFlash layout (facts from their source, cited in
+:mod:`diffdraft.export.vllm` and :mod:`diffdraft.export.sglang`): a Qwen3 ``config.json`` with
+``architectures: ["DFlashDraftModel"]``, ``block_size``, ``num_target_layers`` and
+``dflash_config: {mask_token_id, target_layer_ids}``, and the weights ``fc``, ``hidden_norm``,
+``norm`` and ``layers.{i}.*``, with no embedding and no LM head (both take the target's). What
+differs per engine (draft vocabulary, mask token text) lives in those modules.
+
+Layer ids need no conversion: both engines read ``dflash_config.target_layer_ids`` in DFlash's own
+convention (id ``i`` = output of decoder layer ``i``, our convention too) and add 1 themselves, because
+they capture the residual stream *entering* a decoder layer (:func:`capture_point`). That rule has
+one hole: the last layer's output is never the input of a layer, so an id of ``L - 1`` cannot be
+served (diffdraft reads it after the final norm, as Hugging Face's ``hidden_states[L]``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from diffdraft.drafters.checkpoint import DraftModel
+from diffdraft.drafters.dart_model import DARTDraftModel
+from diffdraft.drafters.deer_model import DEERDraftModel
+from diffdraft.drafters.dflash_model import DFLARE, DFlashDraftModel
+from diffdraft.errors import ExportError
+from diffdraft.loading import LoadedModel
+
+ARCHITECTURE = "DFlashDraftModel"
+"""The architecture name both engines map to their DFlash draft model."""
+STALE_KEYS = (
+    "target_layer_ids",
+    "mask_token_id",
+    "eagle_aux_hidden_state_layer_ids",
+    "draft_vocab_size",
+    "variant",
+)
+"""Top-level copies a source config may carry; the engines would read or cross-check them, so the
+settings live in ``dflash_config`` only (vLLM's aux-layer ids would even override the taps)."""
+
+
+@dataclass
+class Export:
+    """What is written: ``config.json`` contents and the safetensors weights by name."""
+
+    config: dict
+    weights: dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Engine:
+    """One serving engine: its display name, how it wants the drafter, and how it is launched."""
+
+    name: str
+    build: Callable[[DFlashDraftModel, LoadedModel | None], Export]
+    """Raises ExportError for what the engine cannot run; ``target`` is given with --target."""
+    launch: Callable[[Path, int, str], str]
+    """The launch command for the exported directory, the drafter's block size and the target's path."""
+
+
+def capture_point(layer_id: int) -> int:
+    """The engines' capture index for a DFlash layer id: the input of decoder layer ``layer_id + 1``."""
+    return layer_id + 1
+
+
+def check_family(model: DraftModel, engine: str) -> DFlashDraftModel:
+    """Refuse the drafters no DFlash serving path can run: other families, and DFlare."""
+    if isinstance(model, DARTDraftModel | DEERDraftModel):
+        family = "DART" if isinstance(model, DARTDraftModel) else "DEER"
+        raise ExportError(
+            f"this is a {family} drafter; {engine}'s DFlash support runs DFlash drafters only: export a "
+            "drafter trained with diffdraft train fit --variant dflash"
+        )
+    if model.variant == DFLARE:
+        raise ExportError(
+            f"this is a DFlare drafter (per-layer softmax fusion of the taps and separate context K/V "
+            f"projections); {engine}'s DFlash model has neither (one shared fc, context projected by each "
+            "layer's own k/v): export a drafter trained with diffdraft train fit --variant dflash"
+        )
+    return model
+
+
+def check_taps(model: DFlashDraftModel, engine: str, num_target_layers: int | None) -> None:
+    """Refuse taps the engines cannot capture; ``num_target_layers`` None (unknown) checks nothing."""
+    if num_target_layers is None:
+        return
+    last = num_target_layers - 1
+    bad = [i for i in model.target_layer_ids if i < 0 or capture_point(i) > last]
+    if bad:
+        raise ExportError(
+            f"target_layer_ids {bad} cannot be served: {engine} captures the input of layer id+1, and the "
+            f"target's last layer ({last}) feeds no layer (diffdraft reads its output after the final "
+            f"norm); retrain with ids in [0, {last - 1}] (diffdraft train fit --target-layer-ids)"
+        )
+
+
+def serving_config(model: DFlashDraftModel) -> dict:
+    """The drafter's config in the official DFlash layout, with every field the engines read set.
+
+    Attention is written out as what our network computes (every layer full and bidirectional:
+    ``layer_types`` all ``full_attention``, no sliding window); RoPE is written both as transformers
+    5's ``rope_parameters`` and as the 4.x ``rope_theta`` / ``rope_scaling`` an engine may still use.
+    """
+    config = model.config.to_dict()
+    rope = dict(config.get("rope_parameters") or {"rope_type": "default", "rope_theta": 10000.0})
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    config.update(
+        architectures=[ARCHITECTURE],
+        model_type="qwen3",
+        block_size=model.block_size,
+        dflash_config={
+            "mask_token_id": model.mask_token_id,
+            "target_layer_ids": list(model.target_layer_ids),
+        },
+        layer_types=["full_attention"] * model.config.num_hidden_layers,
+        use_sliding_window=False,
+        sliding_window=None,
+        rope_parameters=rope,
+        rope_theta=rope.get("rope_theta", 10000.0),
+        rope_scaling=None
+        if rope.get("rope_type", "default") == "default"
+        else {k: v for k, v in rope.items() if k != "rope_theta"},
+        tie_word_embeddings=False,
+        dtype=dtype,
+        torch_dtype=dtype,
+    )
+    for key in STALE_KEYS:
+        config.pop(key, None)
+    if getattr(model.config, "num_target_layers", None) is not None:
+        config["num_target_layers"] = model.config.num_target_layers
+    return config
+
+
+def serving_weights(model: DFlashDraftModel) -> dict[str, torch.Tensor]:
+    """The network's weights under the official names (the draft vocabulary is engine business)."""
+    return {
+        name: tensor.detach().contiguous().cpu()
+        for name, tensor in model.state_dict().items()
+        if name != "draft_vocab"
+    }

@@ -1,0 +1,77 @@
+"""Export for vLLM's DFlash speculative decoding (``--speculative-config '{"method": "dflash", ...}'``).
+
+What vLLM reads, from its source (vllm-project/vllm, read for facts only):
+
+* ``vllm/config/speculative.py`` (``SpeculativeConfig.__post_init__``): ``method: "dflash"`` (or a
+  model path containing "dflash"); the draft's ``ModelConfig`` takes the *target's* tokenizer, so no
+  tokenizer files are needed beside the drafter; the HF config is wrapped in ``EAGLEConfig(method=
+  "dflash")``; ``num_speculative_tokens`` must be given (DFlash drafts in parallel).
+* ``vllm/transformers_utils/configs/eagle.py`` (``EAGLEConfig``, versions with the ``dflash``
+  method): an architecture starting with ``DFlash`` is kept as is; ``eagle_aux_hidden_state_layer_ids``
+  is derived as ``dflash_config.target_layer_ids + 1`` (and must agree if given).
+* ``vllm/model_executor/models/registry.py``: ``DFlashDraftModel`` -> ``qwen3_dflash``'s
+  ``DFlashQwen3ForCausalLM``.
+* ``vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py`` (``get_eagle3_aux_layers_from_config``):
+  the target captures aux layers ``dflash_config.target_layer_ids[i] + 1``, i.e. the input of that
+  decoder layer; ids are therefore written in DFlash's convention, unconverted.
+* ``vllm/model_executor/models/qwen3_dflash.py`` (``DFlashQwen3Model``, ``DFlashQwen3ForCausalLM``):
+  Qwen3 fields (``hidden_size``, heads, ``head_dim``, ``rms_norm_eps``, ``rope_parameters``,
+  ``attention_bias``, ``intermediate_size``, ``hidden_act``); ``dflash_config.mask_token_id``;
+  ``layer_types`` / ``dflash_config.causal`` / ``use_swa`` decide causality and sliding windows
+  (all ``full_attention``: bidirectional, as ours); weights ``fc``, ``hidden_norm``, ``norm``,
+  ``layers.{i}.self_attn.{q,k,v,o}_proj``, ``{q,k}_norm``, ``mlp.{gate,up,down}_proj`` and the
+  layer norms (``load_weights`` prefixes ``model.``); ``embed_tokens`` / ``lm_head`` are optional
+  (absent: the target's are shared). A draft vocabulary is supported: top-level ``draft_vocab_size``,
+  a ``d2t`` tensor (``compute_logits`` maps draft row ``i`` to target id ``i + d2t[i]``; ``t2d`` is
+  skipped) and the drafter's own ``lm_head`` of those rows.
+* ``vllm/v1/spec_decode/dflash.py`` (``DFlashProposer``): a block of ``1 + num_speculative_tokens``
+  query rows (anchor + masks), so ``num_speculative_tokens = block_size - 1``; the draft needs an
+  attention backend with non-causal support (FlashAttention).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import torch
+
+from diffdraft.drafters.dflash_model import DFlashDraftModel
+from diffdraft.errors import ExportError
+from diffdraft.export.layout import Engine, Export, serving_config, serving_weights
+from diffdraft.loading import LoadedModel
+
+
+def build(model: DFlashDraftModel, target: LoadedModel | None) -> Export:
+    """The official layout, plus ``draft_vocab_size``, ``d2t`` and the head rows for a draft vocabulary."""
+    config, weights = serving_config(model), serving_weights(model)
+    vocab = model.draft_vocab
+    if vocab is None:
+        return Export(config, weights)
+    if target is None:
+        raise ExportError(
+            f"this drafter scores a draft vocabulary of {vocab.shape[0]} tokens, for which vLLM needs those "
+            "rows of the target's LM head in the export: pass --target MODEL (the target it was trained for)"
+        )
+    head = target.model.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise ExportError(
+            "the target's LM head has a bias, which vLLM's DFlash draft head does not load: export without "
+            "a draft vocabulary (train with --draft-vocab-size 0)"
+        )
+    dtype = weights["norm.weight"].dtype
+    config["draft_vocab_size"] = int(vocab.shape[0])
+    rows = head.weight.detach()[vocab.to(head.weight.device)]
+    weights["lm_head.weight"] = rows.to(dtype).contiguous().cpu()
+    weights["d2t"] = (vocab.cpu() - torch.arange(vocab.shape[0])).to(torch.int64)
+    return Export(config, weights)
+
+
+def launch(out: Path, block_size: int, target: str) -> str:
+    """``vllm serve`` with the exported drafter: one anchor plus ``block_size - 1`` drafted tokens."""
+    spec = {"method": "dflash", "model": str(out), "num_speculative_tokens": block_size - 1}
+    return f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(json.dumps(spec))}"
+
+
+ENGINE = Engine("vLLM", build, launch)

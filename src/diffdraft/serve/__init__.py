@@ -1,0 +1,1 @@
+"""OpenAI-compatible serving over the batch engine."""

@@ -1,0 +1,178 @@
+"""``diffdraft serve`` (the OpenAI-compatible server) and ``diffdraft serve-load`` (a load client for
+one). The web stack is imported only when a command runs, so other commands do not pay for it."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from diffdraft.default_model import MODEL_NAME
+from diffdraft.errors import DiffdraftError
+
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    from diffdraft.cli import add_model_arguments  # diffdraft.cli imports this module
+
+    p = sub.add_parser(
+        "serve",
+        help="serve the target (and drafter) over an OpenAI-compatible HTTP API",
+        description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics. "
+        "Requests share each round's target forward (continuous batching); outputs are exactly "
+        "the target's own.",
+    )
+    add_model_arguments(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    p.add_argument(
+        "--max-batch-size", type=int, default=8, help="requests generated together per round (default: 8)"
+    )
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=64,
+        help="requests that may wait for a batch slot; more get HTTP 429 (default: 64)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help=f"the model name clients send and /v1/models lists (default: {MODEL_NAME} for "
+        "--target default, else --target as given, as vLLM names it)",
+    )
+    p.add_argument(
+        "--log-level",
+        choices=["critical", "error", "warning", "info", "debug"],
+        default="info",
+        help="server log level (default: info)",
+    )
+
+
+def served_model_name(args: argparse.Namespace) -> str:
+    if args.served_model_name:
+        return args.served_model_name
+    return MODEL_NAME if args.target == "default" else str(args.target)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """Bind the server's socket before the (slow) model load, so a busy port fails at once."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+    except (OSError, ValueError) as error:
+        raise DiffdraftError(f"cannot listen on {host}:{port} ({error}): check --host") from error
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as error:
+        sock.close()
+        raise DiffdraftError(
+            f"cannot listen on {host}:{port} ({error.strerror}): another process may use the port; "
+            "pass a free one with --port"
+        ) from error
+    sock.set_inheritable(True)
+    return sock
+
+
+@contextmanager
+def _stop_signals_end_quietly() -> Iterator[None]:
+    """uvicorn shuts down gracefully on Ctrl-C or SIGTERM, then raises the signal again for the
+    caller: here that means "stopped", not a traceback (SIGINT) or a kill that skips closing the
+    scheduler (SIGTERM)."""
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, lambda *_: None) if in_main else None
+    try:
+        yield
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Load once, then serve until interrupted (Ctrl-C finishes the requests in flight first)."""
+    import uvicorn
+
+    from diffdraft.cli import load_generator
+    from diffdraft.serve.app import create_app
+    from diffdraft.serve.scheduler import Scheduler
+
+    if args.max_batch_size < 1 or args.max_queue < 0:
+        raise DiffdraftError(
+            f"need --max-batch-size >= 1 and --max-queue >= 0, got {args.max_batch_size} and {args.max_queue}"
+        )
+    sock = listen(args.host, args.port)
+    try:
+        print(f"diffdraft serve: loading {args.target} ({args.method})...", file=sys.stderr, flush=True)
+        generator = load_generator(args)
+        scheduler = Scheduler(generator, args.max_batch_size, args.max_queue).start()
+        try:
+            name = served_model_name(args)
+            config = uvicorn.Config(create_app(scheduler, name), log_level=args.log_level)
+            print(
+                f"diffdraft serve: model {name!r} on http://{args.host}:{args.port}/v1 "
+                f"(batch {args.max_batch_size}, queue {args.max_queue})",
+                file=sys.stderr,
+                flush=True,
+            )
+            with _stop_signals_end_quietly():
+                uvicorn.Server(config).run(sockets=[sock])
+            print("diffdraft serve: stopped", file=sys.stderr, flush=True)
+        finally:
+            scheduler.close()
+    finally:
+        sock.close()
+    return 0
+
+
+def add_serve_load_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve-load",
+        help="put a running diffdraft (or any OpenAI-compatible) server under load and report throughput",
+        description="Send requests from N concurrent clients to a running server until --requests "
+        "are done or --duration has passed; report requests/s, tokens/s, latency and time to first "
+        "token (p50/p95) as a table and JSON. Starts nothing itself.",
+    )
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (default: %(default)s)")
+    p.add_argument(
+        "--allow-remote",
+        action="store_true",
+        help="allow a URL that is not on this machine (loopback only by default)",
+    )
+    p.add_argument("--model", default=None, help="model name to send (default: the server's first)")
+    p.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
+    p.add_argument("--concurrency", type=int, default=8, help="concurrent clients (default: 8)")
+    p.add_argument("--requests", type=int, default=64, help="requests in all (default: 64)")
+    p.add_argument(
+        "--duration", type=float, default=120.0, help="stop sending after this many seconds (default: 120)"
+    )
+    p.add_argument("--max-tokens", type=int, default=64, help="max_tokens per request (default: 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument(
+        "--ignore-eos", action="store_true", help="generate max-tokens every time (vLLM extension)"
+    )
+    p.add_argument("--stream", action="store_true", help="stream, which also measures time to first token")
+    p.add_argument(
+        "--prompts",
+        default=None,
+        help="jsonl file, one {'prompt': TEXT} or {'messages': [...]} or a JSON string a line "
+        "(default: a few built-in prompts)",
+    )
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per request (default: 300)")
+    p.add_argument("--json", dest="json_out", default=None, help="also write the report as JSON here")
+
+
+def run_serve_load(args: argparse.Namespace) -> int:
+    from diffdraft.serve.load import LoadSettings, format_report, run_load
+
+    settings = LoadSettings.from_args(args)
+    report = run_load(settings)
+    print(format_report(report))
+    if args.json_out:
+        report.write_json(args.json_out)
+        print(f"wrote {args.json_out}", file=sys.stderr)
+    return 0 if report.succeeded else 1

@@ -1,0 +1,169 @@
+"""What differs between ``/v1/chat/completions`` and ``/v1/completions``: how a body becomes a
+:class:`GenerationRequest`, and how generated text becomes that endpoint's OpenAI objects.
+Everything else (errors, streaming, disconnects, metrics) is shared in :mod:`diffdraft.serve.app`."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from diffdraft.generator import GenerationRequest, GenerationResult
+from diffdraft.serve.protocol import (
+    FINISH_REASONS,
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    Delta,
+    DiffdraftStats,
+    SamplingFields,
+    Usage,
+    new_id,
+    now,
+)
+
+
+class Endpoint:
+    """One OpenAI endpoint's request model and response objects, for one request at a time."""
+
+    path: ClassVar[str]
+    body_model: ClassVar[type[SamplingFields]]
+    id_prefix: ClassVar[str]
+
+    def __init__(self, model_name: str, method: str) -> None:
+        self.model_name = model_name
+        self.method = method
+        self.id = new_id(self.id_prefix)
+        self.created = now()
+
+    def generation_request(self, body: Any, max_context: int) -> GenerationRequest:
+        """The generation a validated body asks for; no max_tokens means up to the context's end."""
+        return GenerationRequest(
+            **self.prompt_input(body),
+            max_new_tokens=body.max_new_tokens(max_context),
+            temperature=body.temperature if body.temperature is not None else 1.0,
+            top_p=body.top_p if body.top_p is not None else 1.0,
+            top_k=max(0, body.top_k or 0),
+            seed=body.seed,
+            stop=body.stop_strings(),
+            ignore_eos=body.ignore_eos,
+        )
+
+    def prompt_input(self, body: Any) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def response(self, result: GenerationResult, prompt_tokens: int) -> dict:
+        raise NotImplementedError
+
+    def chunks(self, text: str, first: bool) -> list[dict]:
+        """Stream objects for newly generated text (``first``: nothing was sent yet)."""
+        raise NotImplementedError
+
+    def last_chunk(self, result: GenerationResult) -> dict:
+        """The object that carries the finish reason."""
+        raise NotImplementedError
+
+    def usage_chunk(self, usage: Usage) -> dict:
+        """With ``stream_options.include_usage``: no choices, the token counts."""
+        raise NotImplementedError
+
+    def stats(self, result: GenerationResult) -> DiffdraftStats:
+        s = result.stats
+        return DiffdraftStats(
+            method=self.method,
+            rounds=s.rounds,
+            tau=s.tau,
+            acceptance_lengths=s.acceptance_lengths,
+            stop_reason=s.stop_reason,
+        )
+
+
+def finish_reason(result: GenerationResult) -> str:
+    return FINISH_REASONS.get(result.stats.stop_reason, "stop")
+
+
+class ChatEndpoint(Endpoint):
+    path = "/v1/chat/completions"
+    body_model = ChatCompletionRequest
+    id_prefix = "chatcmpl"
+
+    def prompt_input(self, body: ChatCompletionRequest) -> dict[str, Any]:
+        return {"messages": body.chat_messages()}
+
+    def response(self, result: GenerationResult, prompt_tokens: int) -> dict:
+        return ChatCompletion(
+            id=self.id,
+            created=self.created,
+            model=self.model_name,
+            choices=[
+                ChatChoice(message=AssistantMessage(content=result.text), finish_reason=finish_reason(result))
+            ],
+            usage=Usage.of(prompt_tokens, len(result.token_ids)),
+            diffdraft=self.stats(result),
+        ).model_dump()
+
+    def _chunk(self, delta: Delta, finish: str | None = None) -> dict:
+        chunk = ChatCompletionChunk(
+            id=self.id,
+            created=self.created,
+            model=self.model_name,
+            choices=[ChatChunkChoice(delta=delta, finish_reason=finish)],
+        )
+        return chunk.model_dump(exclude={"usage"})
+
+    def chunks(self, text: str, first: bool) -> list[dict]:
+        out = [self._chunk(Delta(role="assistant", content=""))] if first else []
+        if text:
+            out.append(self._chunk(Delta(content=text)))
+        return out
+
+    def last_chunk(self, result: GenerationResult) -> dict:
+        return self._chunk(Delta(), finish_reason(result))
+
+    def usage_chunk(self, usage: Usage) -> dict:
+        return ChatCompletionChunk(
+            id=self.id, created=self.created, model=self.model_name, choices=[], usage=usage
+        ).model_dump()
+
+
+class CompletionEndpoint(Endpoint):
+    path = "/v1/completions"
+    body_model = CompletionRequest
+    id_prefix = "cmpl"
+
+    def prompt_input(self, body: CompletionRequest) -> dict[str, Any]:
+        return body.prompt_input()
+
+    def response(self, result: GenerationResult, prompt_tokens: int) -> dict:
+        return Completion(
+            id=self.id,
+            created=self.created,
+            model=self.model_name,
+            choices=[CompletionChoice(text=result.text, finish_reason=finish_reason(result))],
+            usage=Usage.of(prompt_tokens, len(result.token_ids)),
+            diffdraft=self.stats(result),
+        ).model_dump()
+
+    def _chunk(self, text: str, finish: str | None = None) -> dict:
+        chunk = Completion(
+            id=self.id,
+            created=self.created,
+            model=self.model_name,
+            choices=[CompletionChoice(text=text, finish_reason=finish)],
+        )
+        return chunk.model_dump(exclude={"usage", "diffdraft"})
+
+    def chunks(self, text: str, first: bool) -> list[dict]:
+        return [self._chunk(text)] if text else []
+
+    def last_chunk(self, result: GenerationResult) -> dict:
+        return self._chunk("", finish_reason(result))
+
+    def usage_chunk(self, usage: Usage) -> dict:
+        return Completion(
+            id=self.id, created=self.created, model=self.model_name, choices=[], usage=usage
+        ).model_dump(exclude={"diffdraft"})

@@ -1,0 +1,330 @@
+"""The OpenAI wire format: request and response bodies of ``/v1/chat/completions`` and ``/v1/completions``.
+
+Requests are parsed strictly from the raw JSON (a string where a number belongs is a 400, not a
+silent conversion) but, as vLLM does, fields this server does not know are accepted and ignored, so
+any OpenAI client works unchanged. Fields it knows but cannot honour without changing what the
+client asked for (``n > 1``, log-probabilities, penalties) are refused with a message naming them.
+"""
+
+from __future__ import annotations
+
+import reprlib
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+)
+
+FINISH_REASONS = {
+    "eos": "stop",
+    "stop_string": "stop",
+    "max_new_tokens": "length",
+    "context_length": "length",
+}
+"""diffdraft's stop reasons -> OpenAI's ``finish_reason``."""
+
+_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+    """Send one more chunk, with no choices, carrying the request's token counts."""
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    """``developer`` (the newer name OpenAI clients use for ``system``) is rendered as ``system``."""
+    content: str | list[TextPart]
+
+
+class SamplingFields(_Request):
+    """What both endpoints share: the model, sampling, stopping and streaming settings."""
+
+    model: str | None = None
+    """The served model name; None means the one this server serves (as vLLM allows)."""
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1)
+    """vLLM's extension; 0 and -1 both disable it."""
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
+    """Any value torch's generator takes (a larger one would fail inside the engine)."""
+    stop: str | list[str] | None = None
+    n: int = Field(default=1, ge=1)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    """vLLM's extension: keep generating past the end token (benchmarks use it)."""
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    logprobs: Any = None
+    top_logprobs: int | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(field, reason) for a setting this server cannot honour, or None."""
+        if self.n != 1:
+            reason = (
+                f"n must be 1 (got {self.n}): this server returns one choice per request; send n requests"
+            )
+            return "n", reason
+        if self.logprobs not in (None, False, 0) or self.top_logprobs:
+            return "logprobs", "log-probabilities are not supported by this server; leave logprobs unset"
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(self, name) not in (None, 0):
+                return (
+                    name,
+                    f"{name} is not supported (only 0): the output follows the target's own distribution",
+                )
+        if self.logit_bias:
+            return (
+                "logit_bias",
+                "logit_bias is not supported: the output follows the target's own distribution",
+            )
+        return None
+
+    def max_new_tokens(self, default: int) -> int:
+        return self.max_tokens if self.max_tokens is not None else default
+
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    """The newer name of ``max_tokens``; it wins when both are given."""
+
+    def max_new_tokens(self, default: int) -> int:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return super().max_new_tokens(default)
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        """Messages as the chat template takes them: text parts joined, ``developer`` as ``system``."""
+        return [
+            {
+                "role": "system" if m.role == "developer" else m.role,
+                "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content),
+            }
+            for m in self.messages
+        ]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool | None = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if _is_prompt_list(self.prompt) and len(self.prompt) != 1:
+            return "prompt", (
+                f"give one prompt per request (got a list of {len(self.prompt)}): this server returns "
+                "one choice per request"
+            )
+        if self.echo:
+            return "echo", "echo is not supported; leave it unset or false"
+        if self.suffix:
+            return "suffix", "suffix (insertion) is not supported; leave it unset"
+        if self.best_of not in (None, 1):
+            return "best_of", f"best_of must be 1 (got {self.best_of})"
+        return super().unsupported()
+
+    def prompt_input(self) -> dict[str, Any]:
+        """``prompt=`` text or ``prompt_token_ids=`` ids, as :class:`GenerationRequest` takes them."""
+        prompt = self.prompt[0] if _is_prompt_list(self.prompt) else self.prompt
+        if isinstance(prompt, str):
+            return {"prompt": prompt}
+        return {"prompt_token_ids": prompt}
+
+
+def _is_prompt_list(prompt: object) -> bool:
+    """A list of prompts (texts or token id lists), as opposed to one prompt's token ids."""
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+
+
+class ErrorDetail(_Response):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class ErrorResponse(_Response):
+    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorDetail
+
+
+def error_body(message: str, type: str, param: str | None = None, code: int | str | None = None) -> dict:
+    return ErrorResponse(error=ErrorDetail(message=message, type=type, param=param, code=code)).model_dump()
+
+
+def describe_validation_error(error: ValidationError) -> tuple[str, str | None]:
+    """(message, param) for a request body pydantic rejected: the first bad field, with every way
+    it could have been right (a union lists each of its members)."""
+    problems: dict[str, list[str]] = {}
+    given: dict[str, str] = {}
+    for item in error.errors(include_url=False):
+        if item["type"] == "json_invalid":
+            return f"the request body is not valid JSON: {item['msg'].removeprefix('Invalid JSON: ')}", None
+        param = _param(item["loc"])
+        problems.setdefault(param, []).append(item["msg"])
+        if isinstance(item.get("input"), (str, int, float)):
+            given[param] = f" (got {reprlib.repr(item['input'])})"
+    param, messages = next(iter(problems.items()))
+    if not param:
+        return f"the request body must be a JSON object: {messages[0]}", None
+    return f"{param}: {', or: '.join(dict.fromkeys(messages))}{given.get(param, '')}", param
+
+
+def _param(loc: tuple) -> str:
+    """A location like ``('messages', 0, 'ChatMessage', 'role')`` as ``messages[0].role``: union
+    member tags (type and class names) are dropped."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part.isidentifier() and part.islower() and part not in _TYPE_NAMES:
+            path += f".{part}" if path else part
+    return path
+
+
+class Usage(_Response):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+
+
+class DiffdraftStats(_Response):
+    """Non-standard: how the speculative decoding went (clients ignore unknown fields)."""
+
+    method: str
+    rounds: int
+    tau: float
+    """Mean tokens committed per target forward, bonus token included."""
+    acceptance_lengths: list[int]
+    stop_reason: str
+
+
+class AssistantMessage(_Response):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(_Response):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str
+
+
+class ChatCompletion(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    diffdraft: DiffdraftStats
+
+
+class Delta(_Response):
+    """Only what this chunk adds: unset fields are left out (the last chunk's delta is ``{}``)."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_unset(self, handler: SerializerFunctionWrapHandler) -> dict:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class ChatChunkChoice(_Response):
+    index: int = 0
+    delta: Delta
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(_Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChoice(_Response):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class Completion(_Response):
+    """Also each streamed chunk of ``/v1/completions`` (OpenAI sends the same object type)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    diffdraft: DiffdraftStats | None = None
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "diffdraft"
+    max_model_len: int
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())

@@ -1,0 +1,222 @@
+"""Requests from many clients onto one :class:`~diffdraft.batching.BatchEngine`.
+
+A worker thread owns the models: between rounds it admits waiting requests into the batch (up to
+``max_batch_size``), drops cancelled ones, runs one round for all, and hands each request the text
+its tokens made visible. Clients submit from any thread; an ``async`` caller (the HTTP server)
+gets its chunks through its event loop, a plain caller by blocking iteration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Iterator
+
+from diffdraft.batching import BatchEngine
+from diffdraft.engine import SequenceRun
+from diffdraft.errors import DiffdraftError
+from diffdraft.generator import GenerationChunk, GenerationRequest, PreparedRequest, SpeculativeGenerator
+
+
+class QueueFullError(DiffdraftError):
+    """Too many requests are waiting: the client should retry later."""
+
+
+class SchedulerClosedError(DiffdraftError):
+    """The scheduler stopped before the request finished."""
+
+
+class RequestCancelledError(DiffdraftError):
+    """Ends the output of a request that was cancelled before it finished."""
+
+
+class RequestHandle:
+    """One submitted request's output: iterate its :class:`GenerationChunk` s (the last carries the
+    result), with ``for`` from a thread or ``async for`` from the event loop it was submitted on;
+    :meth:`cancel` frees its place in the batch (a client that went away)."""
+
+    def __init__(self, prepared: PreparedRequest) -> None:
+        self.prepared = prepared
+        self.cancelled = threading.Event()
+        try:
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+            self._async_chunks: asyncio.Queue = asyncio.Queue()
+        except RuntimeError:
+            self._loop = None
+            self._chunks: queue.SimpleQueue = queue.SimpleQueue()
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prepared.prompt_ids)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def put(self, item: GenerationChunk | BaseException) -> None:
+        """Called by the worker: a chunk, or the error that ended the request."""
+        if self._loop is None:
+            self._chunks.put(item)
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._async_chunks.put_nowait, item)
+        except RuntimeError:  # the client's event loop is gone; nobody is listening
+            self.cancel()
+
+    def __iter__(self) -> Iterator[GenerationChunk]:
+        if self._loop is not None:
+            raise TypeError("this request was submitted from an event loop: use `async for`")
+        while True:
+            item = self._chunks.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.result is not None:
+                return
+
+    async def __aiter__(self) -> AsyncIterator[GenerationChunk]:
+        if self._loop is None:
+            raise TypeError("this request was submitted outside an event loop: use `for`")
+        while True:
+            item = await self._async_chunks.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.result is not None:
+                return
+
+
+class Scheduler:
+    """Continuous batching of submitted requests over ``generator``'s target, drafter and tree rule."""
+
+    def __init__(self, generator: SpeculativeGenerator, max_batch_size: int = 8, max_queue: int = 64) -> None:
+        if max_batch_size < 1 or max_queue < 0:
+            raise ValueError(
+                f"need max_batch_size >= 1 and max_queue >= 0, got {max_batch_size}, {max_queue}"
+            )
+        self.generator = generator
+        self.max_batch_size = max_batch_size
+        self.max_queue = max_queue
+        self._batch = BatchEngine(generator.engine)
+        self._waiting: deque[RequestHandle] = deque()
+        self._running: dict[SequenceRun, RequestHandle] = {}
+        self._wake = threading.Condition()
+        self._closing = False
+        self._worker: threading.Thread | None = None
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests waiting for a place in the batch."""
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        """Requests in the batch now."""
+        return len(self._running)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the worker is serving (started and not closed)."""
+        return self._worker is not None and self._worker.is_alive() and not self._closing
+
+    def start(self) -> Scheduler:
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._work, name="diffdraft-scheduler", daemon=True)
+            self._worker.start()
+        return self
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Stop after the current round; unfinished requests end with :class:`SchedulerClosedError`."""
+        with self._wake:
+            self._closing = True
+            self._wake.notify()
+        if self._worker is None:
+            self._end_unfinished()
+        else:
+            self._worker.join(timeout)
+
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        """Queue a request; its errors (bad settings, a prompt over the context) raise here, at once."""
+        prepared = self.generator.prepare(request)
+        handle = RequestHandle(prepared)
+        with self._wake:
+            if self._closing:
+                raise SchedulerClosedError("the server is shutting down: retry on another instance")
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFullError(
+                    f"{len(self._waiting)} requests are already waiting (the queue holds {self.max_queue}): "
+                    "retry later"
+                )
+            self._waiting.append(handle)
+            self._wake.notify()
+        return handle
+
+    def _work(self) -> None:
+        try:
+            while True:
+                with self._wake:
+                    while not self._closing and not self._waiting and not self._running:
+                        self._wake.wait()
+                    if self._closing:
+                        break
+                    admitted = []
+                    while self._waiting and len(self._running) + len(admitted) < self.max_batch_size:
+                        admitted.append(self._waiting.popleft())
+                for handle in admitted:
+                    self._admit(handle)
+                self._drop_cancelled()
+                try:
+                    committed = self._batch.step()
+                except Exception as error:  # e.g. out of memory: fail this batch, keep serving
+                    self._fail_running(error)
+                    continue
+                for sequence, new in committed:
+                    self._deliver(sequence, new)
+        finally:
+            self._end_unfinished()
+
+    def _end_unfinished(self) -> None:
+        closed = SchedulerClosedError("the server shut down before this request finished")
+        with self._wake:
+            waiting, self._waiting = list(self._waiting), deque()
+        for handle in [*waiting, *self._running.values()]:
+            handle.put(closed)
+        self._running.clear()
+
+    def _admit(self, handle: RequestHandle) -> None:
+        if handle.cancelled.is_set():
+            handle.put(RequestCancelledError("the request was cancelled before it started"))
+            return
+        prepared = handle.prepared
+        try:
+            sequence, first = self._batch.add(
+                prepared.prompt_ids, prepared.stop, prepared.sampling, prepared.stats, prepared.seed
+            )
+        except Exception as error:
+            handle.put(error)
+            return
+        self._running[sequence] = handle
+        self._deliver(sequence, first)
+
+    def _deliver(self, sequence: SequenceRun, new: list[int]) -> None:
+        handle = self._running[sequence]
+        chunk = handle.prepared.add(new)
+        if chunk is not None:
+            handle.put(chunk)
+        if sequence.done:
+            del self._running[sequence]
+            handle.put(self.generator.finish(handle.prepared))
+
+    def _drop_cancelled(self) -> None:
+        for sequence, handle in list(self._running.items()):
+            if handle.cancelled.is_set():
+                self._batch.remove(sequence)
+                del self._running[sequence]
+                handle.put(RequestCancelledError("the request was cancelled"))
+
+    def _fail_running(self, error: Exception) -> None:
+        for sequence, handle in list(self._running.items()):
+            self._batch.remove(sequence)
+            handle.put(error)
+        self._running.clear()

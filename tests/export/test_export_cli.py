@@ -1,0 +1,49 @@
+"""``diffdraft export``: exit 0 with the launch command, exit 2 with one clear line and nothing written."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffdraft.cli import main
+from diffdraft.drafters.checkpoint import save_draft_model
+from diffdraft.drafters.dflash_model import DFLARE
+
+from conftest import tiny_drafter, tiny_target
+
+
+@pytest.fixture(scope="module")
+def drafters(tmp_path_factory):
+    target = tiny_target("llama", layers=4, dtype=torch.float32)
+    root = tmp_path_factory.mktemp("drafters")
+    save_draft_model(tiny_drafter(target, block_size=8, target_layer_ids=[0, 2]), root / "dflash")
+    save_draft_model(tiny_drafter(target, variant=DFLARE, target_layer_ids=[0, 2]), root / "dflare")
+    return root
+
+
+@pytest.mark.parametrize(("engine", "launcher"), [("vllm", "vllm serve"), ("sglang", "sglang.launch_server")])
+def test_export_writes_the_directory_and_prints_the_launch_command(
+    drafters, tmp_path, capsys, engine, launcher
+):
+    out = tmp_path / "out"
+    assert main(["export", str(drafters / "dflash"), "--format", engine, "--out", str(out)]) == 0
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    printed = capsys.readouterr().out
+    assert f"wrote {out}" in printed and "block size 8" in printed
+    assert launcher in printed and "TARGET" in printed and str(out.resolve()) in printed
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_a_refused_export_exits_2_with_one_line_and_writes_nothing(drafters, tmp_path, capsys, engine):
+    out = tmp_path / "out"
+    assert main(["export", str(drafters / "dflare"), "--format", engine, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("diffdraft: error: this is a DFlare drafter") and err.count("\n") == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_existing_out_without_force_exits_2(drafters, tmp_path, capsys):
+    (tmp_path / "kept.txt").write_text("x")
+    assert main(["export", str(drafters / "dflash"), "--format", "vllm", "--out", str(tmp_path)]) == 2
+    assert "--force" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["kept.txt"]
