@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -162,3 +163,10 @@ def make_checkpoint(path: Path, family: str = "llama", dtype: torch.dtype = torc
     AutoModelForCausalLM.from_config(config).to(dtype).save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     return path
+
+
+class PerContextLookups:
+    """``log_probs_many`` for N-gram test doubles that define ``log_probs`` (one context) only."""
+
+    def log_probs_many(self, contexts, tokens):
+        return np.stack([self.log_probs(context, tokens) for context in contexts]).reshape(len(contexts), -1)

@@ -7,7 +7,7 @@ import torch
 
 from diffdraft.bench.probes import ForwardCall, ForwardProbe, TimedNgram, rounds_from_calls
 
-from conftest import tiny_target
+from conftest import PerContextLookups, tiny_target
 
 
 def test_rounds_are_recovered_from_cache_lengths():
@@ -37,7 +37,7 @@ def test_the_probe_sees_every_forward_of_hf_generate_and_detaches():
     assert len(probe.calls) == generated  # hooks are gone after the block
 
 
-class FakeTrie:
+class FakeTrie(PerContextLookups):
     order = 3
     path = "trie"
 
@@ -53,3 +53,5 @@ def test_timed_ngram_answers_like_the_trie_and_times_each_lookup():
     seconds = timed.take()
     assert len(seconds) == 2 and all(s >= 0 for s in seconds)
     assert timed.take() == []
+    assert timed.log_probs_many([[1], [1, 2, 3]], [5]).tolist() == [[-1.0], [-3.0]]
+    assert len(timed.take()) == 2  # a beam's lookups at once count as one lookup per context

@@ -20,7 +20,7 @@ from diffdraft.target import TargetModel
 from diffdraft.trees import ChainBuilder, DDTreeBuilder
 from diffdraft.trees.dart import DartTreeBuilder, DartTreeSettings
 
-from conftest import hf_greedy, tiny_dart, tiny_target
+from conftest import PerContextLookups, hf_greedy, tiny_dart, tiny_target
 from test_engine import OracleDrafter, run_engine
 
 RELEASED_KEYS = {
@@ -43,7 +43,7 @@ RELEASED_KEYS = {
 }
 
 
-class TrigramTable:
+class TrigramTable(PerContextLookups):
     """An N-gram stand-in with the trie's interface, random but fixed per context."""
 
     order = 3

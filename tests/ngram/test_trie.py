@@ -114,6 +114,20 @@ def test_log_probs_match_the_reference(trie, corpus):
         np.testing.assert_allclose(got, reference.log_probs(context, candidates), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("order", [1, 2, 3, 4])
+def test_a_beam_of_contexts_at_once_gives_each_context_its_own_lookup(tmp_path, corpus, order):
+    trie = build(tmp_path, corpus[0], order=order)
+    rng = random.Random(order)
+    beam = [*contexts(corpus)[:12], [], [VOCAB + 5, 3], [-1], [21, 22, 23]]  # unseen and out-of-range too
+    for _ in range(5):
+        candidates = [rng.randrange(-2, VOCAB + 3) for _ in range(rng.randrange(0, 30))]
+        expected = np.stack([trie.log_probs(context, candidates) for context in beam])
+        got = trie.log_probs_many(beam, candidates)
+        assert got.dtype == np.float32
+        np.testing.assert_array_equal(got, expected)
+    assert trie.log_probs_many([], [1, 2]).shape == (0, 2)
+
+
 def test_seen_trigram_is_relative_frequency(trie, corpus):
     counts = corpus[1]
     (a, b, c), count = next((k, n) for k, n in counts.most_common() if len(k) == 3)

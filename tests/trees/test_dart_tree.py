@@ -12,12 +12,13 @@ from diffdraft.sampling import SamplingParams
 from diffdraft.trees import TreeBuilder
 from diffdraft.trees.dart import DartTreeBuilder, DartTreeSettings
 
+from conftest import PerContextLookups
 from test_ddtree import prefixes
 
 GREEDY = SamplingParams()
 
 
-class TableNgram:
+class TableNgram(PerContextLookups):
     """An N-gram stand-in: log Pr(token | last order-1 tokens) from a random table."""
 
     def __init__(self, order: int, vocab: int, seed: int) -> None:
@@ -104,7 +105,7 @@ def test_dart_tree_keeps_algorithm_1s_best_nodes(case) -> None:
 def test_ngram_term_changes_the_tree() -> None:
     """The drafter slightly prefers token 0; the N-gram says only token 3 continues the text."""
 
-    class Likes3:
+    class Likes3(PerContextLookups):
         order = 2
 
         def log_probs(self, context, tokens):

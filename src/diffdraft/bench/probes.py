@@ -88,10 +88,13 @@ def rounds_from_calls(calls: list[ForwardCall], prompt_length: int, generated: i
 
 
 class TimedNgram:
-    """An N-gram trie whose ``log_probs`` calls (one per beam entry and tree level) are each timed.
+    """An N-gram trie whose lookups (one context's candidates: one per beam entry and tree level)
+    are timed.
 
     Drop-in for the trie of :class:`~diffdraft.trees.dart.DartTreeBuilder`; other attributes are the
-    trie's. ``seconds`` holds one entry per call since the last :meth:`take`.
+    trie's. ``seconds`` holds one entry per lookup since the last :meth:`take`; a
+    ``log_probs_many`` call (a whole beam's lookups at once) counts as that many lookups of equal
+    share.
     """
 
     def __init__(self, trie: NgramTrie) -> None:
@@ -103,6 +106,15 @@ class TimedNgram:
         begin = time.perf_counter()
         scores = self.trie.log_probs(context, tokens)
         self.seconds.append(time.perf_counter() - begin)
+        return scores
+
+    def log_probs_many(
+        self, contexts: Sequence[Sequence[int]], tokens: np.ndarray | Sequence[int]
+    ) -> np.ndarray:
+        begin = time.perf_counter()
+        scores = self.trie.log_probs_many(contexts, tokens)
+        share = (time.perf_counter() - begin) / max(1, len(contexts))
+        self.seconds.extend([share] * len(contexts))
         return scores
 
     def take(self) -> list[float]:

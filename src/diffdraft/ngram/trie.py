@@ -206,6 +206,37 @@ class NgramTrie:
         scores += self.eps
         return np.log(scores).astype(np.float32)
 
+    def log_probs_many(
+        self, contexts: Sequence[Sequence[int]], tokens: np.ndarray | Sequence[int]
+    ) -> np.ndarray:
+        """:meth:`log_probs` of one candidate set after each of several contexts, [contexts, candidates]:
+        the same numbers, but every context's candidates are searched for at once (one binary search
+        over all of them per trie level), as DART's tree asks for a whole beam per level."""
+        candidates = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        outside = candidates.astype(np.uint64) >= self.vocab_size
+        wanted = np.where(outside, 0, candidates)
+        chains = [self._backoff_chain(context) for context in contexts]
+        depths = np.array([len(chain) - 1 for chain in chains], dtype=np.float64)
+        scores = self._unigram[wanted][None, :] * (self.alpha**depths)[:, None]
+        for level in range(1, self.order):  # shorter contexts first: a longer one's hit overwrites
+            entries = [
+                (row, lo, hi, self.alpha**depth / denominator)
+                for row, chain in enumerate(chains)
+                for depth, (at, lo, hi, denominator) in enumerate(chain[:-1])
+                if at == level
+            ]
+            if not entries:
+                continue
+            rows, lo, hi, factors = (np.array(column) for column in zip(*entries, strict=True))
+            index = _lower_bound(self._tokens[level], lo, hi, wanted)
+            clipped = np.minimum(index, len(self._tokens[level]) - 1)
+            hit = (index < hi[:, None]) & (self._tokens[level][clipped] == wanted[None, :])
+            found = self._counts[level][clipped] * factors[:, None]
+            scores[rows] = np.where(hit, found, scores[rows])
+        scores[:, outside] = 0.0
+        scores += self.eps
+        return np.log(scores).astype(np.float32)
+
     def children(self, context: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """Every child of the longest stored suffix of ``context`` that has children, sorted by id:
         ``(token ids int64, log(S + eps) float32)``, the scores ``log_probs`` gives those tokens."""
@@ -282,6 +313,22 @@ class NgramTrie:
                 return None
             node = lo + where
         return len(suffix), node
+
+
+def _lower_bound(sorted_runs: np.ndarray, lo: np.ndarray, hi: np.ndarray, wanted: np.ndarray) -> np.ndarray:
+    """For every run ``sorted_runs[lo[r]:hi[r]]`` (each sorted) and every ``wanted`` token, the first
+    index in the run whose token is not below it: a binary search over all runs and tokens at once."""
+    low = np.repeat(lo.astype(np.int64)[:, None], len(wanted), axis=1)
+    high = np.repeat(hi.astype(np.int64)[:, None], len(wanted), axis=1)
+    last = len(sorted_runs) - 1
+    while True:
+        open_ = low < high
+        if not open_.any():
+            return low
+        middle = (low + high) // 2
+        below = open_ & (sorted_runs[np.minimum(middle, last)] < wanted[None, :])
+        low = np.where(below, middle + 1, low)
+        high = np.where(open_ & ~below, middle, high)
 
 
 def _read_meta(path: Path) -> dict:

@@ -97,7 +97,7 @@ class DartTreeBuilder:
         for level in range(candidates.shape[0]):
             increments = np.broadcast_to(s.logit_decay**level * draft_scores[level], (len(beam), k))
             if self.ngram is not None:
-                ngram = np.stack([self.ngram.log_probs(tail, candidates[level]) for tail in tails])
+                ngram = self.ngram.log_probs_many(tails, candidates[level])
                 increments = increments + s.ngram_weight * np.minimum(np.logaddexp(ngram, log_eps), 0.0)
             level_scores = beam_scores[:, None] + (level + 1) ** s.level_exponent * increments
             parents.append(np.repeat(beam, k))
