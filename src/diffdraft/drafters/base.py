@@ -67,7 +67,7 @@ class ForksByCopy:
     """``fork`` for drafters whose ``reset`` rebinds (never mutates) every piece of per-sequence
     state: a shallow copy shares the weights, and its reset gives it state of its own."""
 
-    def fork(self):
+    def fork(self) -> Drafter:
         clone = copy.copy(self)
         clone.reset()
         return clone
