@@ -8,9 +8,6 @@ so a failed run leaves nothing behind.
 from __future__ import annotations
 
 import argparse
-import shutil
-import tempfile
-import uuid
 from pathlib import Path
 
 from diffdraft.default_model import MODEL_NAME
@@ -19,6 +16,7 @@ from diffdraft.drafters.deer_model import DEERDraftModel, deer_from_causal_lm
 from diffdraft.errors import CheckpointError, InvalidRequestError
 from diffdraft.loading import DTYPES, end_token_ids, load_target
 from diffdraft.ngram.trie import tokenizer_fingerprint
+from diffdraft.staging import staged_directory
 from diffdraft.train.mask_token import pick_mask_token
 
 DEFAULT_BLOCK_SIZE = 16
@@ -126,14 +124,8 @@ def _run_init(args: argparse.Namespace) -> None:
         initialized_from,
         args.denoising_steps,
     )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()  # not mkdtemp: its mode 0700 would become the checkpoint's
-    try:
+    with staged_directory(out) as tmp:
         save_draft_model(drafter, tmp, DTYPES[args.dtype])
-        _move_into_place(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     mask_text = loaded.tokenizer.convert_ids_to_tokens(mask_token_id)
     print(
         f"wrote {out}: DEER drafter from {args.num_layers}/{base.num_hidden_layers} layers of "
@@ -141,17 +133,6 @@ def _run_init(args: argparse.Namespace) -> None:
         f"block size {args.block_size}, mask token {mask_token_id} ({mask_text!r})",
         flush=True,
     )
-
-
-def _move_into_place(tmp: Path, out: Path) -> None:
-    """Swap the finished checkpoint in; an old ``out`` (empty, or replaced with --force) goes last."""
-    if not out.exists():
-        tmp.rename(out)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-    out.rename(old / out.name)
-    tmp.rename(out)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def _parameter_count(model: DEERDraftModel) -> int:

@@ -4,15 +4,13 @@ place at the end, so a refused or failed export leaves nothing behind and an old
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
-import uuid
 from pathlib import Path
 
 from safetensors.torch import save_file
 
 from diffdraft.errors import InvalidRequestError
 from diffdraft.export.layout import Export
+from diffdraft.staging import staged_directory
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -30,18 +28,6 @@ def check_out_dir(out: Path, force: bool) -> None:
 
 def write_export(export: Export, out: Path) -> None:
     """``config.json`` + ``model.safetensors`` in ``out``; an existing ``out`` is replaced last."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()  # not mkdtemp: its mode 0700 would become the export's
-    try:
+    with staged_directory(out) as tmp:
         (tmp / CONFIG_NAME).write_text(json.dumps(export.config, indent=2, sort_keys=True) + "\n")
         save_file(export.weights, tmp / WEIGHTS_NAME, metadata={"format": "pt"})
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            out.rename(old / out.name)
-            tmp.rename(out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)

@@ -44,6 +44,7 @@ from diffdraft.ngram.trie import (
     tokens_file,
 )
 from diffdraft.progress import progress_bar
+from diffdraft.staging import move_into_place
 
 DEFAULT_ORDER = 3
 DEFAULT_MIN_COUNT = 2
@@ -449,20 +450,10 @@ def build_trie(
         }
         # ngram.json last: a directory without it is never taken for a complete trie.
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-        _move_into_place(tmp, out)
+        move_into_place(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return meta
-
-
-def _move_into_place(tmp: Path, out: Path) -> None:
-    if out.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-        out.rename(old / out.name)
-        tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(out)
 
 
 def _remove_stale(out: Path) -> None:
