@@ -215,9 +215,11 @@ class Trainer:
             self.state = TrainState(**saved["state"])
 
     def _check_output_dir(self) -> None:
+        """Fail before any compute if checkpoints could not be written. The probe is named per process:
+        under DDP every rank probes the same directory at once."""
         try:
             self.output_dir.mkdir(parents=True, exist_ok=True)
-            probe = self.output_dir / ".write-test"
+            probe = self.output_dir / f".write-test-{os.getpid()}"
             probe.write_text("")
             probe.unlink()
         except OSError as err:
