@@ -22,3 +22,13 @@ def test_on_a_terminal_tqdm_keeps_its_own_interval():
             return True
 
     assert progress_bar(range(3), file=Terminal()).mininterval < LOG_INTERVAL_SECONDS
+
+
+def test_off_a_terminal_postfix_updates_wait_for_the_timed_redraw():
+    log = io.StringIO()
+    with progress_bar(total=1000, file=log) as bar:
+        for step in range(1000):
+            bar.update(1)
+            bar.set_postfix_str(f"{step} tok/s")
+            bar.set_postfix(loss=step)
+    assert log.getvalue().count("\r") <= 3
