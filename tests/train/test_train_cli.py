@@ -308,3 +308,21 @@ def test_source_replies_become_responses_without_generating(tmp_path, capsys):
     assert tokenizer.decode(record["response_token_ids"][:-1]) == "hello there"
     run_train(parse([*argv, "--source-replies"]))
     assert "0 samples written" in capsys.readouterr().out
+
+
+def test_fit_refuses_a_deer_drafter_built_with_another_tokenizer(responses, tmp_path, capsys):
+    from diffdraft.cli import main
+
+    target_dir, data = responses
+    drafter = tmp_path / "deer"
+    init = ["deer", "init", "--from", str(target_dir), "--out", str(drafter), "--num-layers", "1"]
+    assert main([*init, "--mask-token-id", "7"]) == 0
+    config_path = drafter / "config.json"
+    config = json.loads(config_path.read_text())
+    config["deer_config"]["tokenizer_fingerprint"] = "another-tokenizer"
+    config_path.write_text(json.dumps(config))
+    fit = ["train", "fit", "--data", str(data), "--target", str(target_dir), "--held-out", "0"]
+    out = tmp_path / "tuned"
+    assert main([*fit, "--output-dir", str(out), "--variant", "deer", "--init-drafter", str(drafter)]) == 2
+    assert "built with tokenizer another-tokenizer" in capsys.readouterr().err
+    assert not (out / "final").exists()

@@ -20,6 +20,8 @@ from torch import distributed as dist
 
 from diffdraft.bench.datasets import sharegpt_held_out
 from diffdraft.drafters.checkpoint import load_draft_model
+from diffdraft.drafters.deer import check_tokenizer
+from diffdraft.drafters.deer_model import DEERDraftModel
 from diffdraft.drafters.dflash_model import DFLASH
 from diffdraft.errors import InvalidRequestError
 from diffdraft.loading import end_token_ids, load_target
@@ -466,6 +468,8 @@ def _run_fit(args: argparse.Namespace) -> None:
         config = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
         config.tokenizer_fingerprint = tokenizer_fingerprint(loaded.tokenizer)
         initial = load_draft_model(args.init_drafter) if args.init_drafter else None
+        if isinstance(initial, DEERDraftModel):
+            check_tokenizer(initial, loaded.tokenizer)  # equal vocab sizes can still mean other text
         if initial is not None:
             config.mask_token_id = getattr(initial, "mask_token_id", None)  # DART drafters have none
         elif config.mask_token_id is None and config.variant != DART:
