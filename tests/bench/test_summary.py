@@ -87,6 +87,14 @@ def test_the_speed_checks_take_the_fastest_ddtree_with_or_without_the_lookup_boo
     assert "ddtree:auto / best swept" not in found
 
 
+def test_every_tree_family_run_with_an_auto_budget_is_held_against_its_own_sweep():
+    records = [record("ar", 0, 1.0, [1] * 8), record("deer-tree:8", 0, 0.5, [3, 3, 2])]
+    records += [record("deer-tree:auto", 0, 1.0, [3, 3, 2]), record("ddtree:auto", 0, 0.5, [3, 3, 2])]
+    found = {c.name: c for c in checks(summarize(records, CURVE, "float32"))}
+    assert found["deer-tree:auto / best swept"].value == pytest.approx(0.5)
+    assert "ddtree:auto / best swept" not in found  # nothing swept to hold it against
+
+
 def test_positions_a_round_did_not_draft_do_not_count_against_it():
     # a prompt-lookup round that drafted 1 token and had it accepted must not lower position 2
     records = [record("ar", 0, 1.0, [1] * 4), record("pld", 0, 1.0, [2, 2, 3], sizes=2)]

@@ -210,7 +210,8 @@ def _position_acceptance(lengths: Sequence[int], depths: Sequence[int]) -> list[
 
 
 def checks(summaries: Sequence[MethodSummary]) -> list[Check]:
-    """The issue's pass/fail lines: auto budget vs the sweep, and DDTree vs the HF baselines and bound.
+    """The issue's pass/fail lines: every auto budget vs its family's sweep (ddtree, ddtree+pld, deer-tree,
+    ...), and DDTree vs the HF baselines and bound.
 
     The speed lines take the fastest DDTree run, with or without the prompt-lookup boost (the tree
     and verifier are DDTree's either way; the line names the method that set it).
@@ -226,9 +227,12 @@ def checks(summaries: Sequence[MethodSummary]) -> list[Check]:
             detail = f"{sum(s.identical for s in compared)} identical, {sum(s.near_ties for s in compared)} "
             detail += f"near-ties, {bad} unexplained divergences"
             found.append(Check("lossless vs plain AR", dataset, temperature, bad, 0, bad == 0, detail))
+        auto_families = {
+            MethodSpec.parse(s.method).name for s in group if MethodSpec.parse(s.method).arg == "auto"
+        }
+        for family in sorted(auto_families):
+            found.extend(_auto_check([s for s in group if MethodSpec.parse(s.method).name == family]))
         ddtree = [s for s in group if MethodSpec.parse(s.method).name in DDTREE_FAMILIES]
-        for family in DDTREE_FAMILIES:
-            found.extend(_auto_check([s for s in ddtree if MethodSpec.parse(s.method).name == family]))
         if not ddtree or temperature != 0:
             continue
         top = max(ddtree, key=lambda s: s.tokens_per_second.mean)
