@@ -72,11 +72,13 @@ class LiveServer:
 
 
 @contextmanager
-def serving(generator, model: str = "tiny", **scheduler_options) -> Iterator[LiveServer]:
+def serving(
+    generator, model: str = "tiny", api_key: str | None = None, **scheduler_options
+) -> Iterator[LiveServer]:
     """A started scheduler over ``generator`` behind a live server; both stop when the block ends."""
     scheduler = Scheduler(generator, **scheduler_options).start()
     try:
-        with LiveServer(create_app(scheduler, model)) as live:
+        with LiveServer(create_app(scheduler, model, api_key=api_key)) as live:
             live.scheduler = scheduler
             yield live
     finally:

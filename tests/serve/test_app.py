@@ -516,3 +516,17 @@ def test_a_failing_round_is_a_500_error_body_and_the_server_goes_on(checkpoint):
         assert error["type"] == "internal_server_error" and "out of memory (simulated)" in error["message"]
         assert "Traceback" not in failed.text
         assert post(live, "/v1/completions", {"prompt": "hello", "max_tokens": 5}).status_code == 200
+
+
+def test_an_api_key_guards_the_v1_routes_and_leaves_health_and_metrics_open(checkpoint):
+    with serving(diffdraft.load(checkpoint, method="pld"), MODEL, api_key="sesame") as live:
+        wrong = openai.OpenAI(base_url=live.url + "/v1", api_key="wrong", max_retries=0, timeout=60)
+        with pytest.raises(openai.AuthenticationError, match="missing or wrong API key"):
+            wrong.models.list()
+        bare = post(live, "/v1/completions", {"prompt": "hello", "max_tokens": 2})
+        assert bare.status_code == 401 and bare.json()["error"]["type"] == "authentication_error"
+        right = openai.OpenAI(base_url=live.url + "/v1", api_key="sesame", max_retries=0, timeout=60)
+        completion = right.completions.create(model=MODEL, prompt="hello", max_tokens=2)
+        assert completion.usage.completion_tokens == 2
+        assert httpx.get(live.url + "/health").status_code == 200
+        assert httpx.get(live.url + "/metrics").status_code == 200

@@ -108,6 +108,18 @@ def test_failed_requests_are_counted_and_fail_the_command(server, tmp_path, caps
     assert "2 ok, 2 failed" in out and "{'400': 2}" in out and "context holds 128" in out
 
 
+def test_the_api_key_is_sent_from_the_flag_or_the_environment(tmp_path, monkeypatch, capsys):
+    checkpoint = make_chat_checkpoint(tmp_path / "target")
+    with serving(diffdraft.load(checkpoint, method="pld"), "tiny", api_key="sesame") as live:
+        args = ["serve-load", "--url", live.url, "--requests", "2", "--concurrency", "1", "--max-tokens", "2"]
+        assert main(args) == 2
+        assert "GET /v1/models answered 401" in capsys.readouterr().err
+        assert main([*args, "--api-key", "sesame"]) == 0
+        monkeypatch.setenv("DIFFDRAFT_API_KEY", "sesame")
+        assert main(args) == 0
+        assert "2 ok, 0 failed" in capsys.readouterr().out
+
+
 def test_a_remote_url_is_refused_before_anything_is_sent(capsys):
     assert main(["serve-load", "--url", "http://10.1.2.3:8000"]) == 2
     assert "not a loopback address" in capsys.readouterr().err

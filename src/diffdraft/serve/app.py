@@ -3,12 +3,15 @@
 Every request is checked before it takes a place in the batch; anything wrong with it comes back as
 OpenAI's error body with a 4xx status, never a traceback, and other requests go on. A client that
 disconnects (streaming or not) has its request cancelled, so its batch slot frees for the next one.
-The app does not own the scheduler: whoever started it closes it.
+The app does not own the scheduler: whoever started it closes it. With an API key, every ``/v1``
+route asks for it as ``Authorization: Bearer KEY`` (as OpenAI and vLLM do); /health and /metrics
+stay open for probes and scrapers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 from collections.abc import AsyncIterator
@@ -37,6 +40,7 @@ from diffdraft.serve.scheduler import QueueFullError, RequestHandle, Scheduler, 
 
 ERROR_TYPES = {
     400: "invalid_request_error",
+    401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
     429: "rate_limit_error",
@@ -226,11 +230,24 @@ def _sse(event: dict) -> str:
     return f"data: {json.dumps(event, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def create_app(scheduler: Scheduler, model_name: str) -> FastAPI:
-    """The ASGI app serving ``model_name`` through a started ``scheduler``."""
+def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None) -> FastAPI:
+    """The ASGI app serving ``model_name`` through a started ``scheduler``; ``api_key`` guards /v1."""
     api = _Api(scheduler, model_name)
     app = FastAPI(title="diffdraft", summary="OpenAI-compatible lossless speculative decoding")
     app.state.api = api
+
+    if api_key:
+        expected = f"Bearer {api_key}".encode()
+
+        @app.middleware("http")
+        async def require_api_key(request: Request, call_next) -> Response:
+            given = request.headers.get("authorization", "").encode()
+            if request.url.path.startswith("/v1") and not hmac.compare_digest(given, expected):
+                message = (
+                    "missing or wrong API key: send the server's --api-key as 'Authorization: Bearer KEY'"
+                )
+                return ApiError(401, message).response()
+            return await call_next(request)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:

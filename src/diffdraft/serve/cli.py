@@ -4,6 +4,7 @@ one). The web stack is imported only when a command runs, so other commands do n
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import socket
 import sys
@@ -13,6 +14,9 @@ from contextlib import contextmanager
 
 from diffdraft.default_model import MODEL_NAME
 from diffdraft.errors import DiffdraftError
+
+API_KEY_VARIABLE = "DIFFDRAFT_API_KEY"
+"""Where ``serve`` and ``serve-load`` read the API key when no --api-key is given."""
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -42,6 +46,12 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help=f"the model name clients send and /v1/models lists (default: {MODEL_NAME} for "
         "--target default, else --target as given, as vLLM names it)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_VARIABLE),
+        help=f"require this key on /v1 routes as 'Authorization: Bearer KEY' (default: ${API_KEY_VARIABLE}, "
+        "else none; /health and /metrics stay open)",
     )
     p.add_argument(
         "--log-level",
@@ -112,10 +122,12 @@ def run_serve(args: argparse.Namespace) -> int:
         scheduler = Scheduler(generator, args.max_batch_size, args.max_queue).start()
         try:
             name = served_model_name(args)
-            config = uvicorn.Config(create_app(scheduler, name), log_level=args.log_level)
+            app = create_app(scheduler, name, api_key=args.api_key)
+            config = uvicorn.Config(app, log_level=args.log_level)
+            key = ", API key required" if args.api_key else ""
             print(
                 f"diffdraft serve: model {name!r} on http://{args.host}:{args.port}/v1 "
-                f"(batch {args.max_batch_size}, queue {args.max_queue})",
+                f"(batch {args.max_batch_size}, queue {args.max_queue}{key})",
                 file=sys.stderr,
                 flush=True,
             )
@@ -144,6 +156,11 @@ def add_serve_load_parser(sub: argparse._SubParsersAction) -> None:
         help="allow a URL that is not on this machine (loopback only by default)",
     )
     p.add_argument("--model", default=None, help="model name to send (default: the server's first)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_VARIABLE),
+        help=f"sent as 'Authorization: Bearer KEY' (default: ${API_KEY_VARIABLE}, else none)",
+    )
     p.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
     p.add_argument("--concurrency", type=int, default=8, help="concurrent clients (default: 8)")
     p.add_argument("--requests", type=int, default=64, help="requests in all (default: 64)")

@@ -51,6 +51,8 @@ class LoadSettings:
     prompts: list[dict] = field(default_factory=lambda: [{"prompt": p} for p in BUILTIN_PROMPTS])
     """Each {"prompt": text} or {"messages": [...]}; a prompt goes to chat as one user message."""
     allow_remote: bool = False
+    api_key: str | None = None
+    """Sent as ``Authorization: Bearer KEY`` when given."""
 
     def __post_init__(self) -> None:
         check_url(self.url, self.allow_remote)
@@ -84,6 +86,7 @@ class LoadSettings:
             stream=args.stream,
             timeout=args.timeout,
             allow_remote=args.allow_remote,
+            api_key=args.api_key,
             **options,
         )
 
@@ -213,6 +216,7 @@ class _Client:
         self.netloc = parts.netloc
         self.base = parts.path.rstrip("/")
         self.conn: http.client.HTTPConnection | None = None
+        self.headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
 
     def _connection(self) -> http.client.HTTPConnection:
         if self.conn is None:
@@ -227,7 +231,7 @@ class _Client:
 
     def get_json(self, path: str) -> dict:
         conn = self._connection()
-        conn.request("GET", self.base + path)
+        conn.request("GET", self.base + path, headers=self.headers)
         response = conn.getresponse()
         body = response.read()
         if response.status != 200:
@@ -240,7 +244,10 @@ class _Client:
         try:
             conn = self._connection()
             conn.request(
-                "POST", self.base + path, body=json.dumps(body), headers={"Content-Type": "application/json"}
+                "POST",
+                self.base + path,
+                body=json.dumps(body),
+                headers={"Content-Type": "application/json", **self.headers},
             )
             response = conn.getresponse()
             if response.status != 200:
