@@ -139,7 +139,9 @@ def test_streamed_chunks_join_to_the_non_streamed_text(client, endpoint):
     assert usage.choices == [] and usage.usage.completion_tokens == 30
     assert usage.usage.total_tokens == whole.usage.total_tokens
     assert finish.choices[0].finish_reason == "length"
+    assert finish.model_extra["diffdraft"] == whole.model_extra["diffdraft"]  # greedy: the same rounds
     assert all(c.choices[0].finish_reason is None for c in content)
+    assert all("diffdraft" not in c.model_extra for c in [*content, usage])
     if endpoint == "chat":
         assert content[0].choices[0].delta.role == "assistant"
         assert all(c.object == "chat.completion.chunk" for c in chunks)

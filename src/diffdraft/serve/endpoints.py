@@ -64,7 +64,7 @@ class Endpoint:
         raise NotImplementedError
 
     def last_chunk(self, result: GenerationResult) -> dict:
-        """The object that carries the finish reason."""
+        """The object that carries the finish reason (and the generation's ``diffdraft`` stats)."""
         raise NotImplementedError
 
     def usage_chunk(self, usage: Usage) -> dict:
@@ -80,6 +80,11 @@ class Endpoint:
             acceptance_lengths=s.acceptance_lengths,
             stop_reason=s.stop_reason,
         )
+
+
+def _absent(stats: DiffdraftStats | None) -> set[str]:
+    """Fields a stream chunk leaves out: usage (its own chunk), and the stats until the last chunk."""
+    return {"usage"} if stats is not None else {"usage", "diffdraft"}
 
 
 def finish_reason(result: GenerationResult) -> str:
@@ -106,14 +111,15 @@ class ChatEndpoint(Endpoint):
             diffdraft=self.stats(result),
         ).model_dump()
 
-    def _chunk(self, delta: Delta, finish: str | None = None) -> dict:
+    def _chunk(self, delta: Delta, finish: str | None = None, stats: DiffdraftStats | None = None) -> dict:
         chunk = ChatCompletionChunk(
             id=self.id,
             created=self.created,
             model=self.model_name,
             choices=[ChatChunkChoice(delta=delta, finish_reason=finish)],
+            diffdraft=stats,
         )
-        return chunk.model_dump(exclude={"usage"})
+        return chunk.model_dump(exclude=_absent(stats))
 
     def chunks(self, text: str, first: bool) -> list[dict]:
         out = [self._chunk(Delta(role="assistant", content=""))] if first else []
@@ -122,12 +128,12 @@ class ChatEndpoint(Endpoint):
         return out
 
     def last_chunk(self, result: GenerationResult) -> dict:
-        return self._chunk(Delta(), finish_reason(result))
+        return self._chunk(Delta(), finish_reason(result), self.stats(result))
 
     def usage_chunk(self, usage: Usage) -> dict:
         return ChatCompletionChunk(
             id=self.id, created=self.created, model=self.model_name, choices=[], usage=usage
-        ).model_dump()
+        ).model_dump(exclude={"diffdraft"})
 
 
 class CompletionEndpoint(Endpoint):
@@ -148,20 +154,21 @@ class CompletionEndpoint(Endpoint):
             diffdraft=self.stats(result),
         ).model_dump()
 
-    def _chunk(self, text: str, finish: str | None = None) -> dict:
+    def _chunk(self, text: str, finish: str | None = None, stats: DiffdraftStats | None = None) -> dict:
         chunk = Completion(
             id=self.id,
             created=self.created,
             model=self.model_name,
             choices=[CompletionChoice(text=text, finish_reason=finish)],
+            diffdraft=stats,
         )
-        return chunk.model_dump(exclude={"usage", "diffdraft"})
+        return chunk.model_dump(exclude=_absent(stats))
 
     def chunks(self, text: str, first: bool) -> list[dict]:
         return [self._chunk(text)] if text else []
 
     def last_chunk(self, result: GenerationResult) -> dict:
-        return self._chunk("", finish_reason(result))
+        return self._chunk("", finish_reason(result), self.stats(result))
 
     def usage_chunk(self, usage: Usage) -> dict:
         return Completion(

@@ -290,6 +290,9 @@ class _Client:
                 continue
             if sample.ttft is None and any(_choice_text(c) for c in event.get("choices") or []):
                 sample.ttft = time.perf_counter() - begin
+            stats = event.get("diffdraft") or {}
+            if stats:  # on the chunk with the finish reason
+                sample.tau = stats.get("tau")
             usage = event.get("usage") or {}
             if usage:
                 sample.prompt_tokens = usage.get("prompt_tokens", 0)

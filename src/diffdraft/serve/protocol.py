@@ -288,6 +288,8 @@ class ChatCompletionChunk(_Response):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    diffdraft: DiffdraftStats | None = None
+    """On the chunk that carries the finish reason only."""
 
 
 class CompletionChoice(_Response):
