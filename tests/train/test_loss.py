@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from diffdraft.train.blocks import IGNORE
-from diffdraft.train.loss import block_loss, gamma_at, position_weights
+from diffdraft.train.loss import block_loss, gamma_at, position_weights, target_rows
+from diffdraft.train.objective import head_rows
 
 
 def test_gamma_grows_linearly_from_gamma_0_to_gamma_max():
@@ -62,3 +64,24 @@ def test_distillation_loss_is_the_weighted_kl_from_the_target_and_zero_when_the_
     assert counts.tolist() == [0, 1, 2]
     same, _, _ = block_loss(logits, torch.tensor([0, 1, 2]), positions, position_weights(3, 2.0), draft)
     assert abs(float(same)) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_draft_vocab", [False, True])
+def test_target_rows_equal_gathering_each_rows_logits_first(dtype, with_draft_vocab):
+    torch.manual_seed(2)
+    vocab_size = 50
+    target_logits = torch.randn(9, vocab_size).to(dtype)
+    target_logits[4, [3, 7]] = 9.0  # a tie: the first maximum wins, as argmax
+    predicted_from = torch.tensor([4, 0, 4, 8, 2, 2, 4])  # rows share positions, some are unused
+    draft_vocab = torch.tensor([7, 1, 2, 5, 9, 11, 30]) if with_draft_vocab else None
+    head_index = head_rows(vocab_size, draft_vocab) if with_draft_vocab else None
+    log_probs, greedy = target_rows(target_logits, predicted_from, head_index, draft_vocab)
+
+    rows = target_logits[predicted_from].float()
+    expected_greedy = rows.argmax(-1)
+    if with_draft_vocab:
+        expected_greedy, rows = head_index[expected_greedy], rows[:, draft_vocab]
+    torch.testing.assert_close(log_probs, rows.log_softmax(-1), rtol=0, atol=0)
+    assert greedy.tolist() == expected_greedy.tolist()
+    assert greedy[0] == (IGNORE if with_draft_vocab else 3)  # token 3 is outside the draft vocabulary

@@ -97,7 +97,8 @@ class DARTObjective(nn.Module):
             labels,
             depths[rows].to(device),
             dart_weights(max_depth, gamma),
-            None if target_logits is None else target_logits[(predicted[rows] - 1).to(device)],
+            target_logits,
+            (predicted[rows] - 1).to(device),
             self.label_index,
             model.draft_vocab,
         )

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from diffdraft.drafters.deer_model import DEERDraftModel
-from diffdraft.train.loss import position_counts, position_hits, row_losses
+from diffdraft.train.loss import position_counts, position_hits, row_losses, target_rows
 
 
 class DEERObjective(nn.Module):
@@ -81,18 +81,16 @@ class DEERObjective(nn.Module):
         logits = model.lm_head(hidden[index.to(device)])
         labels = token_ids[predicted[index]].to(device)
         row_depths = depths[index].clamp_max(model.max_depth).to(device)
-        target_rows = None if target_logits is None else target_logits[(predicted[index] - 1).to(device)]
-        per_row = row_losses(
-            logits, labels, None if target_rows is None else target_rows.float().log_softmax(-1)
-        )
+        target_log_probs = greedy = None
+        if target_logits is not None:
+            target_log_probs, greedy = target_rows(target_logits, (predicted[index] - 1).to(device))
+        per_row = row_losses(logits, labels, target_log_probs)
         row_weights = weights[index].to(device)
         loss = (per_row * row_weights).sum() / row_weights.sum().clamp_min(1e-8)
         size = model.max_depth + 1
         hits = position_hits(logits, labels, row_depths, size)
         agreements = (
-            torch.zeros_like(hits)
-            if target_rows is None
-            else position_hits(logits, target_rows.argmax(-1), row_depths, size)
+            torch.zeros_like(hits) if greedy is None else position_hits(logits, greedy, row_depths, size)
         )
         return loss, hits, agreements, position_counts(row_depths, size)
 

@@ -72,7 +72,8 @@ class BlockObjective(nn.Module):
             labels,
             block_positions,
             position_weights(block_size, gamma),
-            None if target_logits is None else target_logits[previous],
+            target_logits,
+            previous,
             self.label_index,
             self.drafter.draft_vocab,
         )
