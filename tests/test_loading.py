@@ -13,7 +13,7 @@ from diffdraft.engine import SpeculativeEngine
 from diffdraft.errors import CheckpointError, InvalidRequestError
 from diffdraft.fused_projections import ProjectionSlice
 from diffdraft.grouped_attention import NAME
-from diffdraft.loading import LoadedModel, end_token_ids, load_target
+from diffdraft.loading import LoadedModel, end_token_ids, fastest_dtype, load_target, native_bfloat16
 from diffdraft.packed_linear import has_packed_layers, packing_supported
 from diffdraft.sampling import SamplingParams
 from diffdraft.stats import GenerationStats
@@ -193,3 +193,22 @@ def test_the_optimized_default_target_decodes_exactly_like_stock_transformers() 
     stop = StopConditions([], 24, optimized.config.max_position_embeddings, len(prompt))
     chunks = engine.run(prompt, stop, SamplingParams(), GenerationStats(), None)
     assert [t for chunk in chunks for t in chunk] == expected
+
+
+@pytest.mark.parametrize(
+    ("avx512_bf16", "amx", "expected"),
+    [(True, False, "bfloat16"), (False, True, "bfloat16"), (False, False, "float32")],
+)
+def test_training_precision_is_bfloat16_only_where_the_cpu_computes_it(
+    monkeypatch, avx512_bf16, amx, expected
+):
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
+    assert fastest_dtype("cpu") == expected
+    assert native_bfloat16(torch.device("cpu")) == (expected == "bfloat16")
+
+
+def test_a_torch_without_the_cpu_probes_falls_back_to_float32(monkeypatch):
+    monkeypatch.delattr(torch.cpu, "_is_avx512_bf16_supported", raising=False)
+    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported", raising=False)
+    assert fastest_dtype("cpu") == "float32"

@@ -10,6 +10,7 @@ from transformers import AutoTokenizer
 
 from diffdraft.bench.datasets import Sample
 from diffdraft.errors import InvalidRequestError
+from diffdraft.loading import fastest_dtype
 from diffdraft.train import cli as train_cli
 from diffdraft.train.cli import add_train_parser, run_train
 
@@ -188,6 +189,8 @@ def test_fit_then_eval_write_a_drafter_curves_and_an_evaluation(responses, tmp_p
     assert (out / "curves.png").is_file()
     printed = capsys.readouterr().out
     assert "training on 8 sequences (2 held out), 4 steps" in printed
+    fastest = fastest_dtype("cpu")  # bfloat16 only where this CPU computes it natively
+    assert f"precision: target {fastest}, drafter compute {fastest}" in printed
     assert "draft vocabulary: 100 tokens, 100.0% of training response tokens" in printed
 
     report = tmp_path / "eval.json"

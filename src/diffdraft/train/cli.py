@@ -24,7 +24,7 @@ from diffdraft.drafters.deer import check_tokenizer
 from diffdraft.drafters.deer_model import DEERDraftModel
 from diffdraft.drafters.dflash_model import DFLASH
 from diffdraft.errors import InvalidRequestError
-from diffdraft.loading import end_token_ids, load_target
+from diffdraft.loading import default_device, end_token_ids, fastest_dtype, load_target
 from diffdraft.ngram.shipped import load_ngram
 from diffdraft.ngram.trie import tokenizer_fingerprint
 from diffdraft.target import TargetModel
@@ -211,7 +211,10 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     return train
 
 
-def _add_data_options(parser: argparse.ArgumentParser) -> None:
+FASTEST = "bfloat16 where the device computes it natively (CUDA, CPUs with AVX-512 BF16 or AMX), else float32"
+
+
+def _add_data_options(parser: argparse.ArgumentParser, fit: bool = False) -> None:
     parser.add_argument(
         "--data", required=True, help="responses jsonl written by `diffdraft train regenerate`"
     )
@@ -219,8 +222,8 @@ def _add_data_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype",
         choices=["auto", "float32", "bfloat16"],
-        default="float32",
-        help="target dtype for feature capture (default: %(default)s)",
+        default=None if fit else "float32",
+        help=f"target dtype (default: {FASTEST})" if fit else "target dtype (default: %(default)s)",
     )
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument(
@@ -238,7 +241,7 @@ def _add_fit_parser(steps: argparse._SubParsersAction) -> None:
     fit = steps.add_parser(
         "fit", help="train a DFlash/DFlare or DART drafter (resumes from the latest checkpoint)"
     )
-    _add_data_options(fit)
+    _add_data_options(fit, fit=True)
     fit.add_argument("--output-dir", required=True, help="checkpoints, metrics.jsonl, curves.png, final/")
     fit.add_argument("--feature-cache", default=None, help="directory from `train capture` (default: online)")
     fit.add_argument(
@@ -319,9 +322,9 @@ def _add_fit_parser(steps: argparse._SubParsersAction) -> None:
     fit.add_argument(
         "--compute-dtype",
         choices=sorted(COMPUTE_DTYPES),
-        default=defaults.compute_dtype,
+        default=None,
         help="bfloat16 = mixed precision (drafter matmuls in bf16, float32 weights and optimizer); "
-        "default: %(default)s",
+        f"default: {FASTEST}",
     )
 
 
@@ -462,6 +465,8 @@ def _run_fit(args: argparse.Namespace) -> None:
     if distributed:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     try:
+        fastest = fastest_dtype(default_device(args.device))
+        args.dtype, args.compute_dtype = args.dtype or fastest, args.compute_dtype or fastest
         loaded = load_target(args.target, dtype=args.dtype, device=args.device)
         train, _ = _split(args)
         fields = {f.name for f in dataclasses.fields(TrainConfig)}
@@ -482,6 +487,7 @@ def _run_fit(args: argparse.Namespace) -> None:
         if trainer.rank == 0:
             steps = trainer.total_steps
             print(f"training on {len(train)} sequences ({args.held_out} held out), {steps} steps")
+            print(f"precision: target {args.dtype}, drafter compute {args.compute_dtype}")
             if args.feature_cache:
                 cached = sum(s.sample_id in trainer.features.shard_of for s in train)
                 print(f"target features: {cached} sequences cached, {len(train) - cached} computed online")
