@@ -193,6 +193,59 @@ def test_repeated_ids_are_made_unique_and_duplicates_dropped(tmp_path):
     assert [p.id for p in kept] == ["x", "x#2"] and dropped == 1
 
 
+CONVERSATION = {
+    "id": "c",
+    "conversations": [
+        {"from": "system", "value": "Be brief."},
+        {"from": "human", "value": "Q1"},
+        {"from": "gpt", "value": "A1"},
+        {"from": "human", "value": "   "},  # an empty later user turn is no prompt of its own
+        {"from": "gpt", "value": "A2"},
+        {"from": "human", "value": "Q3"},
+        {"from": "gpt", "value": "A3"},
+        {"from": "human", "value": "Q4"},  # unanswered: a prompt without a reply
+        {"from": 5, "value": "broken"},  # a malformed later turn ends the conversation
+        {"from": "human", "value": "never read"},
+    ],
+}
+
+
+def test_all_turns_gives_a_prompt_per_user_turn_with_its_history(tmp_path):
+    path = write_jsonl(tmp_path / "chat.jsonl", [CONVERSATION])
+    report = ReadReport(str(path))
+    prompts = list(read_source(str(path), report, all_turns=True))
+    assert [(p.id, p.turn, p.conversation_id, p.reply) for p in prompts] == [
+        ("c", 1, "c", "A1"),
+        ("c/turn-2", 2, "c", "A3"),
+        ("c/turn-3", 3, "c", None),
+    ]
+    assert [m["content"] for m in prompts[1].messages] == ["Be brief.", "Q1", "A1", "   ", "A2", "Q3"]
+    assert prompts[2].messages[-1] == {"role": "user", "content": "Q4"}
+    assert (report.prompts, report.malformed) == (3, 0)
+    assert read_all(path)[0] == prompts[:1]  # by default the first user turn only
+
+
+@pytest.mark.parametrize("all_turns", [False, True])
+def test_a_written_later_turn_reads_back_as_that_turn(tmp_path, all_turns):
+    prompts = list(read_source(str(write_jsonl(tmp_path / "c.jsonl", [CONVERSATION])), ReadReport("c"), True))
+    written = tmp_path / "written.jsonl"
+    write_prompts(prompts, written)
+    assert list(read_source(str(written), ReadReport("w"), all_turns)) == prompts
+
+
+def test_a_bad_turn_field_is_a_malformed_record(tmp_path):
+    records = [
+        {**CONVERSATION, "turn": 0},
+        {**CONVERSATION, "turn": 9},
+        {**CONVERSATION, "id": "ok", "turn": 2},
+    ]
+    prompts, report = read_all(write_jsonl(tmp_path / "t.jsonl", records))
+    assert [(p.id, p.turn) for p in prompts] == [("ok", 2)]
+    assert report.malformed == 2
+    assert "'turn' must be a positive integer" in report.problems[0]
+    assert "fewer user turns" in report.problems[1]
+
+
 def test_written_prompts_read_back_with_the_same_ids(tmp_path):
     prompts = [
         Prompt("s:1", [{"role": "user", "content": "héllo"}]),

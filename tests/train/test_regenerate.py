@@ -16,7 +16,9 @@ from diffdraft.train.prompts import Prompt
 from diffdraft.train.regenerate import (
     SampleWriter,
     _RowEndWatcher,
+    encode_for_target,
     finished_ids,
+    fit_history,
     length_sorted_batches,
     regenerate,
 )
@@ -96,6 +98,22 @@ def test_long_prompts_are_skipped_and_counted(target, tmp_path):
     kept = [r["id"] for r in read_records(out)]
     assert report.too_long == 5 - len(kept) > 0
     assert all(len(r["prompt_token_ids"]) <= 12 for r in read_records(out))
+
+
+def test_a_later_turn_over_the_prompt_budget_drops_its_oldest_exchanges(target):
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    system = {"role": "system", "content": "be brief"}
+    history = [*user("one two three four five six"), {"role": "assistant", "content": "seven eight nine"}]
+    later = Prompt("x/turn-3", [system, *history, *history, *user("fox")], turn=3, conversation="x")
+    whole = encode_for_target(tokenizer, later)
+    alone = encode_for_target(tokenizer, Prompt("y", [system, *user("fox")]))
+    fitted, ids = fit_history(tokenizer, later, len(whole) - 1)
+    assert fitted.messages == [system, *history, *user("fox")] and len(ids) < len(whole)
+    assert (fitted.id, fitted.turn) == ("x/turn-3", 3)
+    fitted, ids = fit_history(tokenizer, later, len(alone))
+    assert fitted.messages == [system, *user("fox")] and ids == alone
+    _, ids = fit_history(tokenizer, later, len(alone) - 1)  # still over: the caller skips it
+    assert len(ids) == len(alone)
 
 
 def test_kill_and_resume_keeps_every_finished_sample_exactly_once(target, tmp_path, monkeypatch):

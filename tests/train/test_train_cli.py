@@ -58,6 +58,19 @@ def test_prompts_writes_cleaned_prompts_and_prints_counts(source, tmp_path, caps
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["p1", "src:5"]
 
 
+def test_all_turns_drops_every_turn_of_a_held_out_conversation(tmp_path, capsys):
+    path = tmp_path / "chats.jsonl"
+    with path.open("w") as f:
+        for conversation in ("p1", "p2"):
+            turns = [{"from": "human", "value": f"Q1 of {conversation}"}, {"from": "gpt", "value": "A1"}]
+            turns.append({"from": "human", "value": f"Q2 of {conversation}"})
+            f.write(json.dumps({"id": conversation, "conversations": turns}) + "\n")
+    out = tmp_path / "prompts.jsonl"
+    run_train(parse(["train", "prompts", "--source", str(path), "--out", str(out), "--all-turns"]))
+    assert "dropped 2 prompts of the bench's ShareGPT slice" in capsys.readouterr().out
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["p1", "p1/turn-2"]
+
+
 def test_config_values_are_defaults_that_flags_override(tmp_path):
     config = tmp_path / "train.json"
     config.write_text(json.dumps({"out": "from_config.jsonl", "batch_size": 3, "temperature": 0.2}))

@@ -370,6 +370,12 @@ def _add_source_options(parser: argparse.ArgumentParser) -> None:
         help="drop prompts sharing a word n-gram with HumanEval or MT-Bench (default: on)",
     )
     parser.add_argument("--ngram", type=int, default=13, help="n-gram size for decontamination (default: 13)")
+    parser.add_argument(
+        "--all-turns",
+        action="store_true",
+        help="a prompt for every user turn of a conversation, with the turns before it (the oldest "
+        "dropped while it is over --max-prompt-tokens), not only the first (ShareGPT: 3.5x the reply text)",
+    )
     parser.add_argument("--limit", type=int, default=None, help="keep only the first N prompts")
 
 
@@ -388,7 +394,7 @@ def run_train(args: argparse.Namespace) -> None:
 def _load_prompts(args: argparse.Namespace) -> list[Prompt]:
     if args.limit is not None and args.limit < 1:
         raise InvalidRequestError(f"--limit must be at least 1, got {args.limit}")
-    prompts, reports = read_sources(args.source)
+    prompts, reports = read_sources(args.source, args.all_turns)
     for report in reports:
         print(report.summary(), flush=True)
     prompts, duplicates = drop_duplicates(prompts)
@@ -397,7 +403,7 @@ def _load_prompts(args: argparse.Namespace) -> list[Prompt]:
         # The bench's ShareGPT slice is an eval set too: skip its prompts and anything copying them.
         held_out = sharegpt_held_out()
         held_out_ids = {sample.id for sample in held_out}
-        kept = [prompt for prompt in prompts if prompt.id not in held_out_ids]
+        kept = [prompt for prompt in prompts if prompt.conversation_id not in held_out_ids]
         print(f"dropped {len(prompts) - len(kept)} prompts of the bench's ShareGPT slice", flush=True)
         texts = eval_texts() + [message["content"] for sample in held_out for message in sample.messages]
         prompts, dropped = decontaminate(kept, texts, args.ngram)

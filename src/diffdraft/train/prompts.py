@@ -3,8 +3,9 @@
 Only prompts are trained on by default (DFlare A.1 keeps the original prompts and regenerates every
 response with the target), so a prompt is every turn up to and including the first user turn; the
 source's own reply to it is kept beside it for the cheaper fixed-dataset route (``--source-replies``).
-Every prompt carries a stable id: regeneration resumes by id, so the same source must give the same
-ids on every read.
+With ``all_turns`` every user turn of a conversation is a prompt of its own (the history before it
+included): ShareGPT's later turns hold 3.5x its first replies' text. Every prompt carries a stable
+id: regeneration resumes by id, so the same source must give the same ids on every read.
 """
 
 from __future__ import annotations
@@ -45,17 +46,28 @@ _WORD = re.compile(r"[^\W_]+")
 
 @dataclass
 class Prompt:
-    """One training prompt: chat turns ending with the first user turn, and an id stable across reads."""
+    """One training prompt: chat turns ending with a user turn (the first unless ``turn`` says
+    otherwise), and an id stable across reads."""
 
     id: str
     messages: list[dict[str, str]]
     reply: str | None = None
-    """The source's own assistant answer to the first user turn, when it has one."""
+    """The source's own assistant answer to the last user turn, when it has one."""
+    turn: int = 1
+    """Which user turn of its conversation the prompt ends with."""
+    conversation: str | None = None
+    """The id of the conversation it comes from, for a later turn (its own id for the first)."""
+
+    @property
+    def conversation_id(self) -> str:
+        return self.conversation or self.id
 
     def to_dict(self) -> dict:
         record: dict = {"id": self.id, "messages": self.messages}
         if self.reply is not None:
             record["messages"] = [*self.messages, {"role": "assistant", "content": self.reply}]
+        if self.turn > 1:  # read back as this turn, not expanded or cut at the first user turn
+            record.update(turn=self.turn, conversation=self.conversation_id)
         return record
 
 
@@ -84,62 +96,90 @@ class _Malformed(ValueError):
     """One record has the wrong shape; the reader counts it and goes on."""
 
 
-def prompt_from_record(record: object, fallback_id: str) -> Prompt:
-    """Turn one record of any supported shape into a prompt; raises ``_Malformed`` with the reason."""
+def prompts_from_record(record: object, fallback_id: str, all_turns: bool = False) -> list[Prompt]:
+    """The prompts of one record of any supported shape: its first user turn, or with ``all_turns``
+    each of them (later ones get the id ``<id>/turn-<k>``); a record written for one later turn (its
+    ``turn`` field) gives that turn. Raises ``_Malformed`` with the reason."""
     if not isinstance(record, dict):
         raise _Malformed(f"expected a JSON object, got {type(record).__name__}")
-    reply = None
-    if "messages" in record:
-        messages, reply = _up_to_first_user_turn(record["messages"])
-    elif "conversations" in record:
-        messages, reply = _up_to_first_user_turn(record["conversations"])
-    elif "prompt" in record:
-        text = record["prompt"]
-        if not isinstance(text, str) or not text.strip():
-            raise _Malformed("'prompt' must be a non-empty string")
-        messages = [{"role": "user", "content": text}]
-    else:
-        raise _Malformed("no 'messages', 'conversations' or 'prompt' field")
     record_id = record.get("id", fallback_id)
     if not isinstance(record_id, (str, int)) or isinstance(record_id, bool) or record_id == "":
         raise _Malformed(f"'id' must be a non-empty string or an integer, got {record_id!r}")
-    return Prompt(str(record_id), messages, reply)
+    record_id = str(record_id)
+    turns = record.get("messages", record.get("conversations"))
+    if turns is not None:
+        only = record.get("turn")
+        if only is not None and (not isinstance(only, int) or isinstance(only, bool) or only < 1):
+            raise _Malformed(f"'turn' must be a positive integer, got {only!r}")
+        if only is not None:
+            conversation = record.get("conversation", record_id)
+            prompts = [p for p in _user_turns(turns, record_id) if p.turn == only]
+            if not prompts:
+                raise _Malformed(f"'turn' is {only} but the record has fewer user turns")
+            return [Prompt(record_id, prompts[0].messages, prompts[0].reply, only, str(conversation))]
+        return _user_turns(turns, record_id) if all_turns else _user_turns(turns, record_id)[:1]
+    if "prompt" in record:
+        text = record["prompt"]
+        if not isinstance(text, str) or not text.strip():
+            raise _Malformed("'prompt' must be a non-empty string")
+        return [Prompt(record_id, [{"role": "user", "content": text}])]
+    raise _Malformed("no 'messages', 'conversations' or 'prompt' field")
 
 
-def _up_to_first_user_turn(turns: object) -> tuple[list[dict[str, str]], str | None]:
-    """Turns up to the first user turn, and the assistant reply right after it (None if absent)."""
+def _user_turns(turns: object, conversation: str) -> list[Prompt]:
+    """A prompt for each user turn with every turn before it, and the assistant reply right after it.
+
+    The first user turn must be there and well formed; a malformed later turn ends the conversation
+    there, and an empty later user turn is skipped."""
     if not isinstance(turns, list):
         raise _Malformed(f"expected a list of turns, got {type(turns).__name__}")
-    messages = []
+    messages: list[dict[str, str]] = []
+    prompts: list[Prompt] = []
     for index, turn in enumerate(turns):
-        if not isinstance(turn, dict):
-            raise _Malformed(f"turn {index} is not an object")
-        role = turn.get("role", turn.get("from"))
-        content = turn.get("content", turn.get("value"))
-        role = ROLES.get(role.lower()) if isinstance(role, str) else None
-        if role is None or not isinstance(content, str):
-            raise _Malformed(
-                f"turn {index} needs a role (system, user, assistant; ShareGPT's human, gpt) "
-                "and a string content"
-            )
+        role, content = _role_and_content(turn)
+        if role is None:
+            if not prompts:
+                raise _Malformed(
+                    f"turn {index} needs a role (system, user, assistant; ShareGPT's human, gpt) "
+                    "and a string content"
+                )
+            break
         messages.append({"role": role, "content": content})
-        if role == "user":
-            if not content.strip():
+        if role != "user":
+            continue
+        if not content.strip():
+            if not prompts:
                 raise _Malformed("the first user turn is empty")
-            return messages, _reply_after(turns, index)
-    raise _Malformed("no user turn")
+            continue
+        number = len(prompts) + 1
+        prompt_id = conversation if number == 1 else f"{conversation}/turn-{number}"
+        reply = _reply_after(turns, index)
+        prompts.append(
+            Prompt(prompt_id, list(messages), reply, number, None if number == 1 else conversation)
+        )
+    if not prompts:
+        raise _Malformed("no user turn")
+    return prompts
+
+
+def _role_and_content(turn: object) -> tuple[str | None, str]:
+    """A turn's normalized role and content; (None, "") for a turn of the wrong shape."""
+    if not isinstance(turn, dict):
+        return None, ""
+    role = turn.get("role", turn.get("from"))
+    content = turn.get("content", turn.get("value"))
+    role = ROLES.get(role.lower()) if isinstance(role, str) else None
+    return (role, content) if role is not None and isinstance(content, str) else (None, "")
 
 
 def _reply_after(turns: list, index: int) -> str | None:
-    if index + 1 >= len(turns) or not isinstance(turns[index + 1], dict):
+    if index + 1 >= len(turns):
         return None
-    turn = turns[index + 1]
-    role, content = turn.get("role", turn.get("from")), turn.get("content", turn.get("value"))
-    is_assistant = isinstance(role, str) and ROLES.get(role.lower()) == "assistant"
-    return content if is_assistant and isinstance(content, str) and content.strip() else None
+    role, content = _role_and_content(turns[index + 1])
+    return content if role == "assistant" and content.strip() else None
 
 
-def read_jsonl(path: str | os.PathLike, report: ReadReport) -> Iterator[Prompt]:
+def read_jsonl(path: str | os.PathLike, report: ReadReport, all_turns: bool = False) -> Iterator[Prompt]:
     """Prompts from a jsonl file; records without an id get ``<file stem>:<line number>``."""
     path = Path(path)
     with path.open("rb") as lines:
@@ -148,7 +188,7 @@ def read_jsonl(path: str | os.PathLike, report: ReadReport) -> Iterator[Prompt]:
                 line = raw.decode("utf-8")
                 if not line.strip():
                     continue
-                prompt = prompt_from_record(json.loads(line), f"{path.stem}:{number}")
+                found = prompts_from_record(json.loads(line), f"{path.stem}:{number}", all_turns)
             except UnicodeDecodeError:
                 report.skip(f"line {number}", "not UTF-8 text")
                 continue
@@ -158,12 +198,12 @@ def read_jsonl(path: str | os.PathLike, report: ReadReport) -> Iterator[Prompt]:
             except _Malformed as error:
                 report.skip(f"line {number}", str(error))
                 continue
-            report.prompts += 1
-            yield prompt
+            report.prompts += len(found)
+            yield from found
     _require_prompts(path, report)
 
 
-def read_json_array(path: str | os.PathLike, report: ReadReport) -> Iterator[Prompt]:
+def read_json_array(path: str | os.PathLike, report: ReadReport, all_turns: bool = False) -> Iterator[Prompt]:
     """Prompts from a JSON array of records, decoded one record at a time.
 
     Dumps such as ShareGPT's are often cut off mid-record; every record before the cut is still
@@ -192,17 +232,17 @@ def read_json_array(path: str | os.PathLike, report: ReadReport) -> Iterator[Pro
             report.skip(f"record {index}", f"cut off or not JSON ({error.msg}); stopped reading there")
             break
         try:
-            prompt = prompt_from_record(record, f"{path.stem}:{index}")
+            found = prompts_from_record(record, f"{path.stem}:{index}", all_turns)
         except _Malformed as error:
             report.skip(f"record {index}", str(error))
         else:
-            report.prompts += 1
-            yield prompt
+            report.prompts += len(found)
+            yield from found
         index += 1
     _require_prompts(path, report)
 
 
-def read_hf_dataset(path: str | os.PathLike, report: ReadReport) -> Iterator[Prompt]:
+def read_hf_dataset(path: str | os.PathLike, report: ReadReport, all_turns: bool = False) -> Iterator[Prompt]:
     """Prompts from a Hugging Face ``datasets`` directory written by ``save_to_disk`` (its train split)."""
     path = Path(path)
     try:
@@ -227,12 +267,12 @@ def read_hf_dataset(path: str | os.PathLike, report: ReadReport) -> Iterator[Pro
         data = data["train"] if "train" in data else next(iter(data.values()))
     for index, record in enumerate(data):
         try:
-            prompt = prompt_from_record(record, f"{path.name}:{index}")
+            found = prompts_from_record(record, f"{path.name}:{index}", all_turns)
         except _Malformed as error:
             report.skip(f"record {index}", str(error))
             continue
-        report.prompts += 1
-        yield prompt
+        report.prompts += len(found)
+        yield from found
     _require_prompts(path, report)
 
 
@@ -246,13 +286,14 @@ def sharegpt_path() -> Path:
     return Path(spec.submodule_search_locations[0]) / SHAREGPT_FILE
 
 
-def read_source(source: str, report: ReadReport) -> Iterator[Prompt]:
-    """Prompts from ``sharegpt``, a datasets directory, a JSON array file or a jsonl file (by content)."""
+def read_source(source: str, report: ReadReport, all_turns: bool = False) -> Iterator[Prompt]:
+    """Prompts from ``sharegpt``, a datasets directory, a JSON array file or a jsonl file (by content);
+    ``all_turns``: every user turn of a conversation, not only the first."""
     if source == SHAREGPT:
-        return read_json_array(sharegpt_path(), report)
+        return read_json_array(sharegpt_path(), report, all_turns)
     path = Path(source).expanduser()
     if path.is_dir():
-        return read_hf_dataset(path, report)
+        return read_hf_dataset(path, report, all_turns)
     if not path.is_file():
         raise InvalidRequestError(
             f"{source}: no such file or directory; pass a jsonl file, a JSON array file, a datasets "
@@ -260,10 +301,10 @@ def read_source(source: str, report: ReadReport) -> Iterator[Prompt]:
         )
     with path.open("rb") as head:
         first = head.read(4096).lstrip()[:1]
-    return read_json_array(path, report) if first == b"[" else read_jsonl(path, report)
+    return read_json_array(path, report, all_turns) if first == b"[" else read_jsonl(path, report, all_turns)
 
 
-def read_sources(sources: Iterable[str]) -> tuple[list[Prompt], list[ReadReport]]:
+def read_sources(sources: Iterable[str], all_turns: bool = False) -> tuple[list[Prompt], list[ReadReport]]:
     """Read every source in order; an id seen before gets ``#2``, ``#3``... so ids stay unique."""
     prompts: list[Prompt] = []
     reports: list[ReadReport] = []
@@ -271,7 +312,7 @@ def read_sources(sources: Iterable[str]) -> tuple[list[Prompt], list[ReadReport]
     for source in sources:
         report = ReadReport(source)
         reports.append(report)
-        for prompt in read_source(source, report):
+        for prompt in read_source(source, report, all_turns):
             count = seen[prompt.id] = seen.get(prompt.id, 0) + 1
             if count > 1:
                 prompt.id = f"{prompt.id}#{count}"

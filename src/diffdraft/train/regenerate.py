@@ -13,7 +13,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -95,7 +95,7 @@ def regenerate(
         model, tokenizer = loaded.model, loaded.tokenizer
         encoded = []
         for prompt in todo:
-            ids = encode_for_target(tokenizer, prompt)
+            prompt, ids = fit_history(tokenizer, prompt, max_prompt_tokens)
             if len(ids) > max_prompt_tokens:
                 report.too_long += 1
             else:
@@ -239,6 +239,24 @@ def encode_for_target(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> lis
         except InvalidRequestError as error:
             raise InvalidRequestError(f"prompt {prompt.id!r}: {error}") from error
     return encode_prompt(tokenizer, prompt.messages[0]["content"])
+
+
+def fit_history(
+    tokenizer: PreTrainedTokenizerBase, prompt: Prompt, max_prompt_tokens: int
+) -> tuple[Prompt, list[int]]:
+    """The prompt and its tokens, with the oldest exchanges of a later turn's history dropped (a
+    system message stays) while it is over ``max_prompt_tokens``; still over, the caller skips it."""
+    ids = encode_for_target(tokenizer, prompt)
+    messages = prompt.messages
+    while len(ids) > max_prompt_tokens:
+        first = 1 if messages[0]["role"] == "system" else 0
+        users = [i for i, message in enumerate(messages) if message["role"] == "user" and i > first]
+        if not users:
+            break
+        messages = messages[:first] + messages[users[0] :]
+        prompt = replace(prompt, messages=messages)
+        ids = encode_for_target(tokenizer, prompt)
+    return prompt, ids
 
 
 class _RowEndWatcher(StoppingCriteria):

@@ -18,8 +18,8 @@ from diffdraft.train.regenerate import (
     RegenerateReport,
     SampleWriter,
     check_options,
-    encode_for_target,
     finished_ids,
+    fit_history,
     only_writer,
 )
 
@@ -53,7 +53,7 @@ def write_source_replies(
         end_id = end_token_ids(loaded.model, tokenizer)[0]
         with SampleWriter(out_path, tokenizer, report, len(todo), progress) as writer:
             for prompt in todo:
-                prompt_ids = encode_for_target(tokenizer, prompt)
+                prompt, prompt_ids = fit_history(tokenizer, prompt, max_prompt_tokens)
                 if len(prompt_ids) > max_prompt_tokens:
                     report.too_long += 1
                     continue
