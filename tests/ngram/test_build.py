@@ -197,6 +197,17 @@ def test_interrupted_build_leaves_nothing(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_the_trie_directory_gets_the_umask_mode_not_a_private_one(tmp_path):
+    previous = os.umask(0o022)
+    try:
+        build_trie(
+            [[[1, 2, 3, 1, 2]]], tmp_path / "trie", TrieSettings(order=2, vocab_size=8, tokenizer_hash="x")
+        )
+    finally:
+        os.umask(previous)
+    assert (tmp_path / "trie").stat().st_mode & 0o777 == 0o755  # readable by other users of a shared cache
+
+
 def test_orders_that_do_not_fit_64_bit_keys_are_refused():
     assert check_order(3, 49152) == 16
     assert check_order(4, 65536) == 16

@@ -20,7 +20,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -44,7 +43,7 @@ from diffdraft.ngram.trie import (
     tokens_file,
 )
 from diffdraft.progress import progress_bar
-from diffdraft.staging import move_into_place
+from diffdraft.staging import move_into_place, temp_dir_beside
 
 DEFAULT_ORDER = 3
 DEFAULT_MIN_COUNT = 2
@@ -410,7 +409,7 @@ def build_trie(
     check_out_dir(out, settings, force)
     out.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale(out)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp = temp_dir_beside(out)
     try:
         workdir = tmp / ".work"
         counter = NgramCounter(settings.order, settings.vocab_size, workdir, spill_entries, merge_block)
