@@ -113,11 +113,11 @@ def prompts_from_record(record: object, fallback_id: str, all_turns: bool = Fals
             raise _Malformed(f"'turn' must be a positive integer, got {only!r}")
         if only is not None:
             conversation = record.get("conversation", record_id)
-            prompts = [p for p in _user_turns(turns, record_id) if p.turn == only]
-            if not prompts:
+            prompts = _user_turns(turns, record_id, stop_after=only)
+            if len(prompts) < only:
                 raise _Malformed(f"'turn' is {only} but the record has fewer user turns")
-            return [Prompt(record_id, prompts[0].messages, prompts[0].reply, only, str(conversation))]
-        return _user_turns(turns, record_id) if all_turns else _user_turns(turns, record_id)[:1]
+            return [Prompt(record_id, prompts[-1].messages, prompts[-1].reply, only, str(conversation))]
+        return _user_turns(turns, record_id, stop_after=None if all_turns else 1)
     if "prompt" in record:
         text = record["prompt"]
         if not isinstance(text, str) or not text.strip():
@@ -126,8 +126,9 @@ def prompts_from_record(record: object, fallback_id: str, all_turns: bool = Fals
     raise _Malformed("no 'messages', 'conversations' or 'prompt' field")
 
 
-def _user_turns(turns: object, conversation: str) -> list[Prompt]:
-    """A prompt for each user turn with every turn before it, and the assistant reply right after it.
+def _user_turns(turns: object, conversation: str, stop_after: int | None = None) -> list[Prompt]:
+    """A prompt for each user turn (the first ``stop_after`` of them) with every turn before it, and
+    the assistant reply right after it.
 
     The first user turn must be there and well formed; a malformed later turn ends the conversation
     there, and an empty later user turn is skipped."""
@@ -157,6 +158,8 @@ def _user_turns(turns: object, conversation: str) -> list[Prompt]:
         prompts.append(
             Prompt(prompt_id, list(messages), reply, number, None if number == 1 else conversation)
         )
+        if len(prompts) == stop_after:
+            break
     if not prompts:
         raise _Malformed("no user turn")
     return prompts
