@@ -373,8 +373,9 @@ def _add_source_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--all-turns",
         action="store_true",
-        help="a prompt for every user turn of a conversation, with the turns before it (the oldest "
-        "dropped while it is over --max-prompt-tokens), not only the first (ShareGPT: 3.5x the reply text)",
+        help="a prompt for every user turn of a conversation, with the turns before it, not only the "
+        "first (ShareGPT: 3.5x the reply text); regenerate drops a history's oldest exchanges while "
+        "the prompt is over --max-prompt-tokens",
     )
     parser.add_argument("--limit", type=int, default=None, help="keep only the first N prompts")
 
