@@ -110,6 +110,7 @@ def test_failed_requests_are_counted_and_fail_the_command(server, tmp_path, caps
 
 
 def test_the_api_key_is_sent_from_the_flag_or_the_environment(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("DIFFDRAFT_API_KEY", raising=False)
     checkpoint = make_chat_checkpoint(tmp_path / "target")
     with serving(diffdraft.load(checkpoint, method="pld"), "tiny", api_key="sesame") as live:
         args = ["serve-load", "--url", live.url, "--requests", "2", "--concurrency", "1", "--max-tokens", "2"]
