@@ -43,7 +43,7 @@ from diffdraft.ngram.trie import (
     tokens_file,
 )
 from diffdraft.progress import progress_bar
-from diffdraft.staging import move_into_place, temp_dir_beside
+from diffdraft.staging import staged_directory
 
 DEFAULT_ORDER = 3
 DEFAULT_MIN_COUNT = 2
@@ -407,10 +407,8 @@ def build_trie(
     if settings.min_count < 1:
         raise InvalidRequestError(f"--min-count must be at least 1, got {settings.min_count}")
     check_out_dir(out, settings, force)
-    out.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale(out)
-    tmp = temp_dir_beside(out)
-    try:
+    with staged_directory(out) as tmp:
         workdir = tmp / ".work"
         counter = NgramCounter(settings.order, settings.vocab_size, workdir, spill_entries, merge_block)
         for documents in batches:
@@ -449,9 +447,6 @@ def build_trie(
         }
         # ngram.json last: a directory without it is never taken for a complete trie.
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-        move_into_place(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return meta
 
 
