@@ -103,6 +103,7 @@ def test_default_specs_expand_budgets_and_pick_up_new_registrations(monkeypatch)
         "dart:59",
         "dart-no-ngram:59",
         "ddtree-dart:59",
+        "dart-tree:59",
         "deer",
         "deer-tree:32",
         "mine",
@@ -124,6 +125,7 @@ def test_default_specs_expand_budgets_and_pick_up_new_registrations(monkeypatch)
         "dart:8",
         "dart-no-ngram:8",
         "ddtree-dart:4",
+        "dart-tree:8",
         "deer",
         "deer-tree:4",
         "deer-tree:auto",
@@ -157,6 +159,7 @@ def test_methods_that_need_a_model_not_given_are_unavailable(checkpoint, drafter
         "dart",
         "dart-no-ngram:8",
         "ddtree-dart:4",
+        "dart-tree:8",
         "deer",
         "deer-tree",
     ):
@@ -179,6 +182,7 @@ def test_dart_times_its_ngram_lookups_apart_from_the_tree(models):
     dart = build_method(models, MethodSpec.parse("dart:8"))
     assert build_method(models, MethodSpec.parse("dart-no-ngram:8")).lookups is None
     assert models.ngram() is dart.lookups.trie  # loaded once, shared
+    assert build_method(models, MethodSpec.parse("dart-tree:8")).lookups.trie is dart.lookups.trie
     done = dart.generate(request)
     rounds = len(done.acceptance_lengths)
     # one lookup per beam entry per drafted level: at least one per round

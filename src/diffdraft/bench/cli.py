@@ -61,7 +61,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         "--drafter",
         default=None,
         help="DFlash/DFlare checkpoint directory, or 'default' (the shipped drafter of the default "
-        "target); enables chain and ddtree",
+        "target); enables chain, ddtree and dart-tree:SIZE (DART's N-gram-pruned tree over this drafter)",
     )
     p.add_argument(
         "--dart-drafter",

@@ -8,9 +8,11 @@ tokens), ``hf@float32`` (HF greedy on a float32 copy of the target). Adding a dr
 
 DART runs beside DFlash/DFlare: ``dart:SIZE`` (DART drafter, DART's N-gram-pruned tree of SIZE
 nodes), ``dart-no-ngram:SIZE`` (the same tree without the N-gram term) and ``ddtree-dart:BUDGET``
-(DDTree over the DART drafter's distributions). The N-gram trie is loaded once and shared; the
-benchmark wraps it in a :class:`~diffdraft.bench.probes.TimedNgram`, so a ``dart`` round's tree time
-splits into the lookups (stage ``ngram``) and the tree search around them (stage ``tree``).
+(DDTree over the DART drafter's distributions); ``dart-tree:SIZE`` is DART's N-gram-pruned tree over
+``--drafter``'s (DFlash/DFlare) distributions, the tree rule compared on the main drafter. The N-gram
+trie is loaded once and shared; the benchmark wraps it in a :class:`~diffdraft.bench.probes.TimedNgram`,
+so a ``dart`` round's tree time splits into the lookups (stage ``ngram``) and the tree search around
+them (stage ``tree``).
 
 DEER (a diffusion LM drafter that reads tokens only) runs beside them too: ``deer`` (its chain,
 verified by rejection sampling) and ``deer-tree:BUDGET`` (DDTree over its distributions), both
@@ -463,11 +465,13 @@ def _ours(needs_drafter: bool) -> MethodFactory:
     return lambda models, spec: OursRunner(models, spec, needs_drafter)
 
 
-def _dart(method: str, ngram: bool) -> MethodFactory:
-    """A method of the DART drafter (``--dart-drafter``) with the generator's tree rule ``method``."""
+def _dart(method: str, ngram: bool, main_drafter: bool = False) -> MethodFactory:
+    """A method of the DART drafter (``--dart-drafter``; ``--drafter``'s if ``main_drafter``) with the
+    generator's tree rule ``method``."""
 
     def factory(models: BenchModels, spec: MethodSpec) -> MethodRunner:
-        drafter = models.dart_model(spec.dtype)  # unavailable without one: before any trie is built
+        # unavailable without the drafter: checked before any trie is built
+        drafter = models.draft_model(spec.dtype) if main_drafter else models.dart_model(spec.dtype)
         trie = models.ngram() if ngram else None
         return OursRunner(
             models, spec, True, method=method, drafter=drafter, ngram=trie, default_budget=DART_TREE_SIZE
@@ -507,5 +511,6 @@ register("ddtree+pld", _ours(needs_drafter=True), default_args=("32",))
 register("dart", _dart("dart", ngram=True), default_args=(str(DART_TREE_SIZE),))
 register("dart-no-ngram", _dart("dart", ngram=False), default_args=(str(DART_TREE_SIZE),))
 register("ddtree-dart", _dart("ddtree", ngram=False), default_args=(str(DART_TREE_SIZE),))
+register("dart-tree", _dart("dart", ngram=True, main_drafter=True), default_args=(str(DART_TREE_SIZE),))
 register("deer", _deer)
 register("deer-tree", _deer, default_args=("32",))
