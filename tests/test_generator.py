@@ -385,7 +385,7 @@ def test_dart_on_the_default_target_matches_transformers_greedy_on_humaneval(tmp
         expected = hf_greedy(loaded.model, result.prompt_token_ids, 24, eos=gen.end_token_ids)
         assert result.token_ids == expected, sample.id
         taus.append(result.stats.tau)
-    if drafter == "default-dart":  # an untrained drafter gets tau ~1.0; the shipped one measures 1.6 here
+    if drafter == "default-dart":  # an untrained drafter gets tau ~1.0; the shipped v0 measured 1.6 here
         assert sum(taus) / len(taus) > 1.3, taus
 
 
