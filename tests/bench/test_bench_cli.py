@@ -67,8 +67,9 @@ def test_the_bench_writes_results_report_and_plots(setup, tmp_path, capsys):
         "ddtree:auto",
         "chain+pld",
         "ddtree+pld:32",
+        "dart-tree:59",  # DART's tree over --drafter (no trie for this target: without its N-gram term)
     ]
-    assert len(results["records"]) == 2 * 2 * 11
+    assert len(results["records"]) == 2 * 2 * 12
     assert all(r["compared"] == (r["method"] != "ar") and r["divergence"] is None for r in results["records"])
     assert results["cost_curve"]["sizes"][0] == 1
     report = (out / "report.md").read_text()
@@ -88,16 +89,17 @@ def test_dart_runs_beside_dflash_with_its_ngram_lookups_timed(setup, tmp_path):
     root, *_ = setup
     out = tmp_path / "out"
     dart = ["--dart-drafter", str(root / "dart"), "--ngram", str(root / "trie")]
-    methods = ["--methods", "ddtree:4,dart:8,dart-no-ngram:8,ddtree-dart:4"]
+    methods = ["--methods", "ddtree:4,dart:8,dart-no-ngram:8,ddtree-dart:4,dart-tree:8"]
     code = bench([*common(setup, out), "--drafter", str(root / "drafter"), *dart, *methods])
     assert code == 0
     results = json.loads((out / "results.json").read_text())
-    assert results["methods"] == ["ar", "ddtree:4", "dart:8", "dart-no-ngram:8", "ddtree-dart:4"]
+    assert results["methods"] == ["ar", *methods[1].split(",")]
     assert results["dart_drafter"] == str(root / "dart") and results["ngram"] == str(root / "trie")
     assert "--dart-drafter" in results["command"] and "--ngram" in results["command"]
     assert all(r["divergence"] is None for r in results["records"])
     for r in results["records"]:
-        assert (r["stages"]["ngram"] > 0) == (r["method"] == "dart:8") == (r["ngram_lookups"] > 0)
+        with_trie = r["method"] in ("dart:8", "dart-tree:8")
+        assert (r["stages"]["ngram"] > 0) == with_trie == (r["ngram_lookups"] > 0)
     report = (out / "report.md").read_text()
     assert "| method | lookups per round | median us per lookup |" in report
     assert "| dart:8 |" in report and "n-gram lookups" in report
