@@ -128,6 +128,22 @@ def test_a_beam_of_contexts_at_once_gives_each_context_its_own_lookup(tmp_path, 
     assert trie.log_probs_many([], [1, 2]).shape == (0, 2)
 
 
+def test_memoized_backoff_chains_stay_right_as_the_cache_starts_over(tmp_path, corpus, monkeypatch):
+    monkeypatch.setattr("diffdraft.ngram.trie.CHAIN_CACHE_SIZE", 3)
+    trie = build(tmp_path, corpus[0])
+    reference = Reference(corpus[1], 3)
+    candidates = list(range(VOCAB))
+    asked = contexts(corpus) * 2 + contexts(corpus)[::-1]
+    for context in asked:
+        np.testing.assert_allclose(
+            trie.log_probs(context, candidates),
+            reference.log_probs(context, candidates),
+            rtol=1e-6,
+            atol=1e-6,
+        )
+    assert len(trie._chains) <= 3
+
+
 def test_seen_trigram_is_relative_frequency(trie, corpus):
     counts = corpus[1]
     (a, b, c), count = next((k, n) for k, n in counts.most_common() if len(k) == 3)

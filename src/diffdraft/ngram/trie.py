@@ -59,6 +59,8 @@ META_FILE = "ngram.json"
 BACKOFF_RULE = "stupid"
 ALPHA = 0.4
 EPS = 1e-6
+CHAIN_CACHE_SIZE = 1 << 16
+"""Backoff chains kept in memory (a few hundred bytes each) before the cache starts over."""
 REBUILD = "rebuild it with `diffdraft ngram build --target ... --out DIR`"
 
 
@@ -120,6 +122,7 @@ class NgramTrie:
         self._counts = [np.asarray(a) for a in counts]
         self._offsets = [np.asarray(a) for a in offsets]
         self._token_dtype = self._tokens[0].dtype
+        self._chains: dict[tuple[int, ...], list[tuple[int, int, int, int]]] = {}
         # Dense root index (token id -> unigram node, -1 if unseen) and unigram scores: the first
         # step of every descent and the last level of every backoff become one array read.
         unigrams = self._tokens[0].astype(np.int64)
@@ -277,9 +280,20 @@ class NgramTrie:
     def _backoff_chain(self, context: Sequence[int]) -> list[tuple[int, int, int, int]]:
         """``(level, lo, hi, c(h))`` from the longest stored suffix ``h`` with children down to
         the root (level 0). Level ``k`` means ``h`` has k tokens; its children are nodes ``lo:hi`` of
-        ``self._tokens[k]``."""
+        ``self._tokens[k]``.
+
+        Memoized: a DART tree asks for the same few contexts on every beam entry and every round,
+        and walking the trie from the root costs more than the lookups that follow."""
         keep = self.order - 1
-        history = [int(t) for t in context[max(0, len(context) - keep) :]] if keep else []
+        history = tuple(int(t) for t in context[max(0, len(context) - keep) :]) if keep else ()
+        chain = self._chains.get(history)
+        if chain is None:
+            if len(self._chains) >= CHAIN_CACHE_SIZE:
+                self._chains.clear()
+            chain = self._chains[history] = self._walk(history)
+        return chain
+
+    def _walk(self, history: tuple[int, ...]) -> list[tuple[int, int, int, int]]:
         chain = []
         for start in range(len(history)):
             found = self._find(history[start:])

@@ -103,7 +103,13 @@ class DartTreeBuilder:
             parents.append(np.repeat(beam, k))
             tokens.append(np.tile(candidates[level], len(beam)))
             scores.append(level_scores.reshape(-1))
-            best = np.argsort(-scores[-1], kind="stable")[: s.beam_width]
+            # Only beam entries with a child among the tree's nodes matter, and a level-``level`` node
+            # with a kept child has ``level`` kept ancestors and that child, so it ranks below
+            # ``tree_size - level - 1`` in its level: a wider beam would give the same tree, slower.
+            width = min(s.beam_width, s.tree_size - level - 1)
+            if width <= 0:
+                break
+            best = np.argsort(-scores[-1], kind="stable")[:width]
             tails = [_last([*tails[i // k], int(tokens[-1][i])], keep) for i in best]
             beam, beam_scores = count + best, scores[-1][best]
             count += len(scores[-1])
