@@ -307,7 +307,7 @@ class NgramTrie:
         chain.append((0, 0, self.nodes_per_level[0], self.token_count))
         return chain
 
-    def _find(self, suffix: list[int]) -> tuple[int, int] | None:
+    def _find(self, suffix: Sequence[int]) -> tuple[int, int] | None:
         """The node of ``suffix`` as ``(level, index)``, or None when it is not stored."""
         first = suffix[0]
         if not 0 <= first < self.vocab_size:
