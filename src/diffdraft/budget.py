@@ -34,6 +34,7 @@ from transformers import DynamicCache
 from diffdraft.default_model import cache_root
 from diffdraft.drafters.base import Proposal
 from diffdraft.fused_projections import ProjectionSlice
+from diffdraft.grouped_attention import ROW_DTYPES
 from diffdraft.packed_linear import has_packed_layers
 from diffdraft.progress import progress_bar
 from diffdraft.sampling import SamplingParams
@@ -201,6 +202,7 @@ def curve_key(target: TargetModel) -> str:
         "cores": os.cpu_count(),
         "packed": has_packed_layers(target.model),
         "attention": target.model.config._attn_implementation,
+        "grouped_rows": [str(dtype) for dtype in ROW_DTYPES],
         "stacked": any(isinstance(module, ProjectionSlice) for module in target.model.modules()),
         "cache": type(target.new_cache().layers[0]).__name__,
         "lean_forward": target.lean is not None,
