@@ -75,6 +75,16 @@ def test_reduced_precision_rows_are_exact_attention_up_to_rounding(
     assert (got.double() - exact).abs().max() <= max(2 * stock_error, 4 * torch.finfo(dtype).eps)
 
 
+def test_a_mask_broadcast_over_queries_takes_the_stock_kernel_call():
+    query, key, value, _ = _inputs(torch.bfloat16, 4, 20, masked=False)
+    mask = torch.zeros(1, 1, 1, 24, dtype=torch.bfloat16)
+    mask[..., :5] = torch.finfo(torch.bfloat16).min
+    module = _Attention(groups=3)
+    expected, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.25)
+    got, _ = grouped_sdpa_attention(module, query, key, value, mask, scaling=0.25)
+    assert torch.equal(got, expected)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_switched_target_verifies_trees_with_the_stock_logits(dtype):
     """Bit for bit in float32; bfloat16 rounds differently (query groups as rows), so within rounding."""

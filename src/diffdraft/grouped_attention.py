@@ -65,7 +65,10 @@ def _groups_fit_as_rows(query: torch.Tensor, key: torch.Tensor, mask: torch.Tens
         and query.dtype in ROW_DTYPES
         and kv_heads < heads
         and heads % kv_heads == 0
-        and (mask is None or (mask.dim() == 4 and mask.shape[1] in (1, heads)))
+        and (
+            mask is None
+            or (mask.dim() == 4 and mask.shape[1] in (1, heads) and mask.shape[2] == query.shape[2])
+        )
     )
 
 
