@@ -60,8 +60,8 @@ def load_target(
     a ``.gguf`` file (dequantized to dense weights). ``dtype="auto"`` keeps the checkpoint's recorded
     dtype, except float16 on CPU and unrecorded dtypes, which become float32. ``optimize`` applies
     diffdraft's CPU inference kernels (:mod:`diffdraft.packed_linear`,
-    :mod:`diffdraft.fused_projections`, :mod:`diffdraft.grouped_attention`): identical logits,
-    faster forwards, inference only.
+    :mod:`diffdraft.fused_projections`, :mod:`diffdraft.grouped_attention`): identical logits in
+    float32 (bfloat16: equal up to rounding), faster forwards, inference only.
     """
     loaded = _load(spec, dtype, device)
     if optimize:

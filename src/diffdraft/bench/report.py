@@ -131,7 +131,8 @@ def markdown(
         "ran at, and t_draft the drafting time per round: the speedup if everything else were free. "
         "On CPU our methods run the target with diffdraft's inference kernels (packed bfloat16 "
         "weights, stacked q/k/v and gate/up projections, grouped-query attention without cache "
-        "copies; identical logits), Llama-shaped targets verify through a plain loop over their own "
+        "copies and, in bfloat16, with query groups as rows; logits identical in float32, equal up "
+        "to rounding in bfloat16), Llama-shaped targets verify through a plain loop over their own "
         "modules (identical logits), and the KV cache appends and crops in place; Hugging Face "
         "methods run the stock "
         "model, so `ar` against `hf` is what the kernels alone buy.",
