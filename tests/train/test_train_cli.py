@@ -6,13 +6,14 @@ import argparse
 import json
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from diffdraft.bench.datasets import Sample
 from diffdraft.errors import InvalidRequestError
 from diffdraft.loading import fastest_dtype
 from diffdraft.train import cli as train_cli
-from diffdraft.train.cli import add_train_parser, run_train
+from diffdraft.train.cli import add_train_parser, process_group_backend, run_train
 
 from conftest import make_checkpoint
 
@@ -342,3 +343,17 @@ def test_fit_refuses_a_deer_drafter_built_with_another_tokenizer(responses, tmp_
     assert main([*fit, "--output-dir", str(out), "--variant", "deer", "--init-drafter", str(drafter)]) == 2
     assert "built with tokenizer another-tokenizer" in capsys.readouterr().err
     assert not (out / "final").exists()
+
+
+@pytest.mark.parametrize(
+    ("device", "gpus", "local_processes", "backend"),
+    [
+        ("cpu", 0, 2, "gloo"),
+        ("cuda", 1, 1, "nccl"),
+        ("cuda", 8, 8, "nccl"),
+        ("cuda", 1, 4, "gloo"),  # four trainers sharing one GPU: NCCL would refuse the second rank
+        ("cuda", 2, 4, "gloo"),
+    ],
+)
+def test_process_group_backend_needs_a_gpu_per_process_for_nccl(device, gpus, local_processes, backend):
+    assert process_group_backend(torch.device(device), gpus, local_processes) == backend

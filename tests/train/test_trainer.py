@@ -179,11 +179,19 @@ def test_kill_and_resume_gives_the_same_weights_as_an_uninterrupted_run(target, 
     interrupted = Trainer(config(tmp_path / "resumed", epochs=4), TargetModel(target), samples)
     with pytest.raises(Killed):
         interrupted.train(on_step=kill_at_step_7)
+    with (tmp_path / "resumed" / "metrics.jsonl").open("a") as log:
+        log.write('{"step": 8, "lo')  # the kill landed mid-write
     resumed = Trainer(config(tmp_path / "resumed", epochs=4), TargetModel(target), samples)
     assert resumed.state.step == 5  # the last checkpoint before the kill
     resumed.train()
     for name, tensor in straight.drafter.state_dict().items():
         torch.testing.assert_close(resumed.drafter.state_dict()[name], tensor, rtol=0, atol=0)
+    rows = {
+        run: [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        for run in ("straight", "resumed")
+    }
+    assert [r["step"] for r in rows["resumed"]] == list(range(1, straight.total_steps + 1))  # once each
+    assert [r["loss"] for r in rows["resumed"]] == [r["loss"] for r in rows["straight"]]
 
 
 def test_cached_features_train_exactly_like_online_features(target, tmp_path):

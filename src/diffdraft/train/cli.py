@@ -467,10 +467,31 @@ def _split(args: argparse.Namespace, for_eval: bool = False) -> tuple[list, list
     return samples[:cut], samples[cut:]
 
 
+def process_group_backend(device: torch.device, gpus: int, local_processes: int) -> str:
+    """NCCL when every local process has a GPU of its own; gloo on CPUs and when several processes
+    share a GPU (NCCL refuses two ranks on one device; a trainer works one sequence at a time, so
+    several can share a GPU: v7 trained with eight on one H100)."""
+    return "nccl" if device.type == "cuda" and gpus >= local_processes else "gloo"
+
+
+def _join_process_group(device: str | None) -> str | None:
+    """Join torchrun's process group; return this rank's device (GPU LOCAL_RANK mod the GPUs present
+    when ``device`` names no index: otherwise every rank would land on GPU 0)."""
+    chosen = default_device(device)
+    if chosen.type == "cuda" and chosen.index is None:
+        chosen = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        torch.cuda.set_device(chosen)
+        device = str(chosen)
+    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+    gpus = torch.cuda.device_count() if chosen.type == "cuda" else 0
+    dist.init_process_group(process_group_backend(chosen, gpus, local_processes))
+    return device
+
+
 def _run_fit(args: argparse.Namespace) -> None:
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed:
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        args.device = _join_process_group(args.device)
     try:
         fastest = fastest_dtype(default_device(args.device))
         args.dtype, args.compute_dtype = args.dtype or fastest, args.compute_dtype or fastest

@@ -213,6 +213,25 @@ class Trainer:
             self.optimizer.load_state_dict(saved["optimizer"])
             self.scheduler.load_state_dict(saved["scheduler"])
             self.state = TrainState(**saved["state"])
+            if self.rank == 0:
+                self._forget_metrics_after(self.state.step)
+
+    def _forget_metrics_after(self, step: int) -> None:
+        """Drop the log rows of the steps after the checkpoint resumed from (and a row half-written at
+        the kill): the run trains those steps again, and keeping both gave two rows per step."""
+        path = self.output_dir / "metrics.jsonl"
+        if not path.is_file():
+            return
+        kept = []
+        for line in path.read_text().splitlines(keepends=True):
+            try:
+                if line.endswith("\n") and json.loads(line)["step"] <= step:
+                    kept.append(line)
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, path)
 
     def _check_output_dir(self) -> None:
         """Fail before any compute if checkpoints could not be written. The probe is named per process:
@@ -366,7 +385,9 @@ class Trainer:
             self.state.elapsed_seconds += time.perf_counter() - begin
             if self.world > 1:  # log the global batch, not rank 0's share
                 summed = torch.cat([torch.tensor([total_loss]), hits, agreements, counts])
+                summed = summed.to(self.target.device)  # NCCL reduces only GPU tensors
                 dist.all_reduce(summed)
+                summed = summed.cpu()
                 total_loss = float(summed[0]) / self.world
                 hits, agreements, counts = summed[1:].split(self.positions)
             accuracy = (hits / counts.clamp_min(1))[1:].tolist()
