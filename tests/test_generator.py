@@ -432,3 +432,21 @@ def test_a_batch_on_the_default_target_gives_every_request_its_alone_tokens():
     requests[3].temperature = 0.8
     alone = [gen.generate(**vars(request)).token_ids for request in requests]
     assert [r.token_ids for r in gen.generate_batch(requests, max_batch_size=3)] == alone
+
+
+def test_without_a_budget_ddtree_methods_plan_it_and_dart_takes_its_default_size(
+    checkpoint, drafter_dir, dart_and_trie, monkeypatch, tmp_path, capsys
+):
+    from diffdraft import budget
+    from diffdraft.budget import AutoBudgetBuilder
+    from diffdraft.generator import DART_TREE_SIZE
+
+    monkeypatch.setenv("DIFFDRAFT_CACHE", str(tmp_path))
+    monkeypatch.setattr(budget, "DEFAULT_SIZES", (1, 4, 8))
+    monkeypatch.setattr(budget, "DEFAULT_CONTEXTS", (16, 32))
+    generator = diffdraft.load(checkpoint, drafter=drafter_dir, method="ddtree")
+    assert isinstance(generator.engine.builder, AutoBudgetBuilder)
+    assert "measuring this machine's verification cost" in capsys.readouterr().err  # said, not silent
+    drafter, trie = dart_and_trie
+    dart = diffdraft.load(checkpoint, drafter=drafter, method="dart", ngram=trie)
+    assert dart.engine.builder.settings.tree_size == DART_TREE_SIZE

@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import platform
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -227,6 +228,12 @@ def load_or_measure(
         cached = VerifyCostCurve(**json.loads(file.read_text()))
         if still_valid(cached, target):
             return cached
+    if progress:
+        print(
+            f"diffdraft: measuring this machine's verification cost for budget 'auto' "
+            f"(once; cached in {file})",
+            file=sys.stderr,
+        )
     curve = measure_verify_cost(target, DEFAULT_SIZES, DEFAULT_CONTEXTS, progress=progress)
     folder.mkdir(parents=True, exist_ok=True)
     temporary = file.with_suffix(f".tmp{os.getpid()}")

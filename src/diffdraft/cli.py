@@ -37,9 +37,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--budget",
         type=lambda v: v if v == "auto" else int(v),
-        default=32,
-        help="DDTree node budget (ddtree, ddtree+pld, deer-tree), or 'auto' to pick it from this machine's "
-        "verification cost; for dart the tree size (default: 32)",
+        default=None,
+        help="DDTree node budget (ddtree, ddtree+pld, deer-tree), or 'auto' (their default) to pick it from "
+        "this machine's verification cost, measured once; for dart the tree size (default: 32)",
     )
     p.add_argument(
         "--ngram",

@@ -161,7 +161,18 @@ def _drafter_name(drafter: str | os.PathLike | DraftModel) -> str:
     return str(drafter) if isinstance(drafter, (str, os.PathLike)) else "the given drafter"
 
 
-def _make_builder(method: str, budget: int | str, target: TargetModel, ngram, tokenizer) -> TreeBuilder:
+DART_TREE_SIZE = 32
+"""dart's tree size when none is given (its paper's 59 verifies too many tokens to pay on a CPU)."""
+
+
+def _make_builder(
+    method: str, budget: int | str | None, target: TargetModel, ngram, tokenizer
+) -> TreeBuilder:
+    """``budget`` None: dart's :data:`DART_TREE_SIZE`, and for the DDTree methods "auto" (the best
+    fixed budget depends on the machine: 8 nodes ran fastest on a 2-core CPU where 32 ran slower
+    than plain AR)."""
+    if budget is None:
+        budget = DART_TREE_SIZE if method == "dart" else "auto"
     if method == "dart":
         if budget == "auto":
             raise InvalidRequestError(
@@ -184,7 +195,7 @@ class SpeculativeGenerator:
         target: LoadedModel,
         method: str = "ar",
         drafter: str | os.PathLike | DraftModel | None = None,
-        budget: int | str = 32,
+        budget: int | str | None = None,
         ngram: str | os.PathLike | None = None,
     ) -> None:
         """``ngram``: the N-gram trie of the ``dart`` tree (a directory, ``"default"`` for the one
@@ -317,15 +328,17 @@ def load(
     target: str | os.PathLike = "default",
     drafter: str | os.PathLike | None = None,
     method: str = "ar",
-    budget: int | str = 32,
+    budget: int | str | None = None,
     dtype: str = "auto",
     device: str | None = None,
     ngram: str | os.PathLike | None = None,
 ) -> SpeculativeGenerator:
     """Load a target (``"default"``, a model directory or a ``.gguf`` file) and a drafter once.
 
-    ``budget="auto"`` picks the DDTree budget (ddtree, ddtree+pld, deer-tree) from this machine's
-    measured verification cost; for ``method="dart"`` the budget is the tree size and ``ngram`` the
+    ``budget="auto"`` (the default for ddtree, ddtree+pld and deer-tree) picks the DDTree budget from
+    this machine's measured verification cost (measured once per model shape and device, about a
+    minute on a 2-core CPU, then cached); for ``method="dart"`` the budget is the tree size (default
+    :data:`DART_TREE_SIZE`) and ``ngram`` the
     N-gram trie directory (``"default"``: the one shipped for the default target; None: no N-gram
     term). ``method="deer"`` / ``"deer-tree"`` need a DEER drafter (e.g. ``"default-deer"``).
     On CPU the target runs diffdraft's inference kernels (same outputs, faster), so the loaded

@@ -43,7 +43,7 @@ def test_defaults_match_generate_and_a_local_server():
         "default",
         "ar",
         None,
-        32,
+        None,  # each method's default: auto for the DDTree methods, 32 for dart
         "auto",
     )
     assert (args.host, args.port, args.max_batch_size, args.max_queue) == ("127.0.0.1", 8000, 8, 64)
