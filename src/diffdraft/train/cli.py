@@ -525,7 +525,7 @@ def _run_fit(args: argparse.Namespace) -> None:
                 print(f"draft vocabulary: {vocab.shape[0]} tokens, {share:.1%} of training response tokens")
         trainer.train()
         if trainer.rank == 0:
-            plot_training_curves(trainer.output_dir / "metrics.jsonl", trainer.output_dir / "curves.png")
+            plot_training_curves(trainer.metrics_file, trainer.output_dir / "curves.png")
             print(f"drafter written to {trainer.output_dir / 'final'}")
     finally:
         if distributed:

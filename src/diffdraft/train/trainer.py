@@ -44,6 +44,7 @@ from diffdraft.train.objectives import make_objective
 from diffdraft.train.target_init import copy_target_layers
 
 STATE_FILE = "training_state.pt"
+METRICS_FILE = "metrics.jsonl"
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LABELS = ["target", "tokens"]
 INIT_LAYERS = ["random", "target"]
@@ -172,6 +173,7 @@ class Trainer:
                 f"batch_size {config.batch_size} must be divisible by the number of processes ({self.world})"
             )
         self.output_dir = Path(config.output_dir)
+        self.metrics_file = self.output_dir / METRICS_FILE
         self._check_output_dir()
         self.steps_per_epoch = len(samples) // config.batch_size
         if self.steps_per_epoch == 0:
@@ -219,7 +221,7 @@ class Trainer:
     def _forget_metrics_after(self, step: int) -> None:
         """Drop the log rows of the steps after the checkpoint resumed from (and a row half-written at
         the kill): the run trains those steps again, and keeping both gave two rows per step."""
-        path = self.output_dir / "metrics.jsonl"
+        path = self.metrics_file
         if not path.is_file():
             return
         kept = []
@@ -349,7 +351,6 @@ class Trainer:
         progress = progress_bar(
             total=self.total_steps, initial=self.state.step, desc="training drafter", disable=self.rank != 0
         )
-        metrics_file = self.output_dir / "metrics.jsonl"
         while self.state.step < self.total_steps:
             begin = time.perf_counter()
             step = self.state.step
@@ -407,7 +408,7 @@ class Trainer:
                     "tokens_seen": self.state.tokens_seen,
                     "elapsed_seconds": self.state.elapsed_seconds,
                 }
-                with metrics_file.open("a") as f:
+                with self.metrics_file.open("a") as f:
                     f.write(json.dumps(record) + "\n")
                 progress.set_postfix(loss=f"{total_loss:.3f}", acc1=f"{accuracy[0]:.2f}")
                 progress.update(1)
