@@ -108,3 +108,19 @@ def test_taps_stop_early_and_equal_prefill_taps(layer_ids):
         layer.register_forward_hook(lambda *_: ran.append(1))
     torch.testing.assert_close(target.taps(ids, layer_ids), full, rtol=0, atol=0)
     assert not ran, "layers after the deepest tap ran"
+
+
+@pytest.mark.parametrize("layer_ids", [[0, 2], [3]])
+def test_right_padded_sequences_get_the_taps_and_logits_each_gets_alone(layer_ids):
+    target = TargetModel(tiny_target("qwen3", seed=4, dtype=torch.float64))
+    generator = torch.Generator().manual_seed(5)
+    sequences = [torch.randint(1, 60, (n,), generator=generator) for n in (9, 14, 5)]
+    padded = torch.nn.utils.rnn.pad_sequence(sequences, batch_first=True)
+    taps = target.taps(padded, layer_ids)
+    batch = target.taps_and_logits(padded, layer_ids)
+    for i, ids in enumerate(sequences):
+        alone = target.taps_and_logits(ids, layer_ids)
+        n = ids.shape[0]
+        torch.testing.assert_close(taps[i, :n], alone.hidden)
+        torch.testing.assert_close(batch.hidden[i, :n], alone.hidden)
+        torch.testing.assert_close(batch.logits[i, :n], alone.logits)

@@ -98,15 +98,17 @@ class TargetModel:
 
     @torch.inference_mode()
     def taps(self, token_ids: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
-        """[n, T, H] taps of a whole sequence without a cache, for training: the decoder stops after
-        the deepest tapped layer (DFlare's taps end at 27 of SmolLM2's 30 layers).
+        """Taps [n, T, H] of a whole sequence [n] (or [b, n, T, H] of right-padded sequences [b, n])
+        without a cache, for training: the decoder stops after the deepest tapped layer (DFlare's taps
+        end at 27 of SmolLM2's 30 layers). Attention is causal, so padding after a sequence's end
+        leaves its rows as they are alone.
 
         Equal to :meth:`prefill`'s taps; a tap of the last layer takes the full forward, because
         Hugging Face reports that layer after the final norm.
         """
         deepest = max(layer_ids)
         if deepest == self.num_layers - 1:
-            return self.prefill(self.new_cache(), token_ids, layer_ids).hidden
+            return self._whole_sequences(token_ids, layer_ids, logits_to_keep=1).hidden
         decoder = self.model.get_decoder()
         outputs: dict[int, torch.Tensor] = {}
 
@@ -120,23 +122,40 @@ class TargetModel:
 
         hooks = [decoder.layers[i].register_forward_hook(recorder(i)) for i in set(layer_ids)]
         try:
-            decoder(input_ids=token_ids[None].to(self.device), use_cache=False)
+            decoder(input_ids=_as_batch(token_ids).to(self.device), use_cache=False)
         except _TapsComplete:
             pass
         finally:
             for hook in hooks:
                 hook.remove()
-        return torch.stack([outputs[i][0] for i in layer_ids], dim=1)
+        taps = torch.stack([outputs[i] for i in layer_ids], dim=2)
+        return taps if token_ids.dim() == 2 else taps[0]
 
     @torch.inference_mode()
     def taps_and_logits(self, token_ids: torch.Tensor, layer_ids: list[int]) -> TargetOutput:
-        """Taps [n, T, H] and next-token logits [n, V] of a whole sequence from one full forward.
+        """Taps [n, T, H] and next-token logits [n, V] of a whole sequence [n] from one full forward
+        (or [b, n, ...] of right-padded sequences [b, n], as :meth:`taps`).
 
         The logits are the target's own distribution at every position: distillation's soft labels
         come from the forward that yields the taps, at the cost of the few layers past the deepest tap.
         """
-        positions = torch.arange(token_ids.shape[0], device=self.device)
-        return self._forward(self.new_cache(), token_ids, positions, None, layer_ids, logits_to_keep=0)
+        return self._whole_sequences(token_ids, layer_ids, logits_to_keep=0)
+
+    def _whole_sequences(
+        self, token_ids: torch.Tensor, layer_ids: list[int], logits_to_keep: int
+    ) -> TargetOutput:
+        """One cacheless forward of a sequence [n] or right-padded sequences [b, n]; the outputs keep
+        the input's leading dimensions."""
+        out = self.model(
+            input_ids=_as_batch(token_ids).to(self.device),
+            use_cache=False,
+            output_hidden_states=bool(layer_ids),
+            logits_to_keep=logits_to_keep,
+        )
+        hidden = torch.stack([out.hidden_states[i + 1] for i in layer_ids], dim=2) if layer_ids else None
+        if token_ids.dim() == 2:
+            return TargetOutput(logits=out.logits, hidden=hidden)
+        return TargetOutput(logits=out.logits[0], hidden=None if hidden is None else hidden[0])
 
     def attention_mask(self, cache: DynamicCache, tree_mask: torch.Tensor) -> torch.Tensor:
         """The additive 4D mask for :meth:`verify`: every node sees the whole cached context, and
@@ -220,3 +239,7 @@ class TargetModel:
         excess = cache.get_seq_length() - (start + keep)
         if excess > 0:
             cache.crop(-excess)
+
+
+def _as_batch(token_ids: torch.Tensor) -> torch.Tensor:
+    return token_ids if token_ids.dim() == 2 else token_ids[None]

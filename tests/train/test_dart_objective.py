@@ -36,7 +36,7 @@ def test_dart_loss_equals_inference_drafts_scored_against_the_target():
     out = target.taps_and_logits(ids, model.target_layer_ids)
     anchors = torch.tensor([4, 7, 10])  # root positions, as sample_anchors draws them
     with torch.no_grad():
-        loss, hits, agreements, counts = DARTObjective(model, torch_target)(
+        loss, hits, agreements, counts = DARTObjective(model, torch_target).sequence_loss(
             ids, anchors, out.hidden, gamma, out.logits, response_start
         )
 

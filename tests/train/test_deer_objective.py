@@ -27,7 +27,9 @@ def test_evaluation_loss_equals_inference_drafts_scored_against_the_target():
     logits = target.taps_and_logits(ids, []).logits
     anchors = torch.tensor([4, 7, 11])  # every block fits: no truncation at the end
     with torch.no_grad():
-        loss, hits, agreements, counts = DEERObjective(model)(ids, anchors, None, 1.0, logits, 5)
+        loss, hits, agreements, counts = DEERObjective(model).sequence_loss(
+            ids, anchors, None, 1.0, logits, 5
+        )
 
     drafter = DEERDrafter(model, target)
     total, rows = 0.0, 0
@@ -95,7 +97,9 @@ def test_training_stages_give_finite_losses_and_gradients_on_every_layer(stage):
     model = tiny_deer(block_size=5).float()
     ids = torch.randint(1, 30, (40,), generator=torch.Generator().manual_seed(4))
     anchors = torch.tensor([8, 15, 22, 30, 38])
-    loss, _, _, counts = DEERObjective(model, stage=stage, max_suffix=12)(ids, anchors, None, 1.01, None, 8)
+    loss, _, _, counts = DEERObjective(model, stage=stage, max_suffix=12).sequence_loss(
+        ids, anchors, None, 1.01, None, 8
+    )
     loss.backward()
     assert torch.isfinite(loss) and counts[1:].sum() > 0 and counts[0] == 0
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())

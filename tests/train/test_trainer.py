@@ -152,7 +152,7 @@ def test_a_non_finite_loss_stops_training_before_the_weights_change(target, tmp_
         make_samples(target, 8, 3),
     )
     before = copy.deepcopy(trainer.drafter.state_dict())
-    trainer.sequence_loss = lambda *args: (
+    trainer.batch_loss = lambda *args: (
         (torch.tensor(float("nan"), requires_grad=True),) + (torch.zeros(5),) * 3
     )
     with pytest.raises(TrainingDivergedError, match="diverged at step 1"):
@@ -246,6 +246,31 @@ def test_two_processes_equal_one_with_the_same_global_batch(target, tmp_path):
         torch.testing.assert_close(ddp_weights[name], tensor, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("variant", [DFLARE, DART])
+def test_micro_batches_of_padded_sequences_train_the_weights_one_at_a_time_does(target, tmp_path, variant):
+    """Sequences of different lengths, three per forward (right-padded) or one: the same steps."""
+    samples = [
+        TrainingSample(s.sample_id, s.token_ids[: 12 + 3 * i], s.response_start)
+        for i, s in enumerate(make_samples(target, 8, seed=12))
+    ]
+    trained = []
+    for micro_batch_size in (1, 3):
+        out = tmp_path / str(micro_batch_size)
+        settings = config(out, variant=variant, batch_size=8, max_steps=3, micro_batch_size=micro_batch_size)
+        Trainer(settings, TargetModel(target), samples).train()
+        trained.append((load_draft_model(out / "final").state_dict(), read_metrics(out)))
+    (one_weights, one_log), (batched_weights, batched_log) = trained
+    for name, tensor in one_weights.items():
+        torch.testing.assert_close(batched_weights[name], tensor, rtol=1e-4, atol=1e-5)
+    for one, batched in zip(one_log, batched_log, strict=True):
+        assert one["loss"] == pytest.approx(batched["loss"], rel=1e-5)
+        assert one["accuracy_by_position"] == batched["accuracy_by_position"]
+
+
+def read_metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 def test_bad_inputs_are_clear_errors(target, tmp_path):
     samples = make_samples(target, 2, seed=6)
     with pytest.raises(InvalidRequestError, match="fewer than one batch"):
@@ -260,6 +285,8 @@ def test_bad_inputs_are_clear_errors(target, tmp_path):
         config(tmp_path, variant=DEER, stage=3)
     with pytest.raises(InvalidRequestError, match="max_suffix must be at least 1"):
         config(tmp_path, variant=DEER, stage=2, max_suffix=0)
+    with pytest.raises(InvalidRequestError, match="micro_batch_size must be at least 1"):
+        config(tmp_path, micro_batch_size=0)
 
 
 def test_bfloat16_compute_runs_the_matmuls_in_bfloat16_and_keeps_float32_weights(target, tmp_path):

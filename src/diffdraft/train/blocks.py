@@ -18,8 +18,8 @@ IGNORE = -100
 
 @dataclass
 class Blocks:
-    anchors: torch.Tensor
-    """[m] anchor positions, sorted."""
+    """One sequence's blocks (shapes below), or a batch's with a leading [b] (:func:`batch_blocks`)."""
+
     input_ids: torch.Tensor
     """[m * B] anchor token then mask tokens, block after block."""
     position_ids: torch.Tensor
@@ -57,7 +57,6 @@ def make_blocks(
     labels = torch.where(positions < n, token_ids[positions.clamp_max(n - 1)], IGNORE).view(m, block_size)
     labels[:, 0] = IGNORE
     return Blocks(
-        anchors=anchors,
         input_ids=input_ids.reshape(-1),
         position_ids=positions,
         labels=labels.reshape(-1),
@@ -70,3 +69,37 @@ def block_attention_mask(anchors: torch.Tensor, block_size: int, context_length:
     sees_context = torch.arange(context_length)[None, :] < anchors[block_of_row][:, None]
     sees_block = block_of_row[:, None] == block_of_row[None, :]
     return torch.cat([sees_context, sees_block], dim=1)
+
+
+def batch_blocks(
+    token_ids: torch.Tensor,
+    lengths: list[int],
+    anchors: list[torch.Tensor],
+    block_size: int,
+    mask_token_id: int,
+) -> Blocks:
+    """The blocks of right-padded sequences ``token_ids`` [b, L], padded to the most rows [b, R];
+    masks [b, R, L + R] over each sequence's ``[context ; blocks]``.
+
+    A padding row is a mask token labelled IGNORE that sees only itself (a row that sees nothing
+    would make attention NaN); no real row sees it, nor the context padding.
+    """
+    per_sequence = [
+        make_blocks(token_ids[i, :n], a, block_size, mask_token_id)
+        for i, (n, a) in enumerate(zip(lengths, anchors, strict=True))
+    ]
+    batch, context = token_ids.shape[0], token_ids.shape[1]
+    rows = max(b.input_ids.shape[0] for b in per_sequence)
+    input_ids = torch.full((batch, rows), mask_token_id, dtype=torch.long)
+    position_ids = torch.zeros((batch, rows), dtype=torch.long)
+    labels = torch.full((batch, rows), IGNORE, dtype=torch.long)
+    attention_mask = torch.zeros((batch, rows, context + rows), dtype=torch.bool)
+    attention_mask[:, torch.arange(rows), context + torch.arange(rows)] = True
+    for i, (n, blocks) in enumerate(zip(lengths, per_sequence, strict=True)):
+        r = blocks.input_ids.shape[0]
+        input_ids[i, :r] = blocks.input_ids
+        position_ids[i, :r] = blocks.position_ids
+        labels[i, :r] = blocks.labels
+        attention_mask[i, :r, :n] = blocks.attention_mask[:, :n]
+        attention_mask[i, :r, context : context + r] = blocks.attention_mask[:, n:]
+    return Blocks(input_ids, position_ids, labels, attention_mask)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from diffdraft.drafters.dart_model import DARTDraftModel, make_dart_config
+from diffdraft.train.batch import PerSequenceObjective
 from diffdraft.train.loss import draft_loss
 from diffdraft.train.objective import head_rows
 
@@ -41,7 +42,7 @@ def prefix_shared_mask(anchor_rows: torch.Tensor, draft_length: int, prefix_rows
     return torch.cat([prefix_sees, torch.cat([masks_see_prefix, masks_see_masks], dim=1)], dim=0)
 
 
-class DARTObjective(nn.Module):
+class DARTObjective(PerSequenceObjective):
     """DART drafter + the target's frozen embedding -> (loss, hits, agreements, counts) per sequence.
 
     Same contract as :class:`~diffdraft.train.objective.BlockObjective`; the per-depth arrays have
@@ -55,7 +56,7 @@ class DARTObjective(nn.Module):
         self.frozen = [target_model.get_input_embeddings()]
         self.label_index = head_rows(target_model.config.vocab_size, drafter.draft_vocab)
 
-    def forward(
+    def sequence_loss(
         self,
         token_ids: torch.Tensor,
         anchors: torch.Tensor,
@@ -91,7 +92,7 @@ class DARTObjective(nn.Module):
         hidden = model(inputs, residual, position_ids, model.key_values(inputs, position_ids), mask)[0]
         rows = trained.nonzero().squeeze(-1)
         logits = model.logits(hidden[rows.to(device)])
-        labels = self.label_index[token_ids[predicted[rows]].cpu()].to(device)
+        labels = self.label_index[token_ids[predicted[rows]].to(device)]
         return draft_loss(
             logits,
             labels,

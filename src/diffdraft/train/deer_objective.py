@@ -24,13 +24,13 @@ sample), so a resumed run sees the same noise.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from diffdraft.drafters.deer_model import DEERDraftModel
+from diffdraft.train.batch import PerSequenceObjective
 from diffdraft.train.loss import position_counts, position_hits, row_losses, target_rows
 
 
-class DEERObjective(nn.Module):
+class DEERObjective(PerSequenceObjective):
     """DEER drafter -> (loss, hits, agreements, counts) per sequence, like the other objectives
     (per-depth arrays of ``block_size + 1`` entries, index 0 unused). ``gamma`` is stage 2's alpha."""
 
@@ -44,7 +44,7 @@ class DEERObjective(nn.Module):
         self.stage = stage
         self.max_suffix = max_suffix
 
-    def forward(
+    def sequence_loss(
         self,
         token_ids: torch.Tensor,
         anchors: torch.Tensor,

@@ -20,6 +20,7 @@ from diffdraft.sampling import SamplingParams
 from diffdraft.stats import GenerationStats
 from diffdraft.stopping import StopConditions
 from diffdraft.target import TargetModel
+from diffdraft.train.batch import TrainingBatch
 from diffdraft.train.blocks import sample_anchors
 from diffdraft.train.dataset import TrainingSample
 from diffdraft.train.features import OnlineFeatures
@@ -76,8 +77,10 @@ def evaluate_drafter(
         anchors = sample_anchors(
             sample.response_start, ids.shape[0], ids.shape[0], torch.Generator().manual_seed(0)
         )
-        taps, logits = features.with_logits(sample.sample_id, ids)
-        _, h, a, n = objective(ids, anchors, taps, 1.0, logits, sample.response_start)
+        taps, logits = features.with_logits(ids)
+        one = TrainingBatch(ids[None], [ids.shape[0]], [anchors], [sample.response_start])
+        one.taps, one.target_logits = (None if taps is None else taps[None]), logits[None]
+        _, h, a, n = objective(one, 1.0)
         hits += h.cpu()
         agreements += a.cpu()
         counts += n.cpu()

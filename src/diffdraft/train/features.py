@@ -23,7 +23,8 @@ INDEX = "index.json"
 
 
 class OnlineFeatures:
-    """Taps [n, T, H] of ``layer_ids`` for a token sequence, from a fresh target forward."""
+    """Taps [n, T, H] of ``layer_ids`` for a token sequence [n] (or [b, n, T, H] for right-padded
+    sequences [b, n]), from a fresh target forward."""
 
     def __init__(self, target: TargetModel, layer_ids: list[int]) -> None:
         target.check_layer_ids(layer_ids)
@@ -37,11 +38,9 @@ class OnlineFeatures:
         # a normal tensor: inference-mode tensors cannot enter autograd
         return self.target.taps(token_ids, self.layer_ids).clone()
 
-    def with_logits(
-        self, sample_id: str, token_ids: torch.Tensor
-    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def with_logits(self, token_ids: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Taps [n, T, H] (None when none are tapped) and the target's next-token logits [n, V],
-        from one forward."""
+        from one forward (a leading [b] for right-padded sequences [b, n])."""
         out = self.target.taps_and_logits(token_ids, self.layer_ids)
         return None if out.hidden is None else out.hidden.clone(), out.logits.clone()
 

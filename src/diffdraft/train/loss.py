@@ -31,6 +31,8 @@ def block_loss(
     block_positions: torch.Tensor,
     weights_by_position: torch.Tensor,
     target_log_probs: torch.Tensor | None = None,
+    row_sequence: torch.Tensor | None = None,
+    sequences: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Weighted mean loss over labelled rows, plus per-position top-1 hits and counts [B].
 
@@ -40,13 +42,20 @@ def block_loss(
     cross-entropy to ``labels``, or with ``target_log_probs`` [r, V] (the target's own distribution
     over the same rows) the KL divergence KL(target || draft): distillation, as DART trains. A label
     of ``IGNORE`` (a token outside the draft vocabulary) adds no cross-entropy but counts as a miss.
+
+    Rows of several sequences (``row_sequence`` [r], each row's sequence in ``range(sequences)``)
+    give the mean of each sequence's weighted mean: a batch trains as its sequences one by one would.
     """
     block_size = weights_by_position.shape[0]
     weights = weights_by_position.to(logits.device)[block_positions]
     if target_log_probs is None:
         weights = weights * (labels != IGNORE)
-    per_row = row_losses(logits, labels, target_log_probs)
-    loss = (per_row * weights).sum() / weights.sum().clamp_min(1e-8)
+    weighted = row_losses(logits, labels, target_log_probs) * weights
+    if row_sequence is None:
+        row_sequence = torch.zeros_like(block_positions)
+    totals = weighted.new_zeros(sequences).index_add(0, row_sequence, weighted)
+    weight_totals = weights.new_zeros(sequences).index_add(0, row_sequence, weights)
+    loss = (totals / weight_totals.clamp_min(1e-8)).mean()
     return (
         loss,
         position_hits(logits, labels, block_positions, block_size),
@@ -97,13 +106,13 @@ def target_rows(
     once and then copied to its rows: rows share positions (DART's prefix and mask rows, overlapping
     blocks), and gathering [r, V] logits before reducing cost more than the drafter's forward.
     ``head_index`` maps target ids to head rows and ``draft_vocab`` head rows to target ids (both
-    None for a full-vocabulary head).
+    None for a full-vocabulary head; on the logits' device).
     """
     used, inverse = predicted_from.unique(return_inverse=True)
     logits = target_logits[used]
     greedy = top_one(logits)
     if head_index is not None:
-        greedy = head_index[greedy.cpu()].to(logits.device)
+        greedy = head_index[greedy]
     if draft_vocab is not None:
         logits = logits[:, draft_vocab.to(logits.device)]
     return logits.float().log_softmax(-1)[inverse], greedy[inverse]
@@ -118,16 +127,24 @@ def draft_loss(
     predicted_from: torch.Tensor | None,
     head_index: torch.Tensor | None,
     draft_vocab: torch.Tensor | None,
+    row_sequence: torch.Tensor | None = None,
+    sequences: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, hits, agreements, counts) of a drafter's labelled rows, for every family's objective.
 
     ``target_logits`` [n, V] are the target's own next-token logits over the sequence and
     ``predicted_from`` [r] the position each row's token follows (None: cross-entropy on ``labels``,
-    agreements zero); ``head_index`` and ``draft_vocab`` as in :func:`target_rows`.
+    agreements zero); ``head_index`` and ``draft_vocab`` as in :func:`target_rows`; several
+    sequences' rows as in :func:`block_loss` (their logits flattened to [b * L, V], ``predicted_from``
+    indexing that).
     """
     if target_logits is None:
-        loss, hits, counts = block_loss(logits, labels, positions, weights_by_position)
+        loss, hits, counts = block_loss(
+            logits, labels, positions, weights_by_position, None, row_sequence, sequences
+        )
         return loss, hits, torch.zeros_like(hits), counts
     log_probs, greedy = target_rows(target_logits, predicted_from, head_index, draft_vocab)
-    loss, hits, counts = block_loss(logits, labels, positions, weights_by_position, log_probs)
+    loss, hits, counts = block_loss(
+        logits, labels, positions, weights_by_position, log_probs, row_sequence, sequences
+    )
     return loss, hits, position_hits(logits, greedy, positions, weights_by_position.shape[0]), counts

@@ -1,4 +1,4 @@
-"""The training objective of one sequence: every anchored block in one drafter forward."""
+"""The block training objective of DFlash / DFlare: every anchored block of a batch in one drafter forward."""
 
 from __future__ import annotations
 
@@ -6,12 +6,13 @@ import torch
 from torch import nn
 
 from diffdraft.drafters.dflash_model import DFlashDraftModel, draft_head
-from diffdraft.train.blocks import IGNORE, make_blocks
+from diffdraft.train.batch import TrainingBatch
+from diffdraft.train.blocks import IGNORE, batch_blocks
 from diffdraft.train.loss import draft_loss, position_weights
 
 
 class BlockObjective(nn.Module):
-    """Drafter + the target's frozen embedding and LM head -> (loss, hits, counts) per sequence.
+    """Drafter + the target's frozen embedding and LM head -> (loss, hits, counts) of a batch.
 
     This is the module DDP wraps, so context projection and block forward are one call. The
     target's modules are held in a plain list: not registered, so neither DDP nor the optimizer
@@ -29,53 +30,51 @@ class BlockObjective(nn.Module):
         self.label_index = None if vocab is None else head_rows(target_model.config.vocab_size, vocab)
 
     def forward(
-        self,
-        token_ids: torch.Tensor,
-        anchors: torch.Tensor,
-        taps: torch.Tensor,
-        gamma: float,
-        target_logits: torch.Tensor | None = None,
-        response_start: int = 0,
+        self, batch: TrainingBatch, gamma: float
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``token_ids`` [n] and ``taps`` [n, T, H] of one sequence; ``anchors`` [m] from sample_anchors
-        (they lie in the response already, so ``response_start`` is not needed here).
+        """Every anchored block of every sequence in one drafter forward (anchors lie in the
+        responses already, so the batch's response starts are not needed here).
 
         Returns (loss, hits, agreements, counts), the last three per block position [B]: hits match
-        the sequence's tokens, agreements the target's own top-1 token given the same prefix (zeros
-        without ``target_logits``). ``target_logits`` [n, V], the target's next-token logits over the
-        sequence, switch the loss from cross-entropy on the tokens to KL(target || draft).
+        the sequences' tokens, agreements the target's own top-1 token given the same prefix (zeros
+        without the batch's target logits). The loss is the mean of the sequences' losses: the
+        cross-entropy on their tokens, or with target logits KL(target || draft).
         """
         embed, lm_head = self.frozen
         block_size = self.drafter.block_size
-        device, dtype = taps.device, self.drafter.norm.weight.dtype
-        blocks = make_blocks(token_ids, anchors, block_size, self.drafter.mask_token_id)
+        device, dtype = batch.taps.device, self.drafter.norm.weight.dtype
+        sequences, context = batch.token_ids.shape
+        blocks = batch_blocks(
+            batch.token_ids, batch.lengths, batch.anchors, block_size, self.drafter.mask_token_id
+        )
         with torch.no_grad():
             block_embeds = embed(blocks.input_ids.to(device)).to(dtype)
-        context_positions = torch.arange(token_ids.shape[0], device=device)[None]
-        context_kv = self.drafter.context_kv(taps.to(dtype)[None], context_positions)
+        context_positions = torch.arange(context, device=device).expand(sequences, context)
+        context_kv = self.drafter.context_kv(batch.taps.to(dtype), context_positions)
         hidden = self.drafter(
-            block_embeds[None],
-            blocks.position_ids.to(device)[None],
+            block_embeds,
+            blocks.position_ids.to(device),
             context_kv,
-            blocks.attention_mask.to(device)[None, None],
-        )[0]
-        labelled = (blocks.labels != IGNORE).nonzero().squeeze(-1)
-        labels = self._head_index(blocks.labels[labelled]).to(device)
-        rows = labelled.to(device)
-        block_positions = rows % block_size
+            blocks.attention_mask.to(device)[:, None],
+        )
+        sequence, row = (blocks.labels != IGNORE).nonzero().to(device).unbind(-1)
+        labels = self._head_index(blocks.labels.to(device)[sequence, row])
         bias = None if lm_head.bias is None else lm_head.bias.to(dtype)
-        logits = nn.functional.linear(hidden[rows], lm_head.weight.to(dtype), bias)
+        logits = nn.functional.linear(hidden[sequence, row], lm_head.weight.to(dtype), bias)
         # the token at position p is what the target predicted at position p - 1
-        previous = blocks.position_ids[labelled].to(device) - 1
+        previous = sequence * context + blocks.position_ids.to(device)[sequence, row] - 1
+        target_logits = None if batch.target_logits is None else batch.target_logits.flatten(0, 1)
         return draft_loss(
             logits,
             labels,
-            block_positions,
+            row % block_size,
             position_weights(block_size, gamma),
             target_logits,
             previous,
             self.label_index,
             self.drafter.draft_vocab,
+            sequence,
+            sequences,
         )
 
     def _head_index(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -85,7 +84,7 @@ class BlockObjective(nn.Module):
 
 def head_rows(vocab_size: int, draft_vocab: torch.Tensor) -> torch.Tensor:
     """[vocab_size] the draft head's row of each target token id (IGNORE outside the draft vocabulary):
-    labels index the head's rows."""
+    labels index the head's rows. On the draft vocabulary's device, where the labels are."""
     rows = torch.full((vocab_size,), IGNORE, dtype=torch.long)
     rows[draft_vocab.cpu()] = torch.arange(draft_vocab.shape[0])
-    return rows
+    return rows.to(draft_vocab.device)
