@@ -179,6 +179,59 @@ def test_seeded_sampling_is_the_generators_sample(client, reference):
     assert [r.choices[0].message.content for r in replies] == [expected.text] * 2
 
 
+def test_n_greedy_choices_are_all_the_generators_text(client, reference):
+    expected = reference.generate(messages=CHAT, max_new_tokens=12)
+    reply = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0, n=3)
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert [c.message.content for c in reply.choices] == [expected.text] * 3
+    assert reply.usage.prompt_tokens == len(expected.prompt_token_ids)  # the prompt counts once
+    assert reply.usage.completion_tokens == 3 * len(expected.token_ids)
+    assert all(c.model_extra["diffdraft"] == reply.model_extra["diffdraft"] for c in reply.choices)
+
+
+def test_n_seeded_choices_are_the_samples_of_consecutive_seeds(client, reference):
+    options = dict(max_new_tokens=10, temperature=1.0, ignore_eos=True)
+    expected = [
+        reference.generate(prompt="the quick brown fox", seed=77 + i, **options).text for i in range(3)
+    ]
+    assert len(set(expected)) > 1, "the seeds should give different samples"
+    reply = client.completions.create(
+        model=MODEL,
+        prompt="the quick brown fox",
+        max_tokens=10,
+        temperature=1.0,
+        seed=77,
+        n=3,
+        extra_body={"ignore_eos": True},
+    )
+    assert [c.text for c in reply.choices] == expected
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_n_streamed_choices_each_join_to_their_text(client, reference, endpoint):
+    options = dict(model=MODEL, max_tokens=10, temperature=1.0, seed=5, n=2, extra_body={"ignore_eos": True})
+    if endpoint == "chat":
+        create, options["messages"] = client.chat.completions.create, CHAT
+    else:
+        create, options["prompt"] = client.completions.create, "the quick brown fox"
+    whole = create(**options)
+    chunks = list(create(**options, stream=True, stream_options={"include_usage": True}))
+    *choice_chunks, usage = chunks
+    assert usage.choices == [] and usage.usage == whole.usage
+    for index, choice in enumerate(whole.choices):
+        mine = [c for c in choice_chunks if c.choices[0].index == index]
+        *content, finish = mine
+        assert finish.choices[0].finish_reason == "length"
+        assert finish.model_extra["diffdraft"] == choice.model_extra["diffdraft"]
+        if endpoint == "chat":
+            text = "".join(c.choices[0].delta.content or "" for c in content)
+            assert content[0].choices[0].delta.role == "assistant" and text == choice.message.content
+        else:
+            assert "".join(c.choices[0].text for c in content) == choice.text
+    assert len(choice_chunks) == sum(1 for c in choice_chunks if c.choices[0].index in (0, 1))
+
+
 def test_fields_other_clients_send_are_accepted_and_ignored(server, reference):
     expected = reference.generate(messages=CHAT, max_new_tokens=8)
     body = {
@@ -244,7 +297,8 @@ BAD_REQUESTS = [
         "robot",
     ),
     ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages[0].content", "Field required"),
-    ("/v1/chat/completions", {"messages": CHAT, "n": 2}, 400, "n", "n must be 1"),
+    ("/v1/chat/completions", {"messages": CHAT, "n": 65}, 400, "n", "n is at most 64"),
+    ("/v1/chat/completions", {"messages": CHAT, "n": 2, "seed": 2**64 - 1}, 400, "seed", "below 2**64"),
     ("/v1/chat/completions", {"messages": CHAT, "stop": 7}, 400, "stop", "valid string"),
     ("/v1/chat/completions", {"messages": CHAT, "logprobs": True}, 400, "logprobs", "not supported"),
     (
@@ -288,8 +342,8 @@ def test_bad_requests_get_an_openai_error_body(server, path, body, status, param
 def test_the_openai_client_raises_its_own_errors_for_them(client):
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.chat.completions.create(model="gpt-4o", messages=CHAT)
-    with pytest.raises(openai.BadRequestError, match="n must be 1"):
-        client.chat.completions.create(model=MODEL, messages=CHAT, n=3)
+    with pytest.raises(openai.BadRequestError, match="log-probabilities are not supported"):
+        client.chat.completions.create(model=MODEL, messages=CHAT, logprobs=True)
 
 
 def test_unknown_routes_and_methods_get_an_openai_error_body(server):

@@ -42,6 +42,12 @@ def test_defaults_leave_sampling_to_the_endpoint_and_allow_unknown_fields():
     assert request.model_extra == {"user": "me", "tool_choice": "none", "metadata": {"a": 1}}
 
 
+def test_choice_i_samples_with_seed_plus_i():
+    assert chat(n=3, seed=10).choice_seeds() == [10, 11, 12]
+    assert chat(n=2).choice_seeds() == [None, None]
+    assert chat(n=2, seed=2**64 - 2).unsupported() is None
+
+
 def test_max_completion_tokens_wins_over_max_tokens():
     assert chat(max_tokens=9, max_completion_tokens=4).max_new_tokens(100) == 4
     assert chat(max_tokens=9).max_new_tokens(100) == 9
@@ -86,7 +92,7 @@ def test_a_completion_prompt_is_text_or_token_ids(prompt, expected):
 @pytest.mark.parametrize(
     ("request_", "field"),
     [
-        (chat(n=2), "n"),
+        (chat(n=2, seed=2**64 - 1), "seed"),
         (chat(logprobs=True), "logprobs"),
         (chat(top_logprobs=2), "logprobs"),
         (chat(frequency_penalty=0.1), "frequency_penalty"),

@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from diffdraft.errors import DiffdraftError, InvalidRequestError
-from diffdraft.generator import GenerationChunk, GenerationResult
+from diffdraft.generator import GenerationChunk, GenerationRequest, GenerationResult
 from diffdraft.serve.endpoints import ChatEndpoint, CompletionEndpoint, Endpoint
 from diffdraft.serve.metrics import CLIENT_CLOSED, CONTENT_TYPE, ServerMetrics
 from diffdraft.serve.protocol import (
@@ -93,27 +93,33 @@ async def _disconnected(request: Request) -> None:
             return
 
 
-async def _chunks(handle: RequestHandle, request: Request) -> AsyncIterator[GenerationChunk]:
-    """The request's chunks until the last; raises :class:`ClientGone` if the client leaves first.
-    However it ends, the request is cancelled, so an abandoned one frees its batch slot."""
+async def _chunks(
+    handles: list[RequestHandle], request: Request
+) -> AsyncIterator[tuple[int, GenerationChunk]]:
+    """(choice index, chunk) as each choice's chunks come, until every choice has its last; raises
+    :class:`ClientGone` if the client leaves first, and a choice's error as soon as it comes. However
+    it ends, every choice is cancelled, so an abandoned request frees its batch slots."""
     gone = asyncio.ensure_future(_disconnected(request))
-    chunks = aiter(handle)
-    step = None
+    streams = [aiter(handle) for handle in handles]
+    waiting = {asyncio.ensure_future(anext(stream)): i for i, stream in enumerate(streams)}
     try:
-        while True:
-            step = asyncio.ensure_future(anext(chunks))
-            await asyncio.wait({step, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if not step.done():
+        while waiting:
+            await asyncio.wait({*waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
+            ready = sorted((i, step) for step, i in waiting.items() if step.done())
+            if not ready:
                 raise ClientGone
-            chunk = step.result()
-            yield chunk
-            if chunk.result is not None:
-                return
+            for i, step in ready:
+                del waiting[step]
+                chunk = step.result()
+                yield i, chunk
+                if chunk.result is None:
+                    waiting[asyncio.ensure_future(anext(streams[i]))] = i
     finally:
-        for task in (gone, step):
-            if task is not None and not task.done():
+        for task in (gone, *waiting):
+            if not task.done():
                 task.cancel()
-        handle.cancel()
+        for handle in handles:
+            handle.cancel()
 
 
 class _Api:
@@ -130,7 +136,7 @@ class _Api:
         endpoint = kind(self.model_name, self.method)
         try:
             body = self._parse(await request.body(), kind)
-            handle = self.scheduler.submit(endpoint.generation_request(body, self.max_context))
+            handles = self._submit(endpoint.generation_requests(body, self.max_context))
         except ClientDisconnect:  # gone while sending its body
             self.metrics.count(kind.path, CLIENT_CLOSED)
             return Response(status_code=CLIENT_CLOSED)
@@ -139,10 +145,30 @@ class _Api:
             self.metrics.count(kind.path, failure.status)
             return failure.response()
         if body.stream:
-            events = self._stream(endpoint, handle, request, arrival, body.include_usage())
+            events = self._stream(endpoint, handles, request, arrival, body.include_usage())
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-        return await self._collect(endpoint, handle, request, arrival)
+        return await self._collect(endpoint, handles, request, arrival)
+
+    def _submit(self, requests: list[GenerationRequest]) -> list[RequestHandle]:
+        """Every choice's request, or none: a choice refused (e.g. the queue is full) cancels those
+        already queued."""
+        if len(requests) > max(1, self.scheduler.max_queue):
+            raise ApiError(
+                400,
+                f"n is at most {self.scheduler.max_queue} on this server (the length of its queue, "
+                f"--max-queue), got {len(requests)}",
+                "n",
+            )
+        handles: list[RequestHandle] = []
+        try:
+            for generation in requests:
+                handles.append(self.scheduler.submit(generation))
+        except Exception:
+            for handle in handles:
+                handle.cancel()
+            raise
+        return handles
 
     def _parse(self, raw: bytes, kind: type[Endpoint]) -> SamplingFields:
         try:
@@ -162,15 +188,16 @@ class _Api:
         return body
 
     async def _collect(
-        self, endpoint: Endpoint, handle: RequestHandle, request: Request, arrival: float
+        self, endpoint: Endpoint, handles: list[RequestHandle], request: Request, arrival: float
     ) -> Response:
-        first_text = result = None
+        first_text = None
+        results: list[GenerationResult | None] = [None] * len(handles)
         try:
-            async for chunk in _chunks(handle, request):
+            async for i, chunk in _chunks(handles, request):
                 if first_text is None and chunk.text:
                     first_text = time.perf_counter()
                     self.metrics.time_to_first_token.observe(first_text - arrival)
-                result = chunk.result
+                results[i] = chunk.result
         except ClientGone:
             self.metrics.count(endpoint.path, CLIENT_CLOSED)
             return Response(status_code=CLIENT_CLOSED)  # nobody reads it
@@ -178,29 +205,39 @@ class _Api:
             failure = api_error(error)
             self.metrics.count(endpoint.path, failure.status)
             return failure.response()
-        self._finished(endpoint.path, handle, result, arrival)
-        return JSONResponse(endpoint.response(result, handle.prompt_tokens))
+        prompt_tokens = handles[0].prompt_tokens
+        self._finished(endpoint.path, prompt_tokens, results, arrival)
+        return JSONResponse(endpoint.response(results, prompt_tokens))
 
     async def _stream(
-        self, endpoint: Endpoint, handle: RequestHandle, request: Request, arrival: float, usage: bool
+        self,
+        endpoint: Endpoint,
+        handles: list[RequestHandle],
+        request: Request,
+        arrival: float,
+        usage: bool,
     ) -> AsyncIterator[str]:
         status = CLIENT_CLOSED
-        sent_any = False
+        sent = [False] * len(handles)
+        results: list[GenerationResult | None] = [None] * len(handles)
         try:
-            async for chunk in _chunks(handle, request):
-                if chunk.text and not sent_any:
+            async for i, chunk in _chunks(handles, request):
+                if chunk.text and not any(sent):
                     self.metrics.time_to_first_token.observe(time.perf_counter() - arrival)
-                for event in endpoint.chunks(chunk.text, first=not sent_any):
-                    sent_any = True
+                for event in endpoint.chunks(i, chunk.text, first=not sent[i]):
+                    sent[i] = True
                     yield _sse(event)
                 if chunk.result is not None:
-                    for event in endpoint.chunks("", first=not sent_any):
+                    for event in endpoint.chunks(i, "", first=not sent[i]):
                         yield _sse(event)
-                    yield _sse(endpoint.last_chunk(chunk.result))
-                    if usage:
-                        counts = Usage.of(handle.prompt_tokens, len(chunk.result.token_ids))
-                        yield _sse(endpoint.usage_chunk(counts))
-                    self._finished(endpoint.path, handle, chunk.result, arrival, count=False)
+                    yield _sse(endpoint.last_chunk(i, chunk.result))
+                    results[i] = chunk.result
+            prompt_tokens = handles[0].prompt_tokens
+            if usage:
+                yield _sse(
+                    endpoint.usage_chunk(Usage.of(prompt_tokens, sum(len(r.token_ids) for r in results)))
+                )
+            self._finished(endpoint.path, prompt_tokens, results, arrival, count=False)
             status = 200
         except ClientGone:
             return
@@ -209,17 +246,25 @@ class _Api:
             status = failure.status
             yield _sse(failure.body())
         finally:  # also when the server cancels this generator because the client left
-            handle.cancel()
+            for handle in handles:
+                handle.cancel()
             self.metrics.count(endpoint.path, status)
         yield "data: [DONE]\n\n"
 
     def _finished(
-        self, path: str, handle: RequestHandle, result: GenerationResult, arrival: float, count: bool = True
+        self,
+        path: str,
+        prompt_tokens: int,
+        results: list[GenerationResult],
+        arrival: float,
+        count: bool = True,
     ) -> None:
+        """Metrics of a finished request: each choice is a generation of its own (its own prefill)."""
         if count:
             self.metrics.count(path, 200)
         self.metrics.latency.observe(time.perf_counter() - arrival)
-        self.metrics.finished(handle.prompt_tokens, len(result.token_ids), result.stats)
+        for result in results:
+            self.metrics.finished(prompt_tokens, len(result.token_ids), result.stats)
 
     def models(self) -> dict:
         card = ModelCard(id=self.model_name, created=self.started, max_model_len=self.max_context)

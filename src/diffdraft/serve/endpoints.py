@@ -40,31 +40,37 @@ class Endpoint:
         self.id = new_id(self.id_prefix)
         self.created = now()
 
-    def generation_request(self, body: Any, max_context: int) -> GenerationRequest:
-        """The generation a validated body asks for; no max_tokens means up to the context's end."""
-        return GenerationRequest(
-            **self.prompt_input(body),
-            max_new_tokens=body.max_new_tokens(max_context),
-            temperature=body.temperature if body.temperature is not None else 1.0,
-            top_p=body.top_p if body.top_p is not None else 1.0,
-            top_k=max(0, body.top_k or 0),
-            seed=body.seed,
-            stop=body.stop_strings(),
-            ignore_eos=body.ignore_eos,
-        )
+    def generation_requests(self, body: Any, max_context: int) -> list[GenerationRequest]:
+        """The generations a validated body asks for, one per choice; no max_tokens means up to the
+        context's end."""
+        return [
+            GenerationRequest(
+                **self.prompt_input(body),
+                max_new_tokens=body.max_new_tokens(max_context),
+                temperature=body.temperature if body.temperature is not None else 1.0,
+                top_p=body.top_p if body.top_p is not None else 1.0,
+                top_k=max(0, body.top_k or 0),
+                seed=seed,
+                stop=body.stop_strings(),
+                ignore_eos=body.ignore_eos,
+            )
+            for seed in body.choice_seeds()
+        ]
 
     def prompt_input(self, body: Any) -> dict[str, Any]:
         raise NotImplementedError
 
-    def response(self, result: GenerationResult, prompt_tokens: int) -> dict:
+    def response(self, results: list[GenerationResult], prompt_tokens: int) -> dict:
+        """The whole response: a choice per result (usage counts the prompt once, as OpenAI's)."""
         raise NotImplementedError
 
-    def chunks(self, text: str, first: bool) -> list[dict]:
-        """Stream objects for newly generated text (``first``: nothing was sent yet)."""
+    def chunks(self, index: int, text: str, first: bool) -> list[dict]:
+        """Stream objects for choice ``index``'s newly generated text (``first``: nothing of that
+        choice was sent yet)."""
         raise NotImplementedError
 
-    def last_chunk(self, result: GenerationResult) -> dict:
-        """The object that carries the finish reason (and the generation's ``diffdraft`` stats)."""
+    def last_chunk(self, index: int, result: GenerationResult) -> dict:
+        """The object that carries a choice's finish reason (and its ``diffdraft`` stats)."""
         raise NotImplementedError
 
     def usage_chunk(self, usage: Usage) -> dict:
@@ -82,13 +88,21 @@ class Endpoint:
         )
 
 
-def _absent(stats: DiffdraftStats | None) -> set[str]:
-    """Fields a stream chunk leaves out: usage (its own chunk), and the stats until the last chunk."""
-    return {"usage"} if stats is not None else {"usage", "diffdraft"}
+def _absent(stats: DiffdraftStats | None) -> dict:
+    """Fields a stream chunk leaves out: usage (its own chunk), the stats until a choice's last
+    chunk, and the per-choice stats of whole responses."""
+    absent: dict = {"usage": True, "choices": {"__all__": {"diffdraft"}}}
+    if stats is None:
+        absent["diffdraft"] = True
+    return absent
 
 
 def finish_reason(result: GenerationResult) -> str:
     return FINISH_REASONS.get(result.stats.stop_reason, "stop")
+
+
+def usage(results: list[GenerationResult], prompt_tokens: int) -> Usage:
+    return Usage.of(prompt_tokens, sum(len(r.token_ids) for r in results))
 
 
 class ChatEndpoint(Endpoint):
@@ -99,36 +113,44 @@ class ChatEndpoint(Endpoint):
     def prompt_input(self, body: ChatCompletionRequest) -> dict[str, Any]:
         return {"messages": body.chat_messages()}
 
-    def response(self, result: GenerationResult, prompt_tokens: int) -> dict:
+    def response(self, results: list[GenerationResult], prompt_tokens: int) -> dict:
         return ChatCompletion(
             id=self.id,
             created=self.created,
             model=self.model_name,
             choices=[
-                ChatChoice(message=AssistantMessage(content=result.text), finish_reason=finish_reason(result))
+                ChatChoice(
+                    index=i,
+                    message=AssistantMessage(content=result.text),
+                    finish_reason=finish_reason(result),
+                    diffdraft=self.stats(result),
+                )
+                for i, result in enumerate(results)
             ],
-            usage=Usage.of(prompt_tokens, len(result.token_ids)),
-            diffdraft=self.stats(result),
+            usage=usage(results, prompt_tokens),
+            diffdraft=self.stats(results[0]),
         ).model_dump()
 
-    def _chunk(self, delta: Delta, finish: str | None = None, stats: DiffdraftStats | None = None) -> dict:
+    def _chunk(
+        self, index: int, delta: Delta, finish: str | None = None, stats: DiffdraftStats | None = None
+    ) -> dict:
         chunk = ChatCompletionChunk(
             id=self.id,
             created=self.created,
             model=self.model_name,
-            choices=[ChatChunkChoice(delta=delta, finish_reason=finish)],
+            choices=[ChatChunkChoice(index=index, delta=delta, finish_reason=finish)],
             diffdraft=stats,
         )
         return chunk.model_dump(exclude=_absent(stats))
 
-    def chunks(self, text: str, first: bool) -> list[dict]:
-        out = [self._chunk(Delta(role="assistant", content=""))] if first else []
+    def chunks(self, index: int, text: str, first: bool) -> list[dict]:
+        out = [self._chunk(index, Delta(role="assistant", content=""))] if first else []
         if text:
-            out.append(self._chunk(Delta(content=text)))
+            out.append(self._chunk(index, Delta(content=text)))
         return out
 
-    def last_chunk(self, result: GenerationResult) -> dict:
-        return self._chunk(Delta(), finish_reason(result), self.stats(result))
+    def last_chunk(self, index: int, result: GenerationResult) -> dict:
+        return self._chunk(index, Delta(), finish_reason(result), self.stats(result))
 
     def usage_chunk(self, usage: Usage) -> dict:
         return ChatCompletionChunk(
@@ -144,31 +166,41 @@ class CompletionEndpoint(Endpoint):
     def prompt_input(self, body: CompletionRequest) -> dict[str, Any]:
         return body.prompt_input()
 
-    def response(self, result: GenerationResult, prompt_tokens: int) -> dict:
+    def response(self, results: list[GenerationResult], prompt_tokens: int) -> dict:
         return Completion(
             id=self.id,
             created=self.created,
             model=self.model_name,
-            choices=[CompletionChoice(text=result.text, finish_reason=finish_reason(result))],
-            usage=Usage.of(prompt_tokens, len(result.token_ids)),
-            diffdraft=self.stats(result),
+            choices=[
+                CompletionChoice(
+                    index=i,
+                    text=result.text,
+                    finish_reason=finish_reason(result),
+                    diffdraft=self.stats(result),
+                )
+                for i, result in enumerate(results)
+            ],
+            usage=usage(results, prompt_tokens),
+            diffdraft=self.stats(results[0]),
         ).model_dump()
 
-    def _chunk(self, text: str, finish: str | None = None, stats: DiffdraftStats | None = None) -> dict:
+    def _chunk(
+        self, index: int, text: str, finish: str | None = None, stats: DiffdraftStats | None = None
+    ) -> dict:
         chunk = Completion(
             id=self.id,
             created=self.created,
             model=self.model_name,
-            choices=[CompletionChoice(text=text, finish_reason=finish)],
+            choices=[CompletionChoice(index=index, text=text, finish_reason=finish)],
             diffdraft=stats,
         )
         return chunk.model_dump(exclude=_absent(stats))
 
-    def chunks(self, text: str, first: bool) -> list[dict]:
-        return [self._chunk(text)] if text else []
+    def chunks(self, index: int, text: str, first: bool) -> list[dict]:
+        return [self._chunk(index, text)] if text else []
 
-    def last_chunk(self, result: GenerationResult) -> dict:
-        return self._chunk("", finish_reason(result), self.stats(result))
+    def last_chunk(self, index: int, result: GenerationResult) -> dict:
+        return self._chunk(index, "", finish_reason(result), self.stats(result))
 
     def usage_chunk(self, usage: Usage) -> dict:
         return Completion(

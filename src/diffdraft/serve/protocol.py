@@ -3,7 +3,7 @@
 Requests are parsed strictly from the raw JSON (a string where a number belongs is a 400, not a
 silent conversion) but, as vLLM does, fields this server does not know are accepted and ignored, so
 any OpenAI client works unchanged. Fields it knows but cannot honour without changing what the
-client asked for (``n > 1``, log-probabilities, penalties) are refused with a message naming them.
+client asked for (log-probabilities, penalties) are refused with a message naming them.
 """
 
 from __future__ import annotations
@@ -71,6 +71,8 @@ class SamplingFields(_Request):
     """Any value torch's generator takes (a larger one would fail inside the engine)."""
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1)
+    """Choices: each runs as its own request in the batch; with ``seed``, choice i samples as a
+    request with ``seed + i`` would (greedy choices are all the same text)."""
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -83,11 +85,11 @@ class SamplingFields(_Request):
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, reason) for a setting this server cannot honour, or None."""
-        if self.n != 1:
-            reason = (
-                f"n must be 1 (got {self.n}): this server returns one choice per request; send n requests"
+        if self.seed is not None and self.seed + self.n > 2**64:
+            return (
+                "seed",
+                f"seed + n - 1 must stay below 2**64 (choice i samples with seed + i), got {self.seed}",
             )
-            return "n", reason
         if self.logprobs not in (None, False, 0) or self.top_logprobs:
             return "logprobs", "log-probabilities are not supported by this server; leave logprobs unset"
         for name in ("frequency_penalty", "presence_penalty"):
@@ -113,6 +115,9 @@ class SamplingFields(_Request):
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def choice_seeds(self) -> list[int | None]:
+        return [None if self.seed is None else self.seed + i for i in range(self.n)]
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -145,8 +150,8 @@ class CompletionRequest(SamplingFields):
     def unsupported(self) -> tuple[str, str] | None:
         if _is_prompt_list(self.prompt) and len(self.prompt) != 1:
             return "prompt", (
-                f"give one prompt per request (got a list of {len(self.prompt)}): this server returns "
-                "one choice per request"
+                f"give one prompt per request (got a list of {len(self.prompt)}); for several samples "
+                "of one prompt, set n"
             )
         if self.echo:
             return "echo", "echo is not supported; leave it unset or false"
@@ -251,6 +256,8 @@ class ChatChoice(_Response):
     message: AssistantMessage
     logprobs: None = None
     finish_reason: str
+    diffdraft: DiffdraftStats
+    """Non-standard: this choice's own decoding (the response's top-level one is choice 0's)."""
 
 
 class ChatCompletion(_Response):
@@ -297,6 +304,8 @@ class CompletionChoice(_Response):
     text: str
     logprobs: None = None
     finish_reason: str | None = None
+    diffdraft: DiffdraftStats | None = None
+    """Non-standard, in a whole response only: this choice's own decoding (as :class:`ChatChoice`)."""
 
 
 class Completion(_Response):
