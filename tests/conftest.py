@@ -10,6 +10,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen3Config
 
+from diffdraft.drafters.checkpoint import save_draft_model
 from diffdraft.drafters.dart_model import DARTDraftModel, make_dart_config
 from diffdraft.drafters.dflash_model import DFLASH, DFlashDraftModel, make_draft_config
 from diffdraft.packed_linear import packing_supported
@@ -86,6 +87,13 @@ def tiny_drafter(
     if draft_vocab:
         model.draft_vocab.copy_(torch.tensor(sorted(draft_vocab)))
     return model
+
+
+def save_tiny_drafter(checkpoint: Path, path: Path) -> Path:
+    """:func:`tiny_drafter` (block 4, float32) for a saved checkpoint's model, saved under ``path``."""
+    target = AutoModelForCausalLM.from_pretrained(checkpoint)
+    save_draft_model(tiny_drafter(target, block_size=4).float(), path)
+    return path
 
 
 def tiny_dart(

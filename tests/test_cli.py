@@ -42,6 +42,15 @@ def test_json_output_has_ids_text_and_stats(checkpoint, capsys):
     out = json.loads(capsys.readouterr().out)
     assert {"prompt_token_ids", "token_ids", "text", "tau", "rounds", "timings"} <= set(out)
     assert 1 <= len(out["token_ids"]) <= 8
+    assert "logprobs" not in out
+
+
+def test_json_output_takes_log_probabilities_when_asked(checkpoint, capsys):
+    args = ["generate", "--target", str(checkpoint), "--prompt", "hello", "--max-new-tokens", "5"]
+    assert main([*args, "--json", "--logprobs", "2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [t["token_id"] for t in out["logprobs"]] == out["token_ids"]
+    assert all(t["logprob"] <= 0 and len(t["top"]) == 2 for t in out["logprobs"])
 
 
 def test_chat_reads_messages_from_stdin(checkpoint, capsys, monkeypatch):
@@ -73,6 +82,8 @@ def test_stream_prints_the_text_and_a_stats_line(checkpoint, capsys):
         (["--top-p", "0"], "top_p"),
         (["--method", "ddtree"], "needs a drafter"),
         (["--drafter", "/nonexistent", "--method", "chain"], "does not exist"),
+        (["--logprobs", "2"], "add --json"),
+        (["--logprobs", "30", "--json"], "logprobs must be None or the number"),
     ],
 )
 def test_bad_arguments_exit_2_with_the_reason(checkpoint, capsys, args, message):

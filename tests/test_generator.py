@@ -12,7 +12,7 @@ from diffdraft.drafters.checkpoint import save_draft_model
 from diffdraft.drafters.deer_model import deer_from_causal_lm
 from diffdraft.ngram.trie import tokenizer_fingerprint
 
-from conftest import hf_greedy, make_checkpoint, tiny_dart, tiny_drafter
+from conftest import hf_greedy, make_checkpoint, save_tiny_drafter, tiny_dart, tiny_drafter
 
 
 @pytest.fixture(scope="module")
@@ -23,10 +23,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def drafter_dir(checkpoint, tmp_path_factory):
-    target = diffdraft.load(checkpoint).loaded.model
-    path = tmp_path_factory.mktemp("drafter")
-    save_draft_model(tiny_drafter(target, block_size=4).float(), path)
-    return path
+    return save_tiny_drafter(checkpoint, tmp_path_factory.mktemp("drafter"))
 
 
 @pytest.mark.parametrize(("method", "budget"), [("ar", 1), ("pld", 1), ("chain", 1), ("ddtree", 8)])

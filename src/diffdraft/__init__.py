@@ -9,6 +9,7 @@ from diffdraft.generator import (
     SpeculativeGenerator,
     load,
 )
+from diffdraft.logprobs import TokenLogprob
 from diffdraft.sampling import SamplingParams
 from diffdraft.stats import GenerationStats
 
@@ -24,6 +25,7 @@ __all__ = [
     "InvalidRequestError",
     "SamplingParams",
     "SpeculativeGenerator",
+    "TokenLogprob",
     "load",
 ]
 __version__ = "0.1.0"

@@ -15,6 +15,7 @@ import time
 import torch
 
 from diffdraft.engine import SequenceRun, SpeculativeEngine
+from diffdraft.logprobs import LogprobRecorder
 from diffdraft.sampling import SamplingParams
 from diffdraft.stats import GenerationStats
 from diffdraft.stopping import StopConditions
@@ -33,11 +34,12 @@ class BatchEngine:
         sampling: SamplingParams,
         stats: GenerationStats,
         seed: int | None = None,
+        logprobs: LogprobRecorder | None = None,
     ) -> tuple[SequenceRun, list[int]]:
         """Prefill a new sequence and let it join the next round; returns it and its first token
         (it does not join when that token already ends it)."""
         drafter = self.engine.drafter.fork() if self.engine.drafter is not None else None
-        sequence = self.engine.start(prompt_ids, stop, sampling, stats, seed, drafter)
+        sequence = self.engine.start(prompt_ids, stop, sampling, stats, seed, drafter, logprobs)
         first = sequence.prefill()
         if not sequence.done:
             self.active.append(sequence)

@@ -76,6 +76,14 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     source.add_argument("--chat", action="store_true", help="read chat messages as JSON from stdin")
     p.add_argument("--stream", action="store_true", help="print text as it is generated")
     p.add_argument("--json", action="store_true", help="print one JSON object with ids, text and stats")
+    p.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        metavar="K",
+        help="with --json: also each generated token's log-probability under the target and the K "
+        "most likely tokens at its position (0-20)",
+    )
 
 
 def _read_messages() -> list[dict]:
@@ -91,6 +99,8 @@ def _read_messages() -> list[dict]:
 
 
 def _run_generate(args: argparse.Namespace) -> None:
+    if args.logprobs is not None and not args.json:
+        raise InvalidRequestError("--logprobs goes into the JSON output: add --json")
     request = {"messages": _read_messages()} if args.chat else {"prompt": args.prompt}
     generator = load_generator(args)
     options = dict(
@@ -100,6 +110,7 @@ def _run_generate(args: argparse.Namespace) -> None:
         top_p=args.top_p,
         seed=args.seed,
         stop=args.stop,
+        logprobs=args.logprobs,
     )
     result = None
     for chunk in generator.stream(**request, **options):

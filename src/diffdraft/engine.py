@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import torch
 
 from diffdraft.drafters.base import Drafter, Proposal
+from diffdraft.logprobs import LogprobRecorder
 from diffdraft.sampling import SamplingParams, greedy_tokens, sample_from
 from diffdraft.stats import GenerationStats, StageTimer
 from diffdraft.stopping import StopConditions, StopDecision
@@ -43,9 +44,11 @@ class SpeculativeEngine:
         stats: GenerationStats,
         seed: int | None = None,
         drafter: Drafter | None = None,
+        logprobs: LogprobRecorder | None = None,
     ) -> SequenceRun:
-        """A new sequence; ``drafter``: its own (a fork of the engine's) when several run at once."""
-        return SequenceRun(self, prompt_ids, stop, sampling, stats, seed, drafter or self.drafter)
+        """A new sequence; ``drafter``: its own (a fork of the engine's) when several run at once;
+        ``logprobs``: gets the target's log-probability of every token the sequence commits."""
+        return SequenceRun(self, prompt_ids, stop, sampling, stats, seed, drafter or self.drafter, logprobs)
 
     def run(
         self,
@@ -54,9 +57,10 @@ class SpeculativeEngine:
         sampling: SamplingParams,
         stats: GenerationStats,
         seed: int | None = None,
+        logprobs: LogprobRecorder | None = None,
     ) -> Iterator[list[int]]:
         """Yield the tokens committed by the prefill and by each round, until a stop condition holds."""
-        sequence = self.start(prompt_ids, stop, sampling, stats, seed)
+        sequence = self.start(prompt_ids, stop, sampling, stats, seed, logprobs=logprobs)
         yield sequence.prefill()
         while not sequence.done:
             step = sequence.draft()
@@ -79,8 +83,10 @@ class SequenceRun:
         stats: GenerationStats,
         seed: int | None,
         drafter: Drafter | None,
+        logprobs: LogprobRecorder | None = None,
     ) -> None:
         self.engine = engine
+        self.logprobs = logprobs
         self.target = engine.target
         self.drafter = drafter
         self.stop = stop
@@ -111,7 +117,7 @@ class SequenceRun:
             if self.drafter is not None:
                 self.drafter.extend_context(out.hidden, 0)
             first = _pick(out.logits[-1], self.sampling, self.generator)
-        return self._extend([first])
+        return self._extend([first], out.logits[-1:])
 
     def draft(self) -> VerifyInput:
         """Draft and build this round's tree; the returned input is what the target must verify."""
@@ -154,15 +160,19 @@ class SequenceRun:
         stats.accepted_nodes.append(result.path[1:])
         stats.draft_depths.append(proposal.depth)
         stats.tree_sizes.append(tree.num_nodes)
-        return self._extend(new)
+        return self._extend(new, out.logits[result.path] if self.logprobs is not None else None)
 
-    def _extend(self, new: list[int]) -> list[int]:
+    def _extend(self, new: list[int], logits: torch.Tensor | None) -> list[int]:
+        """Commit ``new`` (cut at a stop condition); ``logits`` [len(new), V]: the distribution each
+        was committed from (needed only when log-probabilities are recorded)."""
         self.generated.extend(new)
         self.decision = self.stop.check(self.generated, len(new))
         if self.decision is not None:
             new = new[: max(0, len(new) - (len(self.generated) - self.decision.keep))]
             self.stats.stop_reason = self.decision.reason
             self.stats.total_seconds = time.perf_counter() - self._begin
+        if self.logprobs is not None:
+            self.logprobs.record(logits, new)
         return new
 
 

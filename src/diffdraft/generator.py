@@ -27,6 +27,7 @@ from diffdraft.drafters.prompt_lookup import PromptLookupDrafter
 from diffdraft.engine import SequenceRun, SpeculativeEngine
 from diffdraft.errors import InvalidRequestError
 from diffdraft.loading import LoadedModel, end_token_ids, load_target
+from diffdraft.logprobs import MAX_TOP_LOGPROBS, LogprobRecorder, TokenLogprob
 from diffdraft.ngram.shipped import load_ngram
 from diffdraft.sampling import SamplingParams
 from diffdraft.stats import GenerationStats
@@ -56,12 +57,16 @@ class GenerationResult:
     text: str
     """Decoded generated text, cut before a stop string if one ended generation."""
     stats: GenerationStats
+    logprobs: list[TokenLogprob] | None = None
+    """With the request's ``logprobs``: one per token of ``token_ids``."""
 
     def to_dict(self) -> dict:
+        logprobs = {} if self.logprobs is None else {"logprobs": [t.to_dict() for t in self.logprobs]}
         return {
             "prompt_token_ids": self.prompt_token_ids,
             "token_ids": self.token_ids,
             "text": self.text,
+            **logprobs,
             **self.stats.to_dict(),
         }
 
@@ -73,6 +78,8 @@ class GenerationChunk:
     text: str
     token_ids: list[int]
     result: GenerationResult | None = None
+    logprobs: list[TokenLogprob] | None = None
+    """With the request's ``logprobs``: one per token of ``token_ids``."""
 
 
 @dataclass
@@ -92,6 +99,9 @@ class GenerationRequest:
     """Seeds the request's own random stream (sampling only): the same seed, the same output."""
     stop: Sequence[str] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
+    """K: also return the target's log-probability of every generated token and the K most likely
+    tokens at its position (0 to 20; :mod:`diffdraft.logprobs`); None: none."""
 
 
 @dataclass
@@ -105,6 +115,7 @@ class PreparedRequest:
     stop: StopConditions
     text_of: IncrementalDecoder
     stats: GenerationStats = field(default_factory=GenerationStats)
+    logprobs: LogprobRecorder | None = None
     generated: list[int] = field(default_factory=list)
     pending: list[int] = field(default_factory=list)
     """Tokens whose text is not shown yet."""
@@ -119,15 +130,28 @@ class PreparedRequest:
             text = text[: max(0, len(text) - max(map(len, self.stop.stop_strings)) + 1)]
         if len(text) <= len(self.shown):
             return None
-        chunk = GenerationChunk(text=text[len(self.shown) :], token_ids=self.pending)
+        chunk = GenerationChunk(text[len(self.shown) :], self.pending, logprobs=self._pending_logprobs())
         self.shown, self.pending = text, []
         return chunk
 
     def finish(self) -> GenerationChunk:
         """The rest of the text and the result, once generation ended."""
         text = self.stop.cut_text(self.text_of(self.generated))
-        result = GenerationResult(list(self.prompt_ids), self.generated, text, self.stats)
-        return GenerationChunk(text=text[len(self.shown) :], token_ids=self.pending, result=result)
+        logprobs = None if self.logprobs is None else self.logprobs.tokens
+        result = GenerationResult(list(self.prompt_ids), self.generated, text, self.stats, logprobs)
+        return GenerationChunk(text[len(self.shown) :], self.pending, result, self._pending_logprobs())
+
+    def _pending_logprobs(self) -> list[TokenLogprob] | None:
+        if self.logprobs is None:
+            return None
+        return self.logprobs.tokens[len(self.generated) - len(self.pending) : len(self.generated)]
+
+    def run_options(self) -> dict:
+        """The engine's per-sequence arguments after the prompt (``SpeculativeEngine.run``,
+        ``BatchEngine.add``)."""
+        return dict(
+            stop=self.stop, sampling=self.sampling, stats=self.stats, seed=self.seed, logprobs=self.logprobs
+        )
 
 
 def _check_method(method: str) -> None:
@@ -221,9 +245,7 @@ class SpeculativeGenerator:
         exactly one of prompt (used as given), messages (chat template applied) or
         prompt_token_ids, and the sampling and stopping settings."""
         request = self.prepare(GenerationRequest(prompt, **options))
-        for new in self.engine.run(
-            request.prompt_ids, request.stop, request.sampling, request.stats, request.seed
-        ):
+        for new in self.engine.run(request.prompt_ids, **request.run_options()):
             chunk = request.add(new)
             if chunk is not None:
                 yield chunk
@@ -258,9 +280,7 @@ class SpeculativeGenerator:
             while waiting and len(batch.active) < max_batch_size:
                 index = waiting.pop(0)
                 request = prepared[index]
-                sequence, first = batch.add(
-                    request.prompt_ids, request.stop, request.sampling, request.stats, request.seed
-                )
+                sequence, first = batch.add(request.prompt_ids, **request.run_options())
                 request.add(first)
                 if sequence.done:
                     yield index, self.finish(request).result
@@ -283,6 +303,12 @@ class SpeculativeGenerator:
             )
         if seed is None and not sampling.greedy:
             seed = int(torch.randint(0, 2**62, ()).item())
+        logprobs = request.logprobs
+        if logprobs is not None and not (isinstance(logprobs, int) and 0 <= logprobs <= MAX_TOP_LOGPROBS):
+            raise InvalidRequestError(
+                "logprobs must be None or the number of top alternatives per token, "
+                f"0 to {MAX_TOP_LOGPROBS}; got {logprobs!r}"
+            )
         text_of = IncrementalDecoder(self._decode)  # the output's text each round, decoding its tail
         stop_conditions = StopConditions(
             end_token_ids=() if request.ignore_eos else self.end_token_ids,
@@ -292,7 +318,8 @@ class SpeculativeGenerator:
             stop_strings=request.stop,
             decode=text_of,
         )
-        return PreparedRequest(prompt_ids, sampling, seed, stop_conditions, text_of)
+        recorder = None if logprobs is None else LogprobRecorder(logprobs)
+        return PreparedRequest(prompt_ids, sampling, seed, stop_conditions, text_of, logprobs=recorder)
 
     def finish(self, request: PreparedRequest) -> GenerationChunk:
         """The last chunk of a request whose generation ended, with its result; the auto budget

@@ -14,11 +14,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import diffdraft
-from diffdraft.drafters.checkpoint import save_draft_model
 from diffdraft.serve.app import create_app
 from diffdraft.serve.scheduler import Scheduler
 
-from conftest import tiny_drafter
+from conftest import save_tiny_drafter
 from live_server import LiveServer, make_chat_checkpoint, serving
 
 MODEL = "tiny-test-model"
@@ -33,10 +32,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def drafter_dir(checkpoint, tmp_path_factory):
-    target = diffdraft.load(checkpoint).loaded.model
-    path = tmp_path_factory.mktemp("drafter")
-    save_draft_model(tiny_drafter(target, block_size=4).float(), path)
-    return path
+    return save_tiny_drafter(checkpoint, tmp_path_factory.mktemp("drafter"))
 
 
 def load(checkpoint, drafter_dir):
@@ -126,13 +122,17 @@ def test_a_stop_string_ends_the_text_before_it_with_finish_reason_stop(client, r
     assert reply.choices[0].finish_reason == "stop"
 
 
+def endpoint_call(client, endpoint: str, **options):
+    """(create, its options) of one endpoint, without end tokens: chat gets CHAT, completions a prompt."""
+    options.update(model=MODEL, extra_body={"ignore_eos": True})
+    if endpoint == "chat":
+        return client.chat.completions.create, {**options, "messages": CHAT}
+    return client.completions.create, {**options, "prompt": "the quick brown fox"}
+
+
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
 def test_streamed_chunks_join_to_the_non_streamed_text(client, endpoint):
-    options = dict(model=MODEL, max_tokens=30, temperature=0, extra_body={"ignore_eos": True})
-    if endpoint == "chat":
-        create, options["messages"] = client.chat.completions.create, CHAT
-    else:
-        create, options["prompt"] = client.completions.create, "the quick brown fox"
+    create, options = endpoint_call(client, endpoint, max_tokens=30, temperature=0)
     whole = create(**options)
     chunks = list(create(**options, stream=True, stream_options={"include_usage": True}))
     *content, finish, usage = chunks
@@ -210,11 +210,7 @@ def test_n_seeded_choices_are_the_samples_of_consecutive_seeds(client, reference
 
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
 def test_n_streamed_choices_each_join_to_their_text(client, reference, endpoint):
-    options = dict(model=MODEL, max_tokens=10, temperature=1.0, seed=5, n=2, extra_body={"ignore_eos": True})
-    if endpoint == "chat":
-        create, options["messages"] = client.chat.completions.create, CHAT
-    else:
-        create, options["prompt"] = client.completions.create, "the quick brown fox"
+    create, options = endpoint_call(client, endpoint, max_tokens=10, temperature=1.0, seed=5, n=2)
     whole = create(**options)
     chunks = list(create(**options, stream=True, stream_options={"include_usage": True}))
     *choice_chunks, usage = chunks
@@ -230,6 +226,52 @@ def test_n_streamed_choices_each_join_to_their_text(client, reference, endpoint)
         else:
             assert "".join(c.choices[0].text for c in content) == choice.text
     assert len(choice_chunks) == sum(1 for c in choice_chunks if c.choices[0].index in (0, 1))
+
+
+def test_chat_log_probabilities_are_the_generators(client, reference):
+    expected = reference.generate(messages=CHAT, max_new_tokens=12, logprobs=2)
+    options = dict(model=MODEL, messages=CHAT, max_tokens=12, temperature=0, logprobs=True, top_logprobs=2)
+    reply = client.chat.completions.create(**options)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == len(expected.token_ids)
+    for entry, token in zip(content, expected.logprobs, strict=True):
+        assert entry.token == reference.tokenizer.decode([token.token_id])
+        assert entry.bytes == list(entry.token.encode("utf-8"))
+        assert entry.logprob == pytest.approx(token.logprob, abs=1e-4)
+        assert [t.token for t in entry.top_logprobs] == [
+            reference.tokenizer.decode([i]) for i, _ in token.top
+        ]
+    streamed = client.chat.completions.create(**options, stream=True)
+    pieces = [
+        e for c in streamed if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content
+    ]
+    assert [(e.token, e.logprob) for e in pieces] == [(e.token, e.logprob) for e in content]
+    plain = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_completion_log_probabilities_are_the_legacy_parallel_lists(client, reference):
+    expected = reference.generate(
+        prompt="the quick brown fox", max_new_tokens=10, ignore_eos=True, logprobs=3
+    )
+    options = dict(
+        model=MODEL,
+        prompt="the quick brown fox",
+        max_tokens=10,
+        temperature=0,
+        logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
+    logprobs = client.completions.create(**options).choices[0].logprobs
+    texts = [reference.tokenizer.decode([t]) for t in expected.token_ids]
+    assert logprobs.tokens == texts
+    assert logprobs.token_logprobs == pytest.approx([t.logprob for t in expected.logprobs], abs=1e-4)
+    assert logprobs.text_offset == [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+    assert all(1 <= len(top) <= 3 for top in logprobs.top_logprobs)
+    streamed = [c.choices[0].logprobs for c in client.completions.create(**options, stream=True) if c.choices]
+    streamed = [s for s in streamed if s is not None]
+    assert [t for s in streamed for t in s.tokens] == logprobs.tokens
+    assert [o for s in streamed for o in s.text_offset] == logprobs.text_offset
 
 
 def test_fields_other_clients_send_are_accepted_and_ignored(server, reference):
@@ -300,7 +342,15 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": CHAT, "n": 65}, 400, "n", "n is at most 64"),
     ("/v1/chat/completions", {"messages": CHAT, "n": 2, "seed": 2**64 - 1}, 400, "seed", "below 2**64"),
     ("/v1/chat/completions", {"messages": CHAT, "stop": 7}, 400, "stop", "valid string"),
-    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True}, 400, "logprobs", "not supported"),
+    ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs", "needs logprobs"),
+    (
+        "/v1/chat/completions",
+        {"messages": CHAT, "logprobs": True, "top_logprobs": 21},
+        400,
+        "top_logprobs",
+        "less than or equal to 20",
+    ),
+    ("/v1/completions", {"prompt": "hi", "logprobs": -1}, 400, "logprobs", "greater than or equal to 0"),
     (
         "/v1/chat/completions",
         {"messages": CHAT, "presence_penalty": 0.5},
@@ -342,8 +392,8 @@ def test_bad_requests_get_an_openai_error_body(server, path, body, status, param
 def test_the_openai_client_raises_its_own_errors_for_them(client):
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.chat.completions.create(model="gpt-4o", messages=CHAT)
-    with pytest.raises(openai.BadRequestError, match="log-probabilities are not supported"):
-        client.chat.completions.create(model=MODEL, messages=CHAT, logprobs=True)
+    with pytest.raises(openai.BadRequestError, match="presence_penalty is not supported"):
+        client.chat.completions.create(model=MODEL, messages=CHAT, presence_penalty=1.0)
 
 
 def test_unknown_routes_and_methods_get_an_openai_error_body(server):

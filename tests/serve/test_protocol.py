@@ -48,6 +48,14 @@ def test_choice_i_samples_with_seed_plus_i():
     assert chat(n=2, seed=2**64 - 2).unsupported() is None
 
 
+def test_log_probabilities_are_asked_for_in_each_endpoint_s_own_way():
+    assert chat().logprob_count() is None and chat(logprobs=False, top_logprobs=0).logprob_count() is None
+    assert chat(logprobs=True).logprob_count() == 0
+    assert chat(logprobs=True, top_logprobs=5).logprob_count() == 5
+    assert completion(prompt="a").logprob_count() is None
+    assert completion(prompt="a", logprobs=3).logprob_count() == 3
+
+
 def test_max_completion_tokens_wins_over_max_tokens():
     assert chat(max_tokens=9, max_completion_tokens=4).max_new_tokens(100) == 4
     assert chat(max_tokens=9).max_new_tokens(100) == 9
@@ -93,8 +101,7 @@ def test_a_completion_prompt_is_text_or_token_ids(prompt, expected):
     ("request_", "field"),
     [
         (chat(n=2, seed=2**64 - 1), "seed"),
-        (chat(logprobs=True), "logprobs"),
-        (chat(top_logprobs=2), "logprobs"),
+        (chat(top_logprobs=2), "top_logprobs"),
         (chat(frequency_penalty=0.1), "frequency_penalty"),
         (chat(logit_bias={"5": 1.0}), "logit_bias"),
         (completion(prompt=["a", "b"]), "prompt"),

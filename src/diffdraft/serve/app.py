@@ -11,6 +11,7 @@ stay open for probes and scrapers.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import time
@@ -127,13 +128,16 @@ class _Api:
         self.scheduler = scheduler
         self.model_name = model_name
         self.method = scheduler.generator.method
+        tokenizer = scheduler.generator.tokenizer
+        self.token_text = functools.lru_cache(maxsize=1 << 16)(lambda token_id: tokenizer.decode([token_id]))
+        """A token's text, for log-probabilities (special tokens shown as they are)."""
         self.max_context = scheduler.generator.target.max_context
         self.metrics = ServerMetrics(scheduler)
         self.started = now()
 
     async def complete(self, request: Request, kind: type[Endpoint]) -> Response:
         arrival = time.perf_counter()
-        endpoint = kind(self.model_name, self.method)
+        endpoint = kind(self.model_name, self.method, self.token_text)
         try:
             body = self._parse(await request.body(), kind)
             handles = self._submit(endpoint.generation_requests(body, self.max_context))
@@ -224,7 +228,7 @@ class _Api:
             async for i, chunk in _chunks(handles, request):
                 if chunk.text and not any(sent):
                     self.metrics.time_to_first_token.observe(time.perf_counter() - arrival)
-                for event in endpoint.chunks(i, chunk.text, first=not sent[i]):
+                for event in endpoint.chunks(i, chunk.text, not sent[i], chunk.logprobs):
                     sent[i] = True
                     yield _sse(event)
                 if chunk.result is not None:

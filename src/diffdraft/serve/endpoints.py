@@ -4,9 +4,11 @@ Everything else (errors, streaming, disconnects, metrics) is shared in :mod:`dif
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from diffdraft.generator import GenerationRequest, GenerationResult
+from diffdraft.logprobs import TokenLogprob
 from diffdraft.serve.protocol import (
     FINISH_REASONS,
     AssistantMessage,
@@ -15,12 +17,16 @@ from diffdraft.serve.protocol import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatLogprobs,
+    ChatTokenLogprob,
     Completion,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     Delta,
     DiffdraftStats,
     SamplingFields,
+    TopLogprob,
     Usage,
     new_id,
     now,
@@ -34,9 +40,11 @@ class Endpoint:
     body_model: ClassVar[type[SamplingFields]]
     id_prefix: ClassVar[str]
 
-    def __init__(self, model_name: str, method: str) -> None:
+    def __init__(self, model_name: str, method: str, token_text: Callable[[int], str]) -> None:
+        """``token_text``: one token's text, for log-probabilities."""
         self.model_name = model_name
         self.method = method
+        self.token_text = token_text
         self.id = new_id(self.id_prefix)
         self.created = now()
 
@@ -53,6 +61,7 @@ class Endpoint:
                 seed=seed,
                 stop=body.stop_strings(),
                 ignore_eos=body.ignore_eos,
+                logprobs=body.logprob_count(),
             )
             for seed in body.choice_seeds()
         ]
@@ -64,9 +73,11 @@ class Endpoint:
         """The whole response: a choice per result (usage counts the prompt once, as OpenAI's)."""
         raise NotImplementedError
 
-    def chunks(self, index: int, text: str, first: bool) -> list[dict]:
-        """Stream objects for choice ``index``'s newly generated text (``first``: nothing of that
-        choice was sent yet)."""
+    def chunks(
+        self, index: int, text: str, first: bool, logprobs: list[TokenLogprob] | None = None
+    ) -> list[dict]:
+        """Stream objects for choice ``index``'s newly generated text and the log-probabilities of
+        the tokens that made it, if asked for (``first``: nothing of that choice was sent yet)."""
         raise NotImplementedError
 
     def last_chunk(self, index: int, result: GenerationResult) -> dict:
@@ -76,6 +87,13 @@ class Endpoint:
     def usage_chunk(self, usage: Usage) -> dict:
         """With ``stream_options.include_usage``: no choices, the token counts."""
         raise NotImplementedError
+
+    def _top(self, token: TokenLogprob) -> list[TopLogprob]:
+        return [self._entry(t, lp) for t, lp in token.top]
+
+    def _entry(self, token_id: int, logprob: float) -> TopLogprob:
+        text = self.token_text(token_id)
+        return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode("utf-8")))
 
     def stats(self, result: GenerationResult) -> DiffdraftStats:
         s = result.stats
@@ -122,6 +140,7 @@ class ChatEndpoint(Endpoint):
                 ChatChoice(
                     index=i,
                     message=AssistantMessage(content=result.text),
+                    logprobs=self._logprobs(result.logprobs),
                     finish_reason=finish_reason(result),
                     diffdraft=self.stats(result),
                 )
@@ -131,22 +150,38 @@ class ChatEndpoint(Endpoint):
             diffdraft=self.stats(results[0]),
         ).model_dump()
 
+    def _logprobs(self, tokens: list[TokenLogprob] | None) -> ChatLogprobs | None:
+        if tokens is None:
+            return None
+        content = [
+            ChatTokenLogprob(**self._entry(t.token_id, t.logprob).model_dump(), top_logprobs=self._top(t))
+            for t in tokens
+        ]
+        return ChatLogprobs(content=content)
+
     def _chunk(
-        self, index: int, delta: Delta, finish: str | None = None, stats: DiffdraftStats | None = None
+        self,
+        index: int,
+        delta: Delta,
+        finish: str | None = None,
+        stats: DiffdraftStats | None = None,
+        logprobs: ChatLogprobs | None = None,
     ) -> dict:
         chunk = ChatCompletionChunk(
             id=self.id,
             created=self.created,
             model=self.model_name,
-            choices=[ChatChunkChoice(index=index, delta=delta, finish_reason=finish)],
+            choices=[ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish)],
             diffdraft=stats,
         )
         return chunk.model_dump(exclude=_absent(stats))
 
-    def chunks(self, index: int, text: str, first: bool) -> list[dict]:
+    def chunks(
+        self, index: int, text: str, first: bool, logprobs: list[TokenLogprob] | None = None
+    ) -> list[dict]:
         out = [self._chunk(index, Delta(role="assistant", content=""))] if first else []
-        if text:
-            out.append(self._chunk(index, Delta(content=text)))
+        if text or logprobs:
+            out.append(self._chunk(index, Delta(content=text), logprobs=self._logprobs(logprobs)))
         return out
 
     def last_chunk(self, index: int, result: GenerationResult) -> dict:
@@ -175,6 +210,7 @@ class CompletionEndpoint(Endpoint):
                 CompletionChoice(
                     index=i,
                     text=result.text,
+                    logprobs=self._logprobs(result.logprobs, 0),
                     finish_reason=finish_reason(result),
                     diffdraft=self.stats(result),
                 )
@@ -184,20 +220,50 @@ class CompletionEndpoint(Endpoint):
             diffdraft=self.stats(results[0]),
         ).model_dump()
 
+    def __init__(self, model_name: str, method: str, token_text: Callable[[int], str]) -> None:
+        super().__init__(model_name, method, token_text)
+        self.offsets: dict[int, int] = {}
+        """Per streamed choice: where its next token's text starts (``text_offset``)."""
+
+    def _logprobs(self, tokens: list[TokenLogprob] | None, offset: int) -> CompletionLogprobs | None:
+        if tokens is None:
+            return None
+        texts = [self.token_text(t.token_id) for t in tokens]
+        starts = [offset + sum(len(x) for x in texts[:i]) for i in range(len(texts))]
+        return CompletionLogprobs(
+            tokens=texts,
+            token_logprobs=[t.logprob for t in tokens],
+            top_logprobs=[{e.token: e.logprob for e in self._top(t)} for t in tokens],
+            text_offset=starts,
+        )
+
     def _chunk(
-        self, index: int, text: str, finish: str | None = None, stats: DiffdraftStats | None = None
+        self,
+        index: int,
+        text: str,
+        finish: str | None = None,
+        stats: DiffdraftStats | None = None,
+        logprobs: CompletionLogprobs | None = None,
     ) -> dict:
         chunk = Completion(
             id=self.id,
             created=self.created,
             model=self.model_name,
-            choices=[CompletionChoice(index=index, text=text, finish_reason=finish)],
+            choices=[CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish)],
             diffdraft=stats,
         )
         return chunk.model_dump(exclude=_absent(stats))
 
-    def chunks(self, index: int, text: str, first: bool) -> list[dict]:
-        return [self._chunk(index, text)] if text else []
+    def chunks(
+        self, index: int, text: str, first: bool, logprobs: list[TokenLogprob] | None = None
+    ) -> list[dict]:
+        if not (text or logprobs):
+            return []
+        offset = self.offsets.get(index, 0)
+        entries = self._logprobs(logprobs, offset)
+        if logprobs:
+            self.offsets[index] = offset + sum(len(self.token_text(t.token_id)) for t in logprobs)
+        return [self._chunk(index, text, logprobs=entries)]
 
     def last_chunk(self, index: int, result: GenerationResult) -> dict:
         return self._chunk(index, "", finish_reason(result), self.stats(result))

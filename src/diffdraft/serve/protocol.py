@@ -3,7 +3,7 @@
 Requests are parsed strictly from the raw JSON (a string where a number belongs is a 400, not a
 silent conversion) but, as vLLM does, fields this server does not know are accepted and ignored, so
 any OpenAI client works unchanged. Fields it knows but cannot honour without changing what the
-client asked for (log-probabilities, penalties) are refused with a message naming them.
+client asked for (penalties, ``logit_bias``) are refused with a message naming them.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from pydantic import (
     ValidationError,
     model_serializer,
 )
+
+from diffdraft.logprobs import MAX_TOP_LOGPROBS
 
 FINISH_REASONS = {
     "eos": "stop",
@@ -80,8 +82,6 @@ class SamplingFields(_Request):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    logprobs: Any = None
-    top_logprobs: int | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, reason) for a setting this server cannot honour, or None."""
@@ -90,8 +90,6 @@ class SamplingFields(_Request):
                 "seed",
                 f"seed + n - 1 must stay below 2**64 (choice i samples with seed + i), got {self.seed}",
             )
-        if self.logprobs not in (None, False, 0) or self.top_logprobs:
-            return "logprobs", "log-probabilities are not supported by this server; leave logprobs unset"
         for name in ("frequency_penalty", "presence_penalty"):
             if getattr(self, name) not in (None, 0):
                 return (
@@ -119,11 +117,25 @@ class SamplingFields(_Request):
     def choice_seeds(self) -> list[int | None]:
         return [None if self.seed is None else self.seed + i for i in range(self.n)]
 
+    def logprob_count(self) -> int | None:
+        """Alternatives per token to return with each token's log-probability; None: no logprobs."""
+        raise NotImplementedError
+
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     """The newer name of ``max_tokens``; it wins when both are given."""
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.top_logprobs and not self.logprobs:
+            return "top_logprobs", "top_logprobs needs logprobs: true"
+        return super().unsupported()
+
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def max_new_tokens(self, default: int) -> int:
         if self.max_completion_tokens is not None:
@@ -146,6 +158,11 @@ class CompletionRequest(SamplingFields):
     echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    """The legacy API's: return each token's log-probability and this many alternatives."""
+
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
     def unsupported(self) -> tuple[str, str] | None:
         if _is_prompt_list(self.prompt) and len(self.prompt) != 1:
@@ -251,10 +268,36 @@ class AssistantMessage(_Response):
     content: str
 
 
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int]
+    """The token's text as UTF-8 (a token that is part of a character decodes to U+FFFD)."""
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Response):
+    content: list[ChatTokenLogprob]
+    refusal: None = None
+
+
+class CompletionLogprobs(_Response):
+    """The legacy completions format: parallel lists over the tokens."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+    """Where each token's text starts in the completion's text."""
+
+
 class ChatChoice(_Response):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str
     diffdraft: DiffdraftStats
     """Non-standard: this choice's own decoding (the response's top-level one is choice 0's)."""
@@ -284,7 +327,7 @@ class Delta(_Response):
 class ChatChunkChoice(_Response):
     index: int = 0
     delta: Delta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -302,7 +345,7 @@ class ChatCompletionChunk(_Response):
 class CompletionChoice(_Response):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     diffdraft: DiffdraftStats | None = None
     """Non-standard, in a whole response only: this choice's own decoding (as :class:`ChatChoice`)."""

@@ -190,9 +190,7 @@ class Scheduler:
             return
         prepared = handle.prepared
         try:
-            sequence, first = self._batch.add(
-                prepared.prompt_ids, prepared.stop, prepared.sampling, prepared.stats, prepared.seed
-            )
+            sequence, first = self._batch.add(prepared.prompt_ids, **prepared.run_options())
         except Exception as error:
             handle.put(error)
             return
