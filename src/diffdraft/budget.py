@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
+from diffdraft.atomic_write import write_text_atomically
 from diffdraft.default_model import cache_root
 from diffdraft.drafters.base import Proposal
 from diffdraft.fused_projections import ProjectionSlice
@@ -236,9 +237,7 @@ def load_or_measure(
         )
     curve = measure_verify_cost(target, DEFAULT_SIZES, DEFAULT_CONTEXTS, progress=progress)
     folder.mkdir(parents=True, exist_ok=True)
-    temporary = file.with_suffix(f".tmp{os.getpid()}")
-    temporary.write_text(json.dumps(curve.to_dict(), indent=1) + "\n")
-    temporary.replace(file)
+    write_text_atomically(file, json.dumps(curve.to_dict(), indent=1) + "\n")
     return curve
 
 

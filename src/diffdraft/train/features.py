@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from diffdraft.atomic_write import write_text_atomically
 from diffdraft.progress import progress_bar
 from diffdraft.target import TargetModel
 
@@ -119,9 +120,7 @@ def capture_features(
         os.replace(cache_dir / (name + ".tmp"), cache_dir / name)
         index["shards"] += 1
         index["samples"].update(dict.fromkeys(pending, name))
-        tmp_index = cache_dir / (INDEX + ".tmp")
-        tmp_index.write_text(json.dumps(index))
-        os.replace(tmp_index, cache_dir / INDEX)
+        write_text_atomically(cache_dir / INDEX, json.dumps(index))
         pending.clear()
 
     for sample_id, token_ids in progress_bar(

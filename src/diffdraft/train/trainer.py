@@ -26,6 +26,7 @@ import torch
 from torch import distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from diffdraft.atomic_write import write_text_atomically
 from diffdraft.drafters.checkpoint import DraftModel, load_draft_model, save_draft_model
 from diffdraft.drafters.dart_model import DART
 from diffdraft.drafters.deer_model import DEER, deer_from_causal_lm
@@ -239,9 +240,7 @@ class Trainer:
                     kept.append(line)
             except (json.JSONDecodeError, KeyError, TypeError):
                 continue
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(kept))
-        os.replace(tmp, path)
+        write_text_atomically(path, "".join(kept))
 
     def _check_output_dir(self) -> None:
         """Fail before any compute if checkpoints could not be written. The probe is named per process:
