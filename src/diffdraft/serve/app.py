@@ -26,13 +26,12 @@ from starlette.requests import ClientDisconnect
 
 from diffdraft.errors import DiffdraftError, InvalidRequestError
 from diffdraft.generator import GenerationChunk, GenerationRequest, GenerationResult
-from diffdraft.serve.endpoints import ChatEndpoint, CompletionEndpoint, Endpoint
+from diffdraft.serve.endpoints import ChatEndpoint, CompletionEndpoint, Endpoint, usage_of
 from diffdraft.serve.metrics import CLIENT_CLOSED, CONTENT_TYPE, ServerMetrics
 from diffdraft.serve.protocol import (
     ModelCard,
     ModelList,
     SamplingFields,
-    Usage,
     describe_validation_error,
     error_body,
     now,
@@ -238,9 +237,7 @@ class _Api:
                     results[i] = chunk.result
             prompt_tokens = handles[0].prompt_tokens
             if usage:
-                yield _sse(
-                    endpoint.usage_chunk(Usage.of(prompt_tokens, sum(len(r.token_ids) for r in results)))
-                )
+                yield _sse(endpoint.usage_chunk(usage_of(results, prompt_tokens)))
             self._finished(endpoint.path, prompt_tokens, results, arrival, count=False)
             status = 200
         except ClientGone:

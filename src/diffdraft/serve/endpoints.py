@@ -119,7 +119,8 @@ def finish_reason(result: GenerationResult) -> str:
     return FINISH_REASONS.get(result.stats.stop_reason, "stop")
 
 
-def usage(results: list[GenerationResult], prompt_tokens: int) -> Usage:
+def usage_of(results: list[GenerationResult], prompt_tokens: int) -> Usage:
+    """A request's token counts: its prompt once (as OpenAI counts it), every choice's tokens."""
     return Usage.of(prompt_tokens, sum(len(r.token_ids) for r in results))
 
 
@@ -146,7 +147,7 @@ class ChatEndpoint(Endpoint):
                 )
                 for i, result in enumerate(results)
             ],
-            usage=usage(results, prompt_tokens),
+            usage=usage_of(results, prompt_tokens),
             diffdraft=self.stats(results[0]),
         ).model_dump()
 
@@ -216,7 +217,7 @@ class CompletionEndpoint(Endpoint):
                 )
                 for i, result in enumerate(results)
             ],
-            usage=usage(results, prompt_tokens),
+            usage=usage_of(results, prompt_tokens),
             diffdraft=self.stats(results[0]),
         ).model_dump()
 

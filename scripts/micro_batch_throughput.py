@@ -1,0 +1,96 @@
+"""Training tokens/s at several --micro-batch-size values, same samples and steps (issue 13).
+
+    python scripts/micro_batch_throughput.py --target default --data replies.jsonl --micro 1 4 8
+    python scripts/micro_batch_throughput.py --target tiny --micro 1 4 16
+
+``--target tiny`` is a random 6-layer Llama of hidden size 32 on random 60-120-token sequences:
+per-call overhead dominates there, as it does for a small target on a GPU. The first step is
+left out of the rate (warm-up). Losses are printed too: they must agree across sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from diffdraft.drafters.checkpoint import load_draft_model
+from diffdraft.loading import load_target
+from diffdraft.target import TargetModel
+from diffdraft.train.dataset import TrainingSample, load_responses
+from diffdraft.train.trainer import DFLARE, TrainConfig, Trainer
+
+DEFAULT_DRAFTER = Path(__file__).resolve().parents[1] / "src/diffdraft/default_drafter"
+
+
+def tiny_setup(sequences: int) -> tuple[torch.nn.Module, list[TrainingSample], dict]:
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+    )
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(config).eval()
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(60, 120, (sequences,), generator=g).tolist()
+    samples = [
+        TrainingSample(f"s{i}", torch.randint(1, 63, (n,), generator=g), 20) for i, n in enumerate(lengths)
+    ]
+    drafter = dict(variant=DFLARE, num_layers=1, block_size=4, target_layer_ids=[0, 2, 4], mask_token_id=62)
+    return model, samples, drafter
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--target", choices=["tiny", "default"], default="tiny")
+    parser.add_argument("--data", help="responses jsonl (with --target default)")
+    parser.add_argument("--micro", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=8)
+    args = parser.parse_args()
+    if args.target == "default":
+        model = load_target("default", dtype="bfloat16").model
+        samples = list(itertools.islice(load_responses(args.data, 512), 400))
+        drafter_options, compute_dtype = {}, "bfloat16"
+    else:
+        model, samples, drafter_options = tiny_setup(64)
+        compute_dtype = "float32"
+    for micro in args.micro:
+        with tempfile.TemporaryDirectory() as out:
+            initial = load_draft_model(DEFAULT_DRAFTER) if args.target == "default" else None
+            options = drafter_options or dict(variant=initial.variant, mask_token_id=initial.mask_token_id)
+            config = TrainConfig(
+                output_dir=out,
+                batch_size=args.batch_size,
+                max_steps=args.steps,
+                micro_batch_size=micro,
+                compute_dtype=compute_dtype,
+                save_every=10**6,
+                **options,
+            )
+            Trainer(config, TargetModel(model), samples, drafter=initial).train()
+            rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+        first, last = rows[0], rows[-1]
+        rate = (last["tokens_seen"] - first["tokens_seen"]) / (
+            last["elapsed_seconds"] - first["elapsed_seconds"]
+        )
+        print(
+            f"micro-batch {micro}: {rate:.0f} tokens/s; losses {[round(r['loss'], 4) for r in rows]}",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
