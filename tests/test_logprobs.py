@@ -104,7 +104,7 @@ def test_a_batch_gives_each_request_the_log_probabilities_it_gets_alone(checkpoi
             assert [i for i, _ in a.top] == [i for i, _ in b.top]
 
 
-@pytest.mark.parametrize("logprobs", [-1, 21, 2.5, "3"])
+@pytest.mark.parametrize("logprobs", [-1, 21, 2.5, "3", True])
 def test_a_bad_logprobs_count_is_a_clear_error(checkpoint, logprobs):
     generator = diffdraft.load(checkpoint, method="ar")
     with pytest.raises(InvalidRequestError, match="logprobs must be None or the number of top alternatives"):

@@ -304,7 +304,10 @@ class SpeculativeGenerator:
         if seed is None and not sampling.greedy:
             seed = int(torch.randint(0, 2**62, ()).item())
         logprobs = request.logprobs
-        if logprobs is not None and not (isinstance(logprobs, int) and 0 <= logprobs <= MAX_TOP_LOGPROBS):
+        valid = (
+            isinstance(logprobs, int) and not isinstance(logprobs, bool) and 0 <= logprobs <= MAX_TOP_LOGPROBS
+        )
+        if logprobs is not None and not valid:
             raise InvalidRequestError(
                 "logprobs must be None or the number of top alternatives per token, "
                 f"0 to {MAX_TOP_LOGPROBS}; got {logprobs!r}"
