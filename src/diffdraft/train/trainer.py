@@ -436,6 +436,9 @@ class Trainer:
             save_draft_model(self.drafter, self.output_dir / "final")
         if self.world > 1:  # every rank returns once the final drafter is written; a rank that ran
             dist.barrier()  # ahead into process-group teardown aborted the run at exit (gloo)
+            # Free DDP's reducer now, while the group lives: left to the garbage collector it could
+            # outlive destroy_process_group and abort the process at exit (gloo, rarely).
+            self.model = self.model.module
         return self.state
 
     def save_checkpoint(self) -> Path:
