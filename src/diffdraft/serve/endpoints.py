@@ -4,6 +4,7 @@ Everything else (errors, streaming, disconnects, metrics) is shared in :mod:`dif
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -199,6 +200,11 @@ class CompletionEndpoint(Endpoint):
     body_model = CompletionRequest
     id_prefix = "cmpl"
 
+    def __init__(self, model_name: str, method: str, token_text: Callable[[int], str]) -> None:
+        super().__init__(model_name, method, token_text)
+        self.offsets: dict[int, int] = {}
+        """Per streamed choice: where its next token's text starts (``text_offset``)."""
+
     def prompt_input(self, body: CompletionRequest) -> dict[str, Any]:
         return body.prompt_input()
 
@@ -221,16 +227,11 @@ class CompletionEndpoint(Endpoint):
             diffdraft=self.stats(results[0]),
         ).model_dump()
 
-    def __init__(self, model_name: str, method: str, token_text: Callable[[int], str]) -> None:
-        super().__init__(model_name, method, token_text)
-        self.offsets: dict[int, int] = {}
-        """Per streamed choice: where its next token's text starts (``text_offset``)."""
-
     def _logprobs(self, tokens: list[TokenLogprob] | None, offset: int) -> CompletionLogprobs | None:
         if tokens is None:
             return None
         texts = [self.token_text(t.token_id) for t in tokens]
-        starts = [offset + sum(len(x) for x in texts[:i]) for i in range(len(texts))]
+        starts = list(itertools.accumulate(map(len, texts), initial=offset))[:-1]
         return CompletionLogprobs(
             tokens=texts,
             token_logprobs=[t.logprob for t in tokens],
@@ -260,10 +261,9 @@ class CompletionEndpoint(Endpoint):
     ) -> list[dict]:
         if not (text or logprobs):
             return []
-        offset = self.offsets.get(index, 0)
-        entries = self._logprobs(logprobs, offset)
-        if logprobs:
-            self.offsets[index] = offset + sum(len(self.token_text(t.token_id)) for t in logprobs)
+        entries = self._logprobs(logprobs, self.offsets.get(index, 0))
+        if entries is not None and entries.tokens:
+            self.offsets[index] = entries.text_offset[-1] + len(entries.tokens[-1])
         return [self._chunk(index, text, logprobs=entries)]
 
     def last_chunk(self, index: int, result: GenerationResult) -> dict:

@@ -78,8 +78,8 @@ def evaluate_drafter(
             sample.response_start, ids.shape[0], ids.shape[0], torch.Generator().manual_seed(0)
         )
         taps, logits = features.with_logits(ids)
-        one = TrainingBatch(ids[None], [ids.shape[0]], [anchors], [sample.response_start])
-        one.taps, one.target_logits = (None if taps is None else taps[None]), logits[None]
+        taps = None if taps is None else taps[None]
+        one = TrainingBatch(ids[None], [ids.shape[0]], [anchors], [sample.response_start], taps, logits[None])
         _, h, a, n = objective(one, 1.0)
         hits += h.cpu()
         agreements += a.cpu()
