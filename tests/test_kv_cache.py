@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -70,3 +73,20 @@ def test_a_crop_shortens_and_a_positive_count_is_refused():
     assert layer.get_seq_length() == 3 and layer.keys.shape == (1, 2, 3, 8)
     with pytest.raises(ValueError, match="negative"):
         layer.crop(2)
+
+
+def test_a_finished_cache_is_freed_without_the_cyclic_garbage_collector():
+    """A cycle between the shared buffer and its layers would keep every past sequence's cache alive
+    until a full collection, which a process holding many objects runs seldom."""
+    model = tiny_target()
+    target = TargetModel(model)
+    cache = target.new_cache()
+    target.prefill(cache, torch.arange(12), [])
+    buffer = weakref.ref(cache.layers[0].shared)
+    assert buffer().tensor is not None and len(buffer().layers) == model.config.num_hidden_layers
+    gc.disable()
+    try:
+        del cache
+        assert buffer() is None
+    finally:
+        gc.enable()

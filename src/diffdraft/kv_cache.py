@@ -13,6 +13,8 @@ model rather than four small copies per layer.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
@@ -25,20 +27,33 @@ quarter of the cache where memory is tight (long prompts on a GPU)."""
 
 class SharedBuffer:
     """Keys and values of every layer in one tensor [layers, 2, batch, heads, capacity, head_dim];
-    each :class:`GrowableLayer` built on it joins :attr:`layers` in cache order."""
+    each :class:`GrowableLayer` built on it joins :attr:`layers` in cache order.
+
+    The layers hold the buffer and the buffer only weak references to them: a reference cycle
+    would leave a finished sequence's cache to the cyclic garbage collector, which in a process
+    holding many objects runs seldom, so caches of past generations piled up by gigabytes.
+    """
 
     def __init__(self) -> None:
         self.tensor: torch.Tensor | None = None
-        self.layers: list[GrowableLayer] = []
+        self._layers: list[weakref.ref[GrowableLayer]] = []
+
+    @property
+    def layers(self) -> list[GrowableLayer]:
+        return [layer for ref in self._layers if (layer := ref()) is not None]
+
+    def join(self, layer: GrowableLayer) -> None:
+        self._layers.append(weakref.ref(layer))
 
     def grow(self, like: torch.Tensor, capacity: int) -> None:
         """Reallocate with room for ``capacity`` rows, keeping every layer's rows."""
-        tensor = like.new_empty((len(self.layers), 2, *like.shape[:-2], capacity, like.shape[-1]))
+        layers = self.layers
+        tensor = like.new_empty((len(layers), 2, *like.shape[:-2], capacity, like.shape[-1]))
         if self.tensor is not None:
-            kept = max(layer.get_seq_length() for layer in self.layers)
+            kept = max(layer.get_seq_length() for layer in layers)
             tensor[..., :kept, :] = self.tensor[..., :kept, :]
         self.tensor = tensor
-        for index, layer in enumerate(self.layers):  # views of the old tensor would go stale
+        for index, layer in enumerate(layers):  # views of the old tensor would go stale
             layer._key_buffer, layer._value_buffer = tensor[index, 0], tensor[index, 1]
             layer._set_length(layer.get_seq_length())
 
@@ -54,7 +69,7 @@ class GrowableLayer(DynamicLayer):
         self._key_buffer = self._value_buffer = None
         self._length = 0
         if shared is not None:
-            shared.layers.append(self)
+            shared.join(self)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
