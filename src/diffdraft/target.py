@@ -7,6 +7,7 @@ id ``i`` is the *output* of decoder layer ``i``, i.e. Hugging Face ``hidden_stat
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -54,6 +55,9 @@ class TargetModel:
         self.max_context: int = int(getattr(config, "max_position_embeddings", 1 << 30))
         layers = self.new_cache().layers
         self.sliding_window_layers: list[int] = [i for i, layer in enumerate(layers) if layer.is_sliding]
+        takes_cache = "cache" in inspect.signature(model.forward).parameters
+        self._cache_keyword = "cache" if takes_cache else "past_key_values"
+        """transformers 5.24 renamed the forward's ``past_key_values`` to ``cache`` (the old name warns)."""
         self.lean = LeanForward(model) if LeanForward.supports(model) else None
         """The verification forward without Hugging Face's glue, for the families it supports."""
 
@@ -214,8 +218,8 @@ class TargetModel:
             input_ids=token_ids[None].to(self.device),
             position_ids=position_ids[None].to(self.device),
             attention_mask=mask,
-            past_key_values=cache,
             use_cache=True,
+            **{self._cache_keyword: cache},
             output_hidden_states=bool(layer_ids),
             logits_to_keep=logits_to_keep,
         )

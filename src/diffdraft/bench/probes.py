@@ -60,7 +60,7 @@ class ForwardProbe:
         return sum(call.seconds for call in self.calls)
 
     def _before(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        cache = kwargs.get("past_key_values")
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))  # "cache" since transformers 5.24
         cached = int(cache.get_seq_length()) if hasattr(cache, "get_seq_length") else 0
         first = kwargs.get("input_ids", kwargs.get("inputs_embeds", args[0] if args else None))
         tokens = int(first.shape[1]) if isinstance(first, torch.Tensor) and first.dim() >= 2 else 0
