@@ -100,7 +100,7 @@ def accepted(rounds: Rounds, start: int, calibration: Calibration, budget: int) 
 
     The tree holds the true prefix of length m iff its m-th node is popped within the budget, so
     this pops DDTree's best-first heap (Algorithm 1, ``DDTreeBuilder``'s order) and follows the true
-    path without building the tree: ~8x faster, and the same on 671 of 672 rounds checked against
+    path without building the tree: several times faster, and the same on 671 of 672 rounds checked against
     ``DDTreeBuilder`` (the other differs in how a tie between equal scores is broken).
     """
     ranked = [
