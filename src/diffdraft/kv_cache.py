@@ -30,8 +30,9 @@ class SharedBuffer:
     each :class:`GrowableLayer` built on it joins :attr:`layers` in cache order.
 
     The layers hold the buffer and the buffer only weak references to them: a reference cycle
-    would leave a finished sequence's cache to the cyclic garbage collector, which in a process
-    holding many objects runs seldom, so caches of past generations piled up by gigabytes.
+    would leave a finished sequence's cache (its whole buffer) to the cyclic garbage collector,
+    which in a process holding many objects runs seldom: caches of every earlier generation were
+    found still alive.
     """
 
     def __init__(self) -> None:
