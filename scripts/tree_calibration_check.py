@@ -68,10 +68,8 @@ class RecordingBuilder:
             self.values[self.count] = top.values.cpu().numpy()
             self.indices[self.count] = top.indices.cpu().numpy()
             # at T = 1 the log-probs are normalized already: an exact 0 keeps the raw tree's ties
-            scaled = [
-                torch.logsumexp(log_probs / t, dim=-1) if t != 1.0 else top.values[:, 0] * 0
-                for t in TEMPERATURES
-            ]
+            zero = torch.zeros(self.depth, device=log_probs.device)
+            scaled = [torch.logsumexp(log_probs / t, dim=-1) if t != 1.0 else zero for t in TEMPERATURES]
             self.log_normalizers[self.count] = torch.stack(scaled, -1).cpu().numpy()
             self.count += 1
         return DraftTree.root_only(root_token, log_probs.device)
