@@ -1,7 +1,7 @@
 """Training tokens/s at several --micro-batch-size values, same samples and steps (issue 13).
 
     python scripts/micro_batch_throughput.py --target default --data replies.jsonl --micro 1 4 8
-    python scripts/micro_batch_throughput.py --target tiny --micro 1 4 16
+    python scripts/micro_batch_throughput.py --target tiny --micro 1 4 16 [--variant dart|deer]
 
 ``--target tiny`` is a random 6-layer Llama of hidden size 32 on random 60-120-token sequences:
 per-call overhead dominates there, as it does for a small target on a GPU. The first step is
@@ -23,12 +23,12 @@ from diffdraft.drafters.checkpoint import load_draft_model
 from diffdraft.loading import load_target
 from diffdraft.target import TargetModel
 from diffdraft.train.dataset import TrainingSample, load_responses
-from diffdraft.train.trainer import DFLARE, TrainConfig, Trainer
+from diffdraft.train.trainer import DART, DEER, DFLARE, TrainConfig, Trainer
 
 DEFAULT_DRAFTER = Path(__file__).resolve().parents[1] / "src/diffdraft/default_drafter"
 
 
-def tiny_setup(sequences: int) -> tuple[torch.nn.Module, list[TrainingSample], dict]:
+def tiny_setup(sequences: int, variant: str) -> tuple[torch.nn.Module, list[TrainingSample], dict]:
     config = LlamaConfig(
         vocab_size=64,
         hidden_size=32,
@@ -46,7 +46,13 @@ def tiny_setup(sequences: int) -> tuple[torch.nn.Module, list[TrainingSample], d
     samples = [
         TrainingSample(f"s{i}", torch.randint(1, 63, (n,), generator=g), 20) for i, n in enumerate(lengths)
     ]
-    drafter = dict(variant=DFLARE, num_layers=1, block_size=4, target_layer_ids=[0, 2, 4], mask_token_id=62)
+    drafter = {
+        DFLARE: dict(
+            variant=DFLARE, num_layers=1, block_size=4, target_layer_ids=[0, 2, 4], mask_token_id=62
+        ),
+        DART: dict(variant=DART, draft_length=3, target_layer_ids=[0, 2, 4]),
+        DEER: dict(variant=DEER, num_layers=2, block_size=4, mask_token_id=62),
+    }[variant]
     return model, samples, drafter
 
 
@@ -56,6 +62,9 @@ def main() -> None:
     )
     parser.add_argument("--target", choices=["tiny", "default"], default="tiny")
     parser.add_argument("--data", help="responses jsonl (with --target default)")
+    parser.add_argument(
+        "--variant", choices=[DFLARE, DART, DEER], default=DFLARE, help="the drafter trained (--target tiny)"
+    )
     parser.add_argument("--micro", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--steps", type=int, default=8)
@@ -65,7 +74,7 @@ def main() -> None:
         samples = list(itertools.islice(load_responses(args.data, 512), 400))
         drafter_options, compute_dtype = {}, "bfloat16"
     else:
-        model, samples, drafter_options = tiny_setup(64)
+        model, samples, drafter_options = tiny_setup(64, args.variant)
         compute_dtype = "float32"
     for micro in args.micro:
         with tempfile.TemporaryDirectory() as out:

@@ -14,6 +14,7 @@ from diffdraft.drafters.checkpoint import save_draft_model
 from diffdraft.drafters.dart_model import DARTDraftModel, make_dart_config
 from diffdraft.drafters.dflash_model import DFLASH, DFlashDraftModel, make_draft_config
 from diffdraft.packed_linear import packing_supported
+from diffdraft.train.batch import TrainingBatch, pad_right
 
 # Tiny models are dominated by per-op overhead: one thread is several times faster than two.
 torch.set_num_threads(1)
@@ -117,6 +118,23 @@ def tiny_dart(
     if draft_vocab:
         model.set_draft_vocab(torch.tensor(draft_vocab))
     return model
+
+
+def sequences_batch(sequences: list[tuple]) -> TrainingBatch:
+    """A training batch from (token_ids, anchors, taps or None, target logits or None, response start)
+    per sequence, right-padded as the trainer pads."""
+
+    def stacked(k: int) -> torch.Tensor | None:
+        return None if sequences[0][k] is None else pad_right([s[k] for s in sequences])
+
+    return TrainingBatch(
+        stacked(0),
+        [s[0].shape[0] for s in sequences],
+        [s[1] for s in sequences],
+        [s[4] for s in sequences],
+        stacked(2),
+        stacked(3),
+    )
 
 
 def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int, eos: int | None) -> list[int]:

@@ -9,7 +9,7 @@ from diffdraft.drafters.dart import DARTDrafter
 from diffdraft.target import TargetModel
 from diffdraft.train.dart_objective import DARTObjective, dart_weights, prefix_shared_mask
 
-from conftest import tiny_dart, tiny_target
+from conftest import sequences_batch, tiny_dart, tiny_target
 
 
 def test_prefix_shared_mask_isolates_each_anchor_with_its_prefix():
@@ -36,8 +36,8 @@ def test_dart_loss_equals_inference_drafts_scored_against_the_target():
     out = target.taps_and_logits(ids, model.target_layer_ids)
     anchors = torch.tensor([4, 7, 10])  # root positions, as sample_anchors draws them
     with torch.no_grad():
-        loss, hits, agreements, counts = DARTObjective(model, torch_target).sequence_loss(
-            ids, anchors, out.hidden, gamma, out.logits, response_start
+        loss, hits, agreements, counts = DARTObjective(model, torch_target)(
+            sequences_batch([(ids, anchors, out.hidden, out.logits, response_start)]), gamma
         )
 
     drafter = DARTDrafter(model, target)
@@ -64,3 +64,24 @@ def test_dart_loss_equals_inference_drafts_scored_against_the_target():
     assert counts.tolist() == expected_counts.tolist()
     assert agreements.tolist() == expected_agreements.tolist()
     assert hits.sum() <= counts.sum()
+
+
+def test_a_padded_batch_gives_each_sequence_s_loss_and_statistics():
+    """Sequences of different lengths and anchor counts in one forward: the mean of their losses and
+    the sums of their statistics, as one at a time."""
+    torch_target = tiny_target("qwen3", seed=3, vocab=32)
+    target = TargetModel(torch_target)
+    model = tiny_dart(torch_target, seed=3, draft_length=3)
+    objective = DARTObjective(model, torch_target)
+    generator = torch.Generator().manual_seed(3)
+    cases = []
+    for length, anchors, start in ((14, [4, 7, 10], 5), (9, [3, 6], 3), (17, [5, 6, 9, 13], 4)):
+        ids = torch.randint(1, 31, (length,), generator=generator)
+        out = target.taps_and_logits(ids, model.target_layer_ids)
+        cases.append((ids, torch.tensor(anchors), out.hidden, out.logits, start))
+    with torch.no_grad():
+        alone = [objective(sequences_batch([case]), 0.6) for case in cases]
+        loss, hits, agreements, counts = objective(sequences_batch(cases), 0.6)
+    torch.testing.assert_close(loss, torch.stack([a[0] for a in alone]).mean())
+    for k, batched in ((1, hits), (2, agreements), (3, counts)):
+        assert batched.tolist() == sum(a[k] for a in alone).tolist()

@@ -11,7 +11,7 @@ from diffdraft.drafters.deer_model import deer_from_causal_lm
 from diffdraft.target import TargetModel
 from diffdraft.train.deer_objective import DEERObjective, _block_rows, _visibility
 
-from conftest import tiny_target
+from conftest import sequences_batch, tiny_target
 
 
 def tiny_deer(seed: int = 3, block_size: int = 4, vocab: int = 32):
@@ -27,8 +27,8 @@ def test_evaluation_loss_equals_inference_drafts_scored_against_the_target():
     logits = target.taps_and_logits(ids, []).logits
     anchors = torch.tensor([4, 7, 11])  # every block fits: no truncation at the end
     with torch.no_grad():
-        loss, hits, agreements, counts = DEERObjective(model).sequence_loss(
-            ids, anchors, None, 1.0, logits, 5
+        loss, hits, agreements, counts = DEERObjective(model)(
+            sequences_batch([(ids, anchors, None, logits, 5)]), 1.0
         )
 
     drafter = DEERDrafter(model, target)
@@ -97,9 +97,30 @@ def test_training_stages_give_finite_losses_and_gradients_on_every_layer(stage):
     model = tiny_deer(block_size=5).float()
     ids = torch.randint(1, 30, (40,), generator=torch.Generator().manual_seed(4))
     anchors = torch.tensor([8, 15, 22, 30, 38])
-    loss, _, _, counts = DEERObjective(model, stage=stage, max_suffix=12).sequence_loss(
-        ids, anchors, None, 1.01, None, 8
+    loss, _, _, counts = DEERObjective(model, stage=stage, max_suffix=12)(
+        sequences_batch([(ids, anchors, None, None, 8)]), 1.01
     )
     loss.backward()
     assert torch.isfinite(loss) and counts[1:].sum() > 0 and counts[0] == 0
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_padded_batch_gives_each_sequence_s_loss_and_statistics(stage):
+    """Sequences of different lengths in one forward: the mean of their losses and the sums of their
+    statistics, as one at a time (the noise of each block is drawn per sequence either way)."""
+    torch_target = tiny_target("qwen3", seed=5, vocab=32)
+    model = tiny_deer(block_size=5)
+    objective = DEERObjective(model, stage=stage, max_suffix=12)
+    generator = torch.Generator().manual_seed(5)
+    cases = []
+    for length, anchors, start in ((40, [8, 15, 22, 30], 8), (23, [6, 12, 20], 5), (31, [9, 27], 9)):
+        ids = torch.randint(1, 30, (length,), generator=generator)
+        logits = TargetModel(torch_target).taps_and_logits(ids, []).logits.double()
+        cases.append((ids, torch.tensor(anchors), None, logits, start))
+    with torch.no_grad():
+        alone = [objective(sequences_batch([case]), 1.01) for case in cases]
+        loss, hits, agreements, counts = objective(sequences_batch(cases), 1.01)
+    torch.testing.assert_close(loss, torch.stack([a[0] for a in alone]).mean())
+    for k, batched in ((1, hits), (2, agreements), (3, counts)):
+        assert batched.tolist() == sum(a[k] for a in alone).tolist()

@@ -19,20 +19,6 @@ PAD = 0
 
 
 @dataclass
-class SequenceInputs:
-    """One sequence's share of a batch: the per-sequence objectives' arguments."""
-
-    token_ids: torch.Tensor
-    """[n]"""
-    anchors: torch.Tensor
-    taps: torch.Tensor | None
-    """[n, T, H]"""
-    target_logits: torch.Tensor | None
-    """[n, V]"""
-    response_start: int
-
-
-@dataclass
 class TrainingBatch:
     token_ids: torch.Tensor
     """[b, L] sequences right-padded with :data:`PAD` to the longest."""
@@ -45,42 +31,17 @@ class TrainingBatch:
     target_logits: torch.Tensor | None = None
     """[b, L, V] the target's next-token logits (None: train on the tokens)."""
 
-    def __len__(self) -> int:
-        return len(self.lengths)
-
-    def sequence(self, i: int) -> SequenceInputs:
-        n = self.lengths[i]
-        return SequenceInputs(
-            self.token_ids[i, :n],
-            self.anchors[i],
-            None if self.taps is None else self.taps[i, :n],
-            None if self.target_logits is None else self.target_logits[i, :n],
-            self.response_starts[i],
-        )
-
 
 def pad_right(sequences: list[torch.Tensor], value: float = PAD) -> torch.Tensor:
     """[b, L, ...] from tensors [n_i, ...], each followed by ``value`` up to the longest."""
     return nn.utils.rnn.pad_sequence(sequences, batch_first=True, padding_value=value)
 
 
-class PerSequenceObjective(nn.Module):
-    """An objective whose drafter forward takes one sequence at a time: a batch is a loop over it.
-
-    Subclasses define ``sequence_loss(token_ids, anchors, taps, gamma, target_logits,
-    response_start) -> (loss, hits, agreements, counts)``. The batch's loss is the mean of the
-    sequences' losses, as a batched objective's is; the per-position statistics are summed.
-    """
-
-    def forward(
-        self, batch: TrainingBatch, gamma: float
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        results = []
-        for i in range(len(batch)):
-            s = batch.sequence(i)
-            results.append(
-                self.sequence_loss(s.token_ids, s.anchors, s.taps, gamma, s.target_logits, s.response_start)
-            )
-        loss = torch.stack([r[0] for r in results]).mean()
-        hits, agreements, counts = (torch.stack([r[k] for r in results]).sum(0) for k in (1, 2, 3))
-        return loss, hits, agreements, counts
+def pad_square_masks(masks: list[torch.Tensor]) -> torch.Tensor:
+    """[b, Q, Q] bool from per-sequence visibility masks [q_i, q_i], Q the largest. A padding row
+    sees only itself: a row that sees nothing would turn its attention into NaN."""
+    size = max(mask.shape[0] for mask in masks)
+    padded = torch.eye(size, dtype=torch.bool).repeat(len(masks), 1, 1)
+    for out, mask in zip(padded, masks, strict=True):
+        out[: mask.shape[0], : mask.shape[0]] = mask
+    return padded

@@ -1,4 +1,4 @@
-"""DART's training objective on one sequence: prefix-shared masked training (DART paper, Sec. 3.3).
+"""DART's training objective: prefix-shared masked training (DART paper, Sec. 3.3).
 
 Every prefix row of the sequence is computed once, causally, and is itself a depth-1 prediction
 (shifted logits: row i, holding the target's features at i and the embedding of token i + 1,
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from diffdraft.drafters.dart_model import DARTDraftModel, make_dart_config
-from diffdraft.train.batch import PerSequenceObjective
+from diffdraft.train.batch import TrainingBatch, pad_right, pad_square_masks
 from diffdraft.train.loss import draft_loss
 from diffdraft.train.objective import head_rows
 
@@ -42,12 +42,14 @@ def prefix_shared_mask(anchor_rows: torch.Tensor, draft_length: int, prefix_rows
     return torch.cat([prefix_sees, torch.cat([masks_see_prefix, masks_see_masks], dim=1)], dim=0)
 
 
-class DARTObjective(PerSequenceObjective):
-    """DART drafter + the target's frozen embedding -> (loss, hits, agreements, counts) per sequence.
+class DARTObjective(nn.Module):
+    """DART drafter + the target's frozen embedding -> (loss, hits, agreements, counts) of a batch.
 
     Same contract as :class:`~diffdraft.train.objective.BlockObjective`; the per-depth arrays have
     ``max_depth + 1`` entries (index 0 unused). ``anchors`` are sampled like DFlash's (the root
-    token's position), so anchor ``a`` is prefix row ``a - 1``.
+    token's position), so anchor ``a`` is prefix row ``a - 1``. The whole batch is one drafter
+    forward: each sequence's rows are its ``L - 1`` prefix rows (``L`` the padded length; rows past
+    its own end predict nothing and no row of it sees them) and then its mask rows.
     """
 
     def __init__(self, drafter: DARTDraftModel, target_model: nn.Module) -> None:
@@ -56,53 +58,70 @@ class DARTObjective(PerSequenceObjective):
         self.frozen = [target_model.get_input_embeddings()]
         self.label_index = head_rows(target_model.config.vocab_size, drafter.draft_vocab)
 
-    def sequence_loss(
-        self,
-        token_ids: torch.Tensor,
-        anchors: torch.Tensor,
-        taps: torch.Tensor,
-        gamma: float,
-        target_logits: torch.Tensor | None = None,
-        response_start: int = 0,
+    def forward(
+        self, batch: TrainingBatch, gamma: float
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Prefix rows train from the response's first root on (row ``response_start - 2``)."""
+        """Prefix rows train from each response's first root on (row ``response_start - 2``)."""
         (embed,) = self.frozen
         model = self.drafter
-        n, draft_length, max_depth = token_ids.shape[0], model.draft_length, model.max_depth
-        device, dtype = taps.device, model.norm.weight.dtype
+        sequences, width = batch.token_ids.shape
+        device, dtype = batch.taps.device, model.norm.weight.dtype
+        layouts = [
+            _RowLayout(width - 1, length, anchors[anchors >= 1] - 1, model.draft_length, start)
+            for length, anchors, start in zip(
+                batch.lengths, batch.anchors, batch.response_starts, strict=True
+            )
+        ]
+        masks = max(layout.mask_rows for layout in layouts)
         with torch.no_grad():
-            next_embeds = embed(token_ids[1:].to(device)).to(dtype)
-        inputs, residual = model.prefix_inputs(taps[: n - 1].to(dtype)[None], next_embeds[None])
-        anchor_rows = anchors[anchors >= 1] - 1
-        mask_in, mask_res = model.mask_inputs(1, draft_length * anchor_rows.shape[0])
+            next_embeds = embed(batch.token_ids[:, 1:].to(device)).to(dtype)
+        inputs, residual = model.prefix_inputs(batch.taps[:, : width - 1].to(dtype), next_embeds)
+        mask_in, mask_res = model.mask_inputs(sequences, masks)
         inputs, residual = torch.cat([inputs, mask_in], 1), torch.cat([residual, mask_res], 1)
+        position_ids = pad_right([layout.positions for layout in layouts]).to(device)
+        visible = pad_square_masks([layout.mask for layout in layouts]).to(device)[:, None]
+        hidden = model(inputs, residual, position_ids, model.key_values(inputs, position_ids), visible)
 
-        # Each row: its position, the depth it predicts, and the position of the token it predicts.
-        prefix = torch.arange(n - 1)
-        steps = torch.arange(1, draft_length + 1).repeat(anchor_rows.shape[0])
-        owners = anchor_rows.repeat_interleave(draft_length)
-        positions = torch.cat([prefix, owners + steps])
-        depths = torch.cat([torch.ones(n - 1, dtype=torch.long), steps + 1])
-        predicted = torch.cat([prefix + 2, owners + steps + 2])
-        is_mask = torch.arange(positions.shape[0]) >= n - 1
-        trained = (predicted < n) & (is_mask | (positions >= response_start - 2))
-
-        position_ids = positions.to(device)[None]
-        mask = prefix_shared_mask(anchor_rows, draft_length, n - 1).to(device)[None, None]
-        hidden = model(inputs, residual, position_ids, model.key_values(inputs, position_ids), mask)[0]
-        rows = trained.nonzero().squeeze(-1)
-        logits = model.logits(hidden[rows.to(device)])
-        labels = self.label_index[token_ids[predicted[rows]].to(device)]
+        sequence = torch.cat([torch.full_like(layout.rows, i) for i, layout in enumerate(layouts)])
+        rows = torch.cat([layout.rows for layout in layouts])
+        predicted = torch.cat([layout.predicted[layout.rows] for layout in layouts])
+        depths = torch.cat([layout.depths[layout.rows] for layout in layouts])
+        logits = model.logits(hidden[sequence.to(device), rows.to(device)])
+        labels = self.label_index[batch.token_ids[sequence, predicted].to(device)]
+        target_logits = None if batch.target_logits is None else batch.target_logits.flatten(0, 1)
         return draft_loss(
             logits,
             labels,
-            depths[rows].to(device),
-            dart_weights(max_depth, gamma),
+            depths.to(device),
+            dart_weights(model.max_depth, gamma),
             target_logits,
-            (predicted[rows] - 1).to(device),
+            (sequence * width + predicted - 1).to(device),
             self.label_index,
             model.draft_vocab,
+            sequence.to(device),
+            sequences,
         )
+
+
+class _RowLayout:
+    """One sequence's rows in a batched DART forward: ``prefix_rows`` prefix rows (at least its
+    own ``length - 1``), then ``draft_length`` mask rows per anchor row. Per row: its position,
+    the depth it predicts and the position of the token it predicts; ``rows`` are the trained ones."""
+
+    def __init__(
+        self, prefix_rows: int, length: int, anchor_rows: torch.Tensor, draft_length: int, response_start: int
+    ) -> None:
+        prefix = torch.arange(prefix_rows)
+        steps = torch.arange(1, draft_length + 1).repeat(anchor_rows.shape[0])
+        owners = anchor_rows.repeat_interleave(draft_length)
+        self.mask_rows = steps.shape[0]
+        self.positions = torch.cat([prefix, owners + steps])
+        self.depths = torch.cat([torch.ones(prefix_rows, dtype=torch.long), steps + 1])
+        self.predicted = torch.cat([prefix + 2, owners + steps + 2])
+        is_mask = torch.arange(self.positions.shape[0]) >= prefix_rows
+        trained = (self.predicted < length) & (is_mask | (self.positions >= response_start - 2))
+        self.rows = trained.nonzero().squeeze(-1)
+        self.mask = prefix_shared_mask(anchor_rows, draft_length, prefix_rows)
 
 
 def new_dart_drafter(

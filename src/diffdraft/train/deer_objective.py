@@ -1,8 +1,9 @@
-"""DEER's two-stage Diffusion-to-AR alignment on one sequence (DEER paper, Sec. 3.1, Eq. 1-4).
+"""DEER's two-stage Diffusion-to-AR alignment (DEER paper, Sec. 3.1, Eq. 1-4).
 
-One forward trains many blocks: the sequence's rows are causal (as at inference, where they are
-the drafter's cached prefix) and each block's rows follow them, seeing the prefix up to the
-block's root and the block's own rows bidirectionally (row layout: :mod:`~diffdraft.drafters.deer_model`).
+One forward trains many blocks of every sequence in a batch: a sequence's rows are causal (as at
+inference, where they are the drafter's cached prefix) and each block's rows follow them, seeing the
+prefix up to the block's root and the block's own rows bidirectionally (row layout:
+:mod:`~diffdraft.drafters.deer_model`).
 Row ``r`` of the block rooted at ``a`` sits at position ``a + r`` and predicts token ``a + r + 1``;
 row 0 is the root's own prefix row (depth 1).
 
@@ -23,16 +24,23 @@ sample), so a resumed run sees the same noise.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+from torch import nn
 
 from diffdraft.drafters.deer_model import DEERDraftModel
-from diffdraft.train.batch import PerSequenceObjective
-from diffdraft.train.loss import position_counts, position_hits, row_losses, target_rows
+from diffdraft.train.batch import TrainingBatch, pad_right, pad_square_masks
+from diffdraft.train.loss import mean_of_sequences, position_counts, position_hits, row_losses, target_rows
 
 
-class DEERObjective(PerSequenceObjective):
-    """DEER drafter -> (loss, hits, agreements, counts) per sequence, like the other objectives
-    (per-depth arrays of ``block_size + 1`` entries, index 0 unused). ``gamma`` is stage 2's alpha."""
+class DEERObjective(nn.Module):
+    """DEER drafter -> (loss, hits, agreements, counts) of a batch, like the other objectives
+    (per-depth arrays of ``block_size + 1`` entries, index 0 unused). ``gamma`` is stage 2's alpha.
+
+    The whole batch is one drafter forward: each sequence's rows are its ``L`` token rows (``L`` the
+    padded length; rows past its own end predict nothing and none of its blocks sees them), then
+    its block rows. The loss is the mean of the sequences' weighted means."""
 
     def __init__(self, drafter: DEERDraftModel, stage: int = 2, max_suffix: int | None = None) -> None:
         super().__init__()
@@ -44,55 +52,72 @@ class DEERObjective(PerSequenceObjective):
         self.stage = stage
         self.max_suffix = max_suffix
 
-    def sequence_loss(
-        self,
-        token_ids: torch.Tensor,
-        anchors: torch.Tensor,
-        taps: torch.Tensor | None,
-        gamma: float,
-        target_logits: torch.Tensor | None = None,
-        response_start: int = 0,
+    def forward(
+        self, batch: TrainingBatch, gamma: float
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         model = self.drafter
-        n, device = token_ids.shape[0], model.lm_head.weight.device
+        sequences, width = batch.token_ids.shape
+        device = model.lm_head.weight.device
+        layouts = [
+            self._rows(batch.token_ids[i, :length], batch.anchors[i], batch.response_starts[i], width, gamma)
+            for i, length in enumerate(batch.lengths)
+        ]
+        input_ids = pad_right(
+            [torch.cat([batch.token_ids[i], layout.block_input_ids]) for i, layout in enumerate(layouts)]
+        )
+        positions = pad_right([layout.positions for layout in layouts])
+        visible = pad_square_masks([layout.mask for layout in layouts])
+        hidden = model(input_ids.to(device), positions.to(device), visible.to(device)[:, None])
+
+        sequence = torch.cat([torch.full_like(layout.rows, i) for i, layout in enumerate(layouts)])
+        rows = torch.cat([layout.rows for layout in layouts])
+        predicted = torch.cat([layout.predicted[layout.rows] for layout in layouts])
+        size = model.max_depth + 1
+        depths = torch.cat([layout.depths[layout.rows] for layout in layouts]).clamp_max(size - 1).to(device)
+        row_weights = torch.cat([layout.weights[layout.rows] for layout in layouts]).to(device)
+        logits = model.lm_head(hidden[sequence.to(device), rows.to(device)])
+        labels = batch.token_ids[sequence, predicted].to(device)
+        target_log_probs = greedy = None
+        if batch.target_logits is not None:
+            target_log_probs, greedy = target_rows(
+                batch.target_logits.flatten(0, 1), (sequence * width + predicted - 1).to(device)
+            )
+        per_row = row_losses(logits, labels, target_log_probs)
+        loss = mean_of_sequences(per_row * row_weights, row_weights, sequence.to(device), sequences)
+        hits = position_hits(logits, labels, depths, size)
+        agreements = torch.zeros_like(hits) if greedy is None else position_hits(logits, greedy, depths, size)
+        return loss, hits, agreements, position_counts(depths, size)
+
+    def _rows(
+        self, token_ids: torch.Tensor, anchors: torch.Tensor, response_start: int, width: int, gamma: float
+    ) -> _SequenceRows:
+        """One sequence's rows: its ``width`` token rows (its own ``n`` and padding), then its blocks."""
+        n = token_ids.shape[0]
         generator = torch.Generator().manual_seed(int(anchors.sum()) * 1_000_003 + n)
         anchors = anchors[anchors <= n - 2]
         lengths, noise = self._blocks(anchors.shape[0], generator)
         lengths = torch.minimum(lengths, n - 1 - anchors)  # no block predicts past the sequence end
-        rows = _block_rows(token_ids, anchors, lengths, noise, model.mask_token_id, generator)
+        rows = _block_rows(token_ids, anchors, lengths, noise, self.drafter.mask_token_id, generator)
 
-        prefix = torch.arange(n)
+        prefix = torch.arange(width)
         positions = torch.cat([prefix, rows.positions])
         predicted = positions + 1
-        depths = torch.cat([torch.ones(n, dtype=torch.long), rows.steps + 1])
         hidden_label = torch.cat([prefix >= max(response_start - 1, 0), rows.label_hidden])
         trained = (predicted < n) & hidden_label
         stage_one = self.stage == 1 and self.max_suffix is not None
-        prefix_weights = torch.ones(n)
+        prefix_weights = torch.ones(width)
         if not stage_one:  # depth 1 only where a block is rooted, as the first of its R tokens
-            trained[:n] &= torch.isin(prefix, anchors)
+            trained[:width] &= torch.isin(prefix, anchors)
             prefix_weights[anchors] = rows.root_weights(gamma)
-        weights = torch.cat([prefix_weights, rows.weights(gamma, stage_one)])
-
-        input_ids = torch.cat([token_ids, rows.input_ids]).to(device)[None]
-        mask = _visibility(n, anchors, rows).to(device)[None, None]
-        hidden = model(input_ids, positions.to(device)[None], mask)[0]
-        index = trained.nonzero().squeeze(-1)
-        logits = model.lm_head(hidden[index.to(device)])
-        labels = token_ids[predicted[index]].to(device)
-        row_depths = depths[index].clamp_max(model.max_depth).to(device)
-        target_log_probs = greedy = None
-        if target_logits is not None:
-            target_log_probs, greedy = target_rows(target_logits, (predicted[index] - 1).to(device))
-        per_row = row_losses(logits, labels, target_log_probs)
-        row_weights = weights[index].to(device)
-        loss = (per_row * row_weights).sum() / row_weights.sum().clamp_min(1e-8)
-        size = model.max_depth + 1
-        hits = position_hits(logits, labels, row_depths, size)
-        agreements = (
-            torch.zeros_like(hits) if greedy is None else position_hits(logits, greedy, row_depths, size)
+        return _SequenceRows(
+            block_input_ids=rows.input_ids,
+            positions=positions,
+            predicted=predicted,
+            depths=torch.cat([torch.ones(width, dtype=torch.long), rows.steps + 1]),
+            weights=torch.cat([prefix_weights, rows.weights(gamma, stage_one)]),
+            mask=_visibility(width, anchors, rows),
+            rows=trained.nonzero().squeeze(-1),
         )
-        return loss, hits, agreements, position_counts(row_depths, size)
 
     def _blocks(self, count: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """Per block: how many tokens it predicts, and its mask probability (1 = all masked)."""
@@ -103,6 +128,20 @@ class DEERObjective(PerSequenceObjective):
             return torch.randint(1, self.max_suffix + 1, (count,), generator=generator), torch.ones(count)
         noise = 1 - torch.rand(count, generator=generator)  # U(0, 1]
         return torch.full((count,), block_size), noise
+
+
+@dataclass
+class _SequenceRows:
+    """One sequence's share of a batched forward: per row its position, the position of the token it
+    predicts, its depth and loss weight; the visibility mask; ``rows`` = the trained ones."""
+
+    block_input_ids: torch.Tensor
+    positions: torch.Tensor
+    predicted: torch.Tensor
+    depths: torch.Tensor
+    weights: torch.Tensor
+    mask: torch.Tensor
+    rows: torch.Tensor
 
 
 class _BlockRows:

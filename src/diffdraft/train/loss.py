@@ -53,14 +53,21 @@ def block_loss(
     weighted = row_losses(logits, labels, target_log_probs) * weights
     if row_sequence is None:
         row_sequence = torch.zeros_like(block_positions)
-    totals = weighted.new_zeros(sequences).index_add(0, row_sequence, weighted)
-    weight_totals = weights.new_zeros(sequences).index_add(0, row_sequence, weights)
-    loss = (totals / weight_totals.clamp_min(1e-8)).mean()
     return (
-        loss,
+        mean_of_sequences(weighted, weights, row_sequence, sequences),
         position_hits(logits, labels, block_positions, block_size),
         position_counts(block_positions, block_size),
     )
+
+
+def mean_of_sequences(
+    weighted: torch.Tensor, weights: torch.Tensor, row_sequence: torch.Tensor, sequences: int
+) -> torch.Tensor:
+    """The mean over sequences of each one's weighted mean: ``weighted`` [r] = loss x weight per row,
+    ``row_sequence`` [r] each row's sequence. A batch trains as its sequences one by one would."""
+    totals = weighted.new_zeros(sequences).index_add(0, row_sequence, weighted)
+    weight_totals = weights.new_zeros(sequences).index_add(0, row_sequence, weights)
+    return (totals / weight_totals.clamp_min(1e-8)).mean()
 
 
 def row_losses(

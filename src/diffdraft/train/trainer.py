@@ -91,7 +91,7 @@ class TrainConfig:
     """Sequences per forward: each process's share of a step runs in micro-batches of this many,
     padded to the longest (one target and one drafter forward each). The loss and the weights come
     out the same; on a GPU, where one sequence leaves most of it idle, 8-32 trains several times
-    faster. DART and DEER drafters still run their drafter forward one sequence at a time."""
+    faster. Every drafter family (DFlare, DART, DEER) runs its micro-batch as one forward."""
     save_every: int = 200
     seed: int = 0
     compute_dtype: str = "float32"
