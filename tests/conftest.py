@@ -137,6 +137,19 @@ def sequences_batch(sequences: list[tuple]) -> TrainingBatch:
     )
 
 
+def assert_batch_matches_each_sequence(
+    objective: torch.nn.Module, sequences: list[tuple], gamma: float
+) -> None:
+    """One padded forward over ``sequences`` gives the mean of their losses and the sums of their
+    statistics, as each alone does."""
+    with torch.no_grad():
+        alone = [objective(sequences_batch([sequence]), gamma) for sequence in sequences]
+        loss, hits, agreements, counts = objective(sequences_batch(sequences), gamma)
+    torch.testing.assert_close(loss, torch.stack([a[0] for a in alone]).mean())
+    for k, batched in ((1, hits), (2, agreements), (3, counts)):
+        assert batched.tolist() == sum(a[k] for a in alone).tolist()
+
+
 def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int, eos: int | None) -> list[int]:
     """The reference: transformers' own greedy generate, generated tokens only."""
     out = model.generate(

@@ -9,7 +9,7 @@ from diffdraft.drafters.dart import DARTDrafter
 from diffdraft.target import TargetModel
 from diffdraft.train.dart_objective import DARTObjective, dart_weights, prefix_shared_mask
 
-from conftest import sequences_batch, tiny_dart, tiny_target
+from conftest import assert_batch_matches_each_sequence, sequences_batch, tiny_dart, tiny_target
 
 
 def test_prefix_shared_mask_isolates_each_anchor_with_its_prefix():
@@ -79,9 +79,4 @@ def test_a_padded_batch_gives_each_sequence_s_loss_and_statistics():
         ids = torch.randint(1, 31, (length,), generator=generator)
         out = target.taps_and_logits(ids, model.target_layer_ids)
         cases.append((ids, torch.tensor(anchors), out.hidden, out.logits, start))
-    with torch.no_grad():
-        alone = [objective(sequences_batch([case]), 0.6) for case in cases]
-        loss, hits, agreements, counts = objective(sequences_batch(cases), 0.6)
-    torch.testing.assert_close(loss, torch.stack([a[0] for a in alone]).mean())
-    for k, batched in ((1, hits), (2, agreements), (3, counts)):
-        assert batched.tolist() == sum(a[k] for a in alone).tolist()
+    assert_batch_matches_each_sequence(objective, cases, gamma=0.6)

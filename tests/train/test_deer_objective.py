@@ -11,7 +11,7 @@ from diffdraft.drafters.deer_model import deer_from_causal_lm
 from diffdraft.target import TargetModel
 from diffdraft.train.deer_objective import DEERObjective, _block_rows, _visibility
 
-from conftest import sequences_batch, tiny_target
+from conftest import assert_batch_matches_each_sequence, sequences_batch, tiny_target
 
 
 def tiny_deer(seed: int = 3, block_size: int = 4, vocab: int = 32):
@@ -118,9 +118,4 @@ def test_a_padded_batch_gives_each_sequence_s_loss_and_statistics(stage):
         ids = torch.randint(1, 30, (length,), generator=generator)
         logits = TargetModel(torch_target).taps_and_logits(ids, []).logits.double()
         cases.append((ids, torch.tensor(anchors), None, logits, start))
-    with torch.no_grad():
-        alone = [objective(sequences_batch([case]), 1.01) for case in cases]
-        loss, hits, agreements, counts = objective(sequences_batch(cases), 1.01)
-    torch.testing.assert_close(loss, torch.stack([a[0] for a in alone]).mean())
-    for k, batched in ((1, hits), (2, agreements), (3, counts)):
-        assert batched.tolist() == sum(a[k] for a in alone).tolist()
+    assert_batch_matches_each_sequence(objective, cases, gamma=1.01)
