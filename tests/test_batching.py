@@ -10,6 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from diffdraft.batching import BatchEngine
+from diffdraft.budget import AutoBudgetBuilder, BudgetPlanner, VerifyCostCurve
+from diffdraft.drafters.base import Proposal
 from diffdraft.drafters.dart import DARTDrafter
 from diffdraft.drafters.deer import DEERDrafter
 from diffdraft.drafters.deer_model import deer_from_causal_lm
@@ -18,7 +20,7 @@ from diffdraft.sampling import SamplingParams
 from diffdraft.stats import GenerationStats
 from diffdraft.stopping import StopConditions
 from diffdraft.target import TargetModel, VerifyInput
-from diffdraft.trees import DDTreeBuilder
+from diffdraft.trees import ChainBuilder, DDTreeBuilder
 from diffdraft.trees.dart import DartTreeBuilder, DartTreeSettings
 
 from conftest import tiny_dart, tiny_target
@@ -37,16 +39,27 @@ def requests_for(target, seed: int, count: int) -> list[tuple[list[int], int, in
     return made
 
 
-def alone(engine: SpeculativeEngine, request, sampling: SamplingParams) -> list[int]:
+def alone(
+    engine: SpeculativeEngine, request, sampling: SamplingParams, stats: GenerationStats | None = None
+) -> list[int]:
     prompt, max_new_tokens, seed = request
     stop = StopConditions(
         [engine.target.vocab_size - 1], max_new_tokens, engine.target.max_context, len(prompt)
     )
-    return [t for chunk in engine.run(prompt, stop, sampling, GenerationStats(), seed) for t in chunk]
+    stats = stats if stats is not None else GenerationStats()
+    return [t for chunk in engine.run(prompt, stop, sampling, stats, seed) for t in chunk]
 
 
-def batched(engine: SpeculativeEngine, requests, sampling: SamplingParams, max_batch: int) -> list[list[int]]:
-    """Continuous batching: at most ``max_batch`` at once; a waiting request joins when one leaves."""
+def batched(
+    engine: SpeculativeEngine,
+    requests,
+    sampling: SamplingParams,
+    max_batch: int,
+    stats: list[GenerationStats] | None = None,
+) -> list[list[int]]:
+    """Continuous batching: at most ``max_batch`` at once; a waiting request joins when one leaves.
+    ``stats``: one per request, to read afterwards."""
+    stats = stats if stats is not None else [GenerationStats() for _ in requests]
     batch = BatchEngine(engine)
     outputs: list[list[int]] = [[] for _ in requests]
     index_of = {}
@@ -57,7 +70,7 @@ def batched(engine: SpeculativeEngine, requests, sampling: SamplingParams, max_b
             stop = StopConditions(
                 [engine.target.vocab_size - 1], max_new_tokens, engine.target.max_context, len(prompt)
             )
-            sequence, first = batch.add(prompt, stop, sampling, GenerationStats(), seed)
+            sequence, first = batch.add(prompt, stop, sampling, stats[i], seed)
             index_of[sequence] = i
             outputs[i].extend(first)
         for sequence, new in batch.step():
@@ -161,3 +174,66 @@ def test_a_removed_sequence_leaves_the_others_untouched():
             break
     assert output == expected
     assert batch.active == []
+
+
+class ScriptedDrafter:
+    """Knows each prompt's greedy continuation and ranks it above random logits by that prompt's own
+    margin (in nats): sequences of one batch that the drafter serves well and badly."""
+
+    max_depth = 5
+    target_layer_ids: list[int] = []  # noqa: RUF012
+
+    def __init__(self, scripts: dict[tuple[int, ...], tuple[list[int], float]], vocab: int) -> None:
+        self.scripts, self.vocab = scripts, vocab
+
+    def reset(self) -> None:
+        pass
+
+    def extend_context(self, hidden, start: int) -> None:
+        pass
+
+    def fork(self) -> ScriptedDrafter:
+        return self  # no per-sequence state: a proposal depends on the tokens given only
+
+    def propose(self, token_ids: torch.Tensor, depth: int) -> Proposal:
+        ids = tuple(token_ids.tolist())
+        prompt = next(p for p in self.scripts if ids[: len(p)] == p)
+        continuation, margin = self.scripts[prompt]
+        done = len(ids) - len(prompt)  # the next token is continuation[done]
+        logits = torch.randn(depth, self.vocab, generator=torch.Generator().manual_seed(len(ids)))
+        for d, token in enumerate(continuation[done : done + depth]):
+            logits[d, token] += margin
+        return Proposal(log_probs=logits.log_softmax(-1))
+
+
+def test_an_auto_budget_in_a_batch_gives_each_sequence_the_budgets_it_gets_alone():
+    target = TargetModel(tiny_target("qwen3", seed=6))
+    greedy = SamplingParams()
+    requests = [([3, 9, 4, 9], 70, 0), ([5, 2, 7], 30, 1), ([14, 30, 2], 60, 2)]
+    margins = [8.0, 0.0, 8.0]  # the drafter serves the first and last well, the second badly
+    plain = SpeculativeEngine(target, None, ChainBuilder())
+    scripts = {
+        tuple(prompt): (alone(plain, (prompt, n + 8, seed), greedy), margin)
+        for (prompt, n, seed), margin in zip(requests, margins, strict=True)
+    }
+    # verifying costs 10 ms plus 1 ms per token; the planner has learned nothing and learns nothing here
+    planner = BudgetPlanner(VerifyCostCurve(sizes=[1, 64], contexts=[512], seconds=[[0.01, 0.073]]))
+
+    def engine() -> SpeculativeEngine:
+        return SpeculativeEngine(
+            target, ScriptedDrafter(scripts, target.vocab_size), AutoBudgetBuilder(planner)
+        )
+
+    each = [GenerationStats() for _ in requests]
+    expected = [
+        alone(engine(), request, greedy, stats) for request, stats in zip(requests, each, strict=True)
+    ]
+    together = [GenerationStats() for _ in requests]
+    assert batched(engine(), requests, greedy, 3, together) == expected
+    assert [s.tree_sizes for s in together] == [s.tree_sizes for s in each]
+    assert [s.budgets for s in together] == [s.budgets for s in each]
+    for output, (prompt, max_new_tokens, _), stats in zip(expected, requests, each, strict=True):
+        assert output == scripts[tuple(prompt)][0][:max_new_tokens]  # lossless
+        assert len(stats.budgets) > 8  # refreshed more than once
+    well, badly, also_well = (stats.budgets for stats in each)
+    assert min(well + also_well) > max(badly)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -96,6 +97,17 @@ def _rounds(count: int, budget: int, accepted: list[int], seconds: float = 0.0) 
     return [ObservedRound(budget, accepted, context=512, seconds=seconds) for _ in range(count)]
 
 
+def _verified(
+    stats: GenerationStats, nodes: int, accepted: list[int], context: int = 512, seconds: float = 0.0
+) -> None:
+    """Record a verified round in a sequence's stats, as the engine's commit does."""
+    stats.rounds += 1
+    stats.tree_sizes.append(nodes)
+    stats.accepted_nodes.append(accepted)
+    stats.verify_contexts.append(context)
+    stats.verify_seconds.append(seconds)
+
+
 def _linear_surrogate_planner(max_budget: int = 32) -> BudgetPlanner:
     """A planner over a flat cost curve whose drafter promises 0.1 accepted tokens per node."""
     planner = BudgetPlanner(
@@ -136,6 +148,24 @@ def test_the_surrogate_covers_unmeasured_ranks_scaled_by_the_share_the_target_co
     assert tau[13] - tau[12] == pytest.approx(PRIOR_ROUNDS * 0.1 / (48 + PRIOR_ROUNDS))
 
 
+def test_a_running_sequence_is_planned_from_its_own_surrogates_and_rounds():
+    planner = _linear_surrogate_planner()  # the finished sequences' drafter promised 0.1 per node
+    sequence = GenerationStats(surrogates=[[1.0 + 0.3 * b for b in range(40)]])
+    assert planner.expected_tau(sequence)[10] == pytest.approx(4.0)  # its own promise, not theirs
+    assert planner.expected_tau()[10] == pytest.approx(2.0)
+    # 16 of its own rounds at budget 10 accepted nodes 1 and 2 only: as heavy as the estimate before
+    for _ in range(PRIOR_ROUNDS):
+        _verified(sequence, 10, [1, 2])
+    gains = np.diff(planner.expected_tau(sequence))
+    assert gains[:2] == pytest.approx([(PRIOR_ROUNDS + PRIOR_ROUNDS * 0.3) / (2 * PRIOR_ROUNDS)] * 2)
+    assert gains[2:10] == pytest.approx([0.15] * 8)
+    assert gains[10:] == pytest.approx([0.3] * 22)  # ranks its rounds never verified: its promise
+    # finished rounds measured rank 3 at 1.0: the sequence's prior for it moves there first
+    planner.observe_rounds(_rounds(3 * PRIOR_ROUNDS, 3, [1, 2, 3]), fixed_seconds=0.0)
+    pooled = (3 * PRIOR_ROUNDS + PRIOR_ROUNDS * 0.3) / (4 * PRIOR_ROUNDS)
+    assert np.diff(planner.expected_tau(sequence))[2] == pytest.approx(pooled / 2)
+
+
 def test_the_rounds_own_verification_times_rescale_the_cached_curve():
     sizes = [1, 8, 16, 64]
     curve = VerifyCostCurve(sizes=sizes, contexts=[512], seconds=[[0.02, 0.02, 0.03, 0.1]])
@@ -166,20 +196,32 @@ def test_the_auto_builder_keeps_the_best_first_prefix_of_the_chosen_size_and_exp
     builder = AutoBudgetBuilder(BudgetPlanner(curve), initial_budget=2, refresh=2)
     log_probs = torch.randn(3, 50).mul(2).log_softmax(-1)
     proposal = Proposal(log_probs=log_probs)
-    tree = builder.build(5, proposal, SamplingParams(), None, context=300)
+    stats = GenerationStats()
+    tree = builder.build(5, proposal, SamplingParams(), None, context=300, stats=stats)
     # the refresh round verifies half the chosen budget more, to measure the ranks past it
     expected = DDTreeBuilder(12).build(5, proposal, SamplingParams(), None)
-    assert builder.budget == 8
+    assert stats.budgets == [8] and len(stats.surrogates) == 1  # recorded in the sequence's own stats
     assert torch.equal(tree.tokens, expected.tokens) and torch.equal(tree.parents, expected.parents)
-    assert builder.build(5, proposal, SamplingParams(), None, context=302).num_nodes == 8
+    _verified(stats, tree.num_nodes, [1], context=300, seconds=0.02)
+    tree = builder.build(5, proposal, SamplingParams(), None, context=302, stats=stats)
+    assert tree.num_nodes == 8
+    _verified(stats, tree.num_nodes, [], context=302, seconds=0.01)
     # the next refresh verifies a quarter of the budget less, to measure what a node costs around it
-    assert builder.build(5, proposal, SamplingParams(), None, context=304).num_nodes == 6
-    stats = GenerationStats(accepted_nodes=[[1], [], [2]], verify_seconds=[0.02, 0.01, 0.01])
-    assert builder.observe_generation(stats, fixed_seconds=0.001) == [12, 8, 6]
-    assert builder.used == [] and builder.planner.fixed_seconds == 0.001
+    tree = builder.build(5, proposal, SamplingParams(), None, context=304, stats=stats)
+    assert tree.num_nodes == 6
+    _verified(stats, tree.num_nodes, [2], context=304, seconds=0.01)
+    assert builder.planner.rank_gains()[1].sum() == 0  # nothing learned while the sequence runs
+    assert builder.observe_generation(stats, fixed_seconds=0.001) == [8, 8, 8]
+    assert builder.planner.fixed_seconds == 0.001
+    assert builder.planner.surrogate() == pytest.approx(builder.planner.surrogate(stats))
+    assert [r.context for r in budget.rounds_of(stats)] == [300, 302, 304]
     observed, counts = builder.planner.rank_gains()
     assert counts[5] == 3 and counts[7] == 2 and counts[8] == 1
     assert observed[0] == 1 and observed[1] == 1 and observed[2:].sum() == 0
+    # another sequence starts from its own first refresh, not from where this one ended
+    other = GenerationStats()
+    assert builder.build(5, proposal, SamplingParams(), None, context=10, stats=other).num_nodes == 12
+    assert other.budgets == [8]
 
 
 def test_measuring_gives_every_size_and_the_cache_is_reused_until_it_stops_matching(tmp_path, monkeypatch):

@@ -314,7 +314,36 @@ def test_ddtree_auto_budget_is_lossless_and_learns_from_each_request(
     reference = hf_greedy(generator.loaded.model, result.prompt_token_ids, 16, eos=None)
     assert result.token_ids == reference[:16]
     assert list(tmp_path.glob("verify_cost/*.json"))  # the measured curve is cached
-    assert generator.engine.builder.used == []  # consumed by the planner after the request
+    learned = generator.engine.builder.planner.rank_gains()[1]
+    assert learned[0] == sum(nodes >= 1 for nodes in result.stats.tree_sizes) > 0  # after the request
+    assert result.stats.budgets and len(result.stats.verify_contexts) == result.stats.rounds
+
+
+def test_ddtree_auto_budget_in_a_batch_learns_from_each_finished_request_alone(
+    checkpoint, drafter_dir, monkeypatch, tmp_path
+):
+    from diffdraft import budget
+
+    monkeypatch.setenv("DIFFDRAFT_CACHE", str(tmp_path))
+    monkeypatch.setattr(budget, "DEFAULT_SIZES", (1, 4, 8, 16))
+    monkeypatch.setattr(budget, "DEFAULT_CONTEXTS", (16, 32))
+    generator = diffdraft.load(checkpoint, drafter=drafter_dir, method="ddtree", budget="auto")
+    requests = [
+        diffdraft.GenerationRequest(prompt, max_new_tokens=n, ignore_eos=True)
+        for prompt, n in [("hello world, the quick", 24), ("def f(x):", 12), ("one two three", 18)]
+    ]
+    results = generator.generate_batch(requests, max_batch_size=3)
+    for request, result in zip(requests, results, strict=True):
+        reference = hf_greedy(
+            generator.loaded.model, result.prompt_token_ids, request.max_new_tokens, eos=None
+        )
+        assert result.token_ids == reference[: request.max_new_tokens]
+    planner = generator.engine.builder.planner
+    each = budget.BudgetPlanner(planner.curve)
+    for result in results:
+        each.observe_rounds(budget.rounds_of(result.stats), fixed_seconds=0.0)
+    for learned, expected in zip(planner.rank_gains(), each.rank_gains(), strict=True):
+        assert learned.tolist() == expected.tolist()
 
 
 def test_cli_accepts_an_auto_budget(checkpoint, drafter_dir, monkeypatch, tmp_path, capsys):

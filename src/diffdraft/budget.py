@@ -25,7 +25,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -306,8 +306,20 @@ class ObservedRound:
     """Its verification forward; 0 when not timed."""
 
 
+def rounds_of(stats: GenerationStats) -> list[ObservedRound]:
+    """A sequence's verified rounds as the planner learns from them: every list is one entry per
+    round, recorded by the round itself, so nothing from another sequence can be mixed in."""
+    return [
+        ObservedRound(size, accepted, context, seconds)
+        for size, accepted, context, seconds in zip(
+            stats.tree_sizes, stats.accepted_nodes, stats.verify_contexts, stats.verify_seconds, strict=True
+        )
+    ]
+
+
 PRIOR_ROUNDS = 16
-"""Weight, in rounds, of the surrogate's promise for a node rank against the rounds that verified it."""
+"""Weight, in rounds, of a prior estimate of a node rank's gain against the rounds that measured it:
+the surrogate's promise against the finished rounds, and that estimate against a sequence's own."""
 MIN_TIMED_ROUNDS = 4
 """Rounds of one verified size before their times recalibrate the cost curve."""
 
@@ -324,6 +336,12 @@ class BudgetPlanner:
     well-measured ranks (at most 1), covers ranks few rounds reached: drafters are rarely
     calibrated, and the nodes past the budget are their weakest guesses. :class:`AutoBudgetBuilder`
     verifies a bigger tree now and then so the ranks just past the budget get measured too.
+
+    Per sequence: the planner learns from finished sequences only, and chooses for one running
+    sequence from its own record (:class:`~diffdraft.stats.GenerationStats`): that sequence's
+    surrogates replace the recent ones as the prior, and its own verified rounds outweigh the
+    finished rounds' estimate as they add up, so sequences the drafter serves well and badly get
+    different budgets in one batch, each the one it would get alone.
 
     Cost: the cached curve was measured once, in isolation, and its shape can differ from what the
     same forwards cost inside a decoding loop (seen here: 0.4 vs 1 ms per extra token on a CPU). The
@@ -351,20 +369,26 @@ class BudgetPlanner:
         """Seconds per round outside verification (see choose_budget)."""
 
     def observe_proposal(self, surrogate: Sequence[float]) -> None:
+        self._surrogates.append(self._padded(surrogate))
+
+    def _padded(self, surrogate: Sequence[float]) -> list[float]:
+        """``surrogate`` cut or extended (flat) to budgets 0..max_budget."""
         padded = list(surrogate[: self.max_budget + 1])
-        padded += [padded[-1]] * (self.max_budget + 1 - len(padded))
-        self._surrogates.append(padded)
+        return padded + [padded[-1]] * (self.max_budget + 1 - len(padded))
 
     def observe_rounds(self, rounds: Sequence[ObservedRound], fixed_seconds: float) -> None:
         """Verified rounds, and the mean seconds per round spent outside verification."""
-        self._rounds.extend(replace(r, budget=min(r.budget, self.max_budget)) for r in rounds)
+        self._rounds.extend(rounds)
         self._timed.extend(
             (r.budget + 1, r.seconds / self.curve(r.budget + 1, r.context)) for r in rounds if r.seconds > 0
         )
         self.fixed_seconds = fixed_seconds
 
-    def surrogate(self) -> list[float]:
-        """Mean surrogate acceptance per budget over recent proposals (1.0 everywhere before any)."""
+    def surrogate(self, sequence: GenerationStats | None = None) -> list[float]:
+        """Mean surrogate acceptance per budget over ``sequence``'s own proposals when it has any,
+        else over the recent finished ones (1.0 everywhere before any)."""
+        if sequence is not None and sequence.surrogates:
+            return np.mean([self._padded(s) for s in sequence.surrogates], axis=0).tolist()
         if not self._surrogates:
             return [1.0] * (self.max_budget + 1)
         return np.mean(np.asarray(self._surrogates), axis=0).tolist()
@@ -392,13 +416,7 @@ class BudgetPlanner:
     def rank_gains(self) -> tuple[np.ndarray, np.ndarray]:
         """Per node rank 1..max_budget: summed acceptance gain over the recent rounds that verified
         that rank, and how many did."""
-        ranks = np.arange(1, self.max_budget + 1)
-        verified = np.array([[r.budget] for r in self._rounds]) >= ranks[None, :]
-        accepted = np.zeros((len(self._rounds), self.max_budget + 1))
-        for row, r in enumerate(self._rounds):
-            # accepted node indices rise along the path; the gain of rank r is 1 if node r is on it
-            accepted[row, [i for i in r.accepted if i <= r.budget]] = 1.0
-        return (accepted[:, 1:] * verified).sum(axis=0), verified.sum(axis=0)
+        return _rank_gains(self._rounds, self.max_budget)
 
     def growth_calibration(self) -> float:
         """Realized / surrogate-promised gain over the upper half of the ranks at least
@@ -406,20 +424,26 @@ class BudgetPlanner:
         observed, counts = self.rank_gains() if self._rounds else (np.zeros(0), np.zeros(0))
         return _growth(np.diff(self.surrogate()), observed, counts)
 
-    def expected_tau(self) -> list[float]:
-        """Expected acceptance length per budget 0..max_budget (see the class docstring)."""
-        promised = np.diff(self.surrogate())
-        if not self._rounds:
-            return [1.0, *(1.0 + np.cumsum(promised)).tolist()]
-        observed, counts = self.rank_gains()
-        prior = promised * _growth(promised, observed, counts)
-        gains = (observed + PRIOR_ROUNDS * prior) / (counts + PRIOR_ROUNDS)
+    def expected_tau(self, sequence: GenerationStats | None = None) -> list[float]:
+        """Expected acceptance length per budget 0..max_budget (see the class docstring), for the
+        running ``sequence`` (its record so far) or, without one, for the recent finished rounds."""
+        gains = np.diff(self.surrogate(sequence))
+        if self._rounds:
+            observed, counts = self.rank_gains()
+            prior = gains * _growth(np.diff(self.surrogate()), observed, counts)
+            gains = (observed + PRIOR_ROUNDS * prior) / (counts + PRIOR_ROUNDS)
+        if sequence is not None and sequence.rounds:
+            observed, counts = _rank_gains(rounds_of(sequence), self.max_budget)
+            gains = (observed + PRIOR_ROUNDS * gains) / (counts + PRIOR_ROUNDS)
         return [1.0, *(1.0 + np.cumsum(gains)).tolist()]
 
-    def choose(self, context: int, largest: int | None = None) -> BudgetChoice:
-        """The best budget over ``context`` cached tokens, among 1..``largest`` (default: all)."""
+    def choose(
+        self, context: int, largest: int | None = None, sequence: GenerationStats | None = None
+    ) -> BudgetChoice:
+        """The best budget over ``context`` cached tokens, among 1..``largest`` (default: all), for
+        ``sequence`` (see :meth:`expected_tau`)."""
         budgets = range(1, min(largest or self.max_budget, self.max_budget) + 1)
-        return choose_budget(self.cost(), self.expected_tau(), context, self.fixed_seconds, budgets)
+        return choose_budget(self.cost(), self.expected_tau(sequence), context, self.fixed_seconds, budgets)
 
     def describe(self, context: int) -> dict:
         """The planner's current model, for reports: what it expects at each power-of-two budget
@@ -439,6 +463,17 @@ class BudgetPlanner:
         }
 
 
+def _rank_gains(rounds: Sequence[ObservedRound], max_budget: int) -> tuple[np.ndarray, np.ndarray]:
+    """:meth:`BudgetPlanner.rank_gains` over ``rounds``."""
+    ranks = np.arange(1, max_budget + 1)
+    verified = np.array([[r.budget] for r in rounds]).reshape(-1, 1) >= ranks[None, :]
+    accepted = np.zeros((len(rounds), max_budget + 1))
+    for row, r in enumerate(rounds):
+        # accepted node indices rise along the path; the gain of rank r is 1 if node r is on it
+        accepted[row, [i for i in r.accepted if i <= min(r.budget, max_budget)]] = 1.0
+    return (accepted[:, 1:] * verified).sum(axis=0), verified.sum(axis=0)
+
+
 def _growth(promised: np.ndarray, observed: np.ndarray, counts: np.ndarray) -> float:
     """:meth:`BudgetPlanner.growth_calibration` from the surrogate's per-rank gains and the rounds'."""
     well = np.flatnonzero(counts >= PRIOR_ROUNDS)  # ranks 1..top: counts fall with the rank
@@ -451,16 +486,20 @@ def _growth(promised: np.ndarray, observed: np.ndarray, counts: np.ndarray) -> f
 
 
 class AutoBudgetBuilder:
-    """A DDTree builder whose budget the planner re-chooses every ``refresh`` rounds.
+    """A DDTree builder whose budget the planner re-chooses for each sequence every ``refresh`` trees.
 
-    On a refresh round it builds a tree ``lookahead`` times the current budget once, feeds its
-    surrogate to the planner, chooses, and verifies that tree's best-first prefix of the chosen
-    size plus ``explore_up`` of it on every other refresh, and minus ``explore_down`` of it on the
-    rest: the bigger trees are how the planner measures the ranks just past its choice, and both
-    are how it measures what a node costs around it. A smaller tree loses acceptance and a bigger
-    one costs time, so the steps are small and taken on one round in ``refresh``. Other rounds
-    build at the chosen budget directly, so the surrogate's cost is paid once in ``refresh``
-    rounds, and the budget can grow by at most ``lookahead`` per refresh.
+    On a refresh round it builds a tree ``lookahead`` times the sequence's current budget once,
+    records its surrogate in the sequence's stats, chooses, and verifies that tree's best-first
+    prefix of the chosen size plus ``explore_up`` of it on every other refresh, and minus
+    ``explore_down`` of it on the rest: the bigger trees are how the planner measures the ranks just
+    past its choice, and both are how it measures what a node costs around it. A smaller tree loses
+    acceptance and a bigger one costs time, so the steps are small and taken on one round in
+    ``refresh``. Other rounds build at the chosen budget directly, so the surrogate's cost is paid
+    once in ``refresh`` rounds, and the budget can grow by at most ``lookahead`` per refresh.
+
+    The builder itself holds settings only: a sequence's budget, refresh rounds and surrogates live
+    in its own :class:`~diffdraft.stats.GenerationStats`, so each choice is a function of that
+    sequence and of what the planner learned from finished ones, however many share the builder.
     """
 
     def __init__(
@@ -473,14 +512,11 @@ class AutoBudgetBuilder:
         explore_down: float = 0.25,
     ) -> None:
         self.planner = planner
-        self.budget = initial_budget
+        self.initial_budget = initial_budget
         self.refresh = refresh
         self.lookahead = lookahead
         self.explore_up = explore_up
         self.explore_down = explore_down
-        self.used: list[tuple[int, int]] = []
-        """(budget, context) of every tree built since the last :meth:`observe_generation`."""
-        self._rounds = 0
 
     def build(
         self,
@@ -489,34 +525,34 @@ class AutoBudgetBuilder:
         sampling: SamplingParams,
         generator: torch.Generator | None,
         context: int = 0,
+        stats: GenerationStats | None = None,
     ) -> DraftTree:
-        self._rounds += 1
-        if self._rounds % self.refresh != 1 or proposal.log_probs is None:
-            tree = DDTreeBuilder(self.budget).build(root_token, proposal, sampling, generator)
+        """The sequence's next tree; its budget and surrogate are recorded in ``stats`` (None: the
+        first tree of a sequence nobody keeps a record of)."""
+        stats = stats if stats is not None else GenerationStats()
+        built = len(stats.budgets)
+        budget = stats.budgets[-1] if stats.budgets else self.initial_budget
+        if built % self.refresh or proposal.log_probs is None:
+            tree = DDTreeBuilder(budget).build(root_token, proposal, sampling, generator)
         else:
-            horizon = min(self.planner.max_budget, self.lookahead * max(self.budget, 4))
+            horizon = min(self.planner.max_budget, self.lookahead * max(budget, 4))
             largest = DDTreeBuilder(horizon).build(root_token, proposal, sampling, generator)
-            self.planner.observe_proposal(surrogate_acceptance(largest, proposal.log_probs))
-            self.budget = self.planner.choose(context, largest=horizon).budget
-            if self._rounds // self.refresh % 2 == 0:
-                verified = min(horizon, self.budget + max(1, round(self.explore_up * self.budget)))
+            stats.surrogates.append(surrogate_acceptance(largest, proposal.log_probs))
+            budget = self.planner.choose(context, largest=horizon, sequence=stats).budget
+            if built // self.refresh % 2 == 0:
+                verified = min(horizon, budget + max(1, round(self.explore_up * budget)))
             else:
-                verified = max(1, self.budget - max(1, round(self.explore_down * self.budget)))
+                verified = max(1, budget - max(1, round(self.explore_down * budget)))
             keep = slice(0, verified + 1)  # best-first order: a prefix is the optimal smaller tree
             tree = DraftTree(largest.tokens[keep], largest.parents[keep], largest.depths[keep])
-        self.used.append((tree.num_nodes, context))
+        stats.budgets.append(budget)
         return tree
 
     def observe_generation(self, stats: GenerationStats, fixed_seconds: float) -> list[int]:
-        """Feed a finished generation's rounds back (what each accepted and how long its
-        verification took) with the mean seconds per round spent outside verification. Returns
-        the number of draft nodes each of its rounds verified."""
-        used, self.used = self.used, []
-        rounds = [
-            ObservedRound(budget, accepted, context, seconds)
-            for (budget, context), accepted, seconds in zip(
-                used, stats.accepted_nodes, stats.verify_seconds, strict=False
-            )
-        ]
-        self.planner.observe_rounds(rounds, fixed_seconds)
-        return [budget for budget, _ in used]
+        """Teach the planner a finished sequence's own record (its surrogates, what each round
+        accepted over which context and how long its verification took) with the mean seconds per
+        round spent outside verification. Returns the budget chosen for each of its trees."""
+        for surrogate in stats.surrogates:
+            self.planner.observe_proposal(surrogate)
+        self.planner.observe_rounds(rounds_of(stats), fixed_seconds)
+        return list(stats.budgets)

@@ -133,7 +133,7 @@ class SequenceRun:
                 tree = DraftTree.root_only(self.generated[-1], self.target.device)
             else:
                 tree = self.engine.builder.build(
-                    self.generated[-1], proposal, self.sampling, self.generator, start
+                    self.generated[-1], proposal, self.sampling, self.generator, start, self.stats
                 )
         with self.timer("mask"):
             mask = self.target.attention_mask(self.cache, tree.ancestor_mask()) if tree.num_nodes else None
@@ -160,6 +160,7 @@ class SequenceRun:
         stats.accepted_nodes.append(result.path[1:])
         stats.draft_depths.append(proposal.depth)
         stats.tree_sizes.append(tree.num_nodes)
+        stats.verify_contexts.append(start)
         return self._extend(new, out.logits[result.path] if self.logprobs is not None else None)
 
     def _extend(self, new: list[int], logits: torch.Tensor | None) -> list[int]:

@@ -29,6 +29,15 @@ class GenerationStats:
     """Drafted nodes verified per round (the root not counted)."""
     verify_seconds: list[float] = field(default_factory=list)
     """Per round, seconds of the target's verification forward (what the auto budget calibrates t on)."""
+    verify_contexts: list[int] = field(default_factory=list)
+    """Per round, the cached tokens its verification attended over (t depends on them as on the size)."""
+    budgets: list[int] = field(default_factory=list)
+    """Per tree the auto budget built, the node budget it had chosen for this sequence (its exploring
+    rounds verify a little more or less: see tree_sizes); empty for fixed-size builders."""
+    surrogates: list[list[float]] = field(default_factory=list)
+    """The drafter's promised acceptance per budget on each of the auto budget's refresh rounds: the
+    sequence's own prior while it runs, and what the planner learns from once it finished (a planner
+    input, so not in :meth:`to_dict`)."""
     timings: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
     """Seconds spent per stage over the whole generation."""
     total_seconds: float = 0.0
@@ -52,6 +61,8 @@ class GenerationStats:
             "draft_depths": self.draft_depths,
             "tree_sizes": self.tree_sizes,
             "verify_seconds": self.verify_seconds,
+            "verify_contexts": self.verify_contexts,
+            "budgets": self.budgets,
             "acceptance_histogram": {str(k): v for k, v in self.acceptance_histogram.items()},
             "timings": dict(self.timings),
             "total_seconds": self.total_seconds,

@@ -8,6 +8,7 @@ import torch
 
 from diffdraft.drafters.base import Proposal
 from diffdraft.sampling import SamplingParams
+from diffdraft.stats import GenerationStats
 from diffdraft.trees.chain import ChainBuilder
 from diffdraft.trees.ddtree import DDTreeBuilder
 from diffdraft.trees.tree import DraftTree
@@ -26,7 +27,10 @@ class TreeBuilder(Protocol):
         sampling: SamplingParams,
         generator: torch.Generator | None,
         context: int = 0,
+        stats: GenerationStats | None = None,
     ) -> DraftTree:
         """A tree rooted at ``root_token`` covering at most ``proposal.depth`` positions; the target
-        will verify it over ``context`` cached tokens (what a cost-aware builder sizes it by)."""
+        will verify it over ``context`` cached tokens (what a cost-aware builder sizes it by).
+        ``stats``: the sequence's record so far, so a builder that adapts to a sequence decides by
+        that sequence's own rounds when several are decoded at once."""
         ...

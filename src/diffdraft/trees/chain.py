@@ -11,6 +11,7 @@ import torch
 
 from diffdraft.drafters.base import Proposal
 from diffdraft.sampling import SamplingParams, sample_from
+from diffdraft.stats import GenerationStats
 from diffdraft.trees.tree import DraftTree
 
 
@@ -24,8 +25,9 @@ class ChainBuilder:
         sampling: SamplingParams,
         generator: torch.Generator | None,
         context: int = 0,
+        stats: GenerationStats | None = None,
     ) -> DraftTree:
-        """``context`` is unused: a chain is as long as the proposal."""
+        """``context`` and ``stats`` are unused: a chain is as long as the proposal."""
         if proposal.tokens is not None:
             return DraftTree.chain(root_token, proposal.tokens)
         log_probs = proposal.log_probs

@@ -25,6 +25,7 @@ import torch
 from diffdraft.drafters.base import Proposal
 from diffdraft.errors import InvalidRequestError
 from diffdraft.sampling import SamplingParams
+from diffdraft.stats import GenerationStats
 from diffdraft.trees.tree import DraftTree
 
 if TYPE_CHECKING:
@@ -67,8 +68,9 @@ class DartTreeBuilder:
         sampling: SamplingParams,
         generator: torch.Generator | None,
         context: int = 0,
+        stats: GenerationStats | None = None,
     ) -> DraftTree:
-        """``sampling``, ``generator`` and ``context`` are unused: the tree is deterministic."""
+        """``sampling``, ``generator``, ``context`` and ``stats`` are unused: the tree is deterministic."""
         log_probs = proposal.log_probs
         if log_probs is None:
             if proposal.tokens is not None:

@@ -17,6 +17,7 @@ import torch
 from diffdraft.drafters.base import Proposal
 from diffdraft.errors import InvalidRequestError
 from diffdraft.sampling import SamplingParams
+from diffdraft.stats import GenerationStats
 from diffdraft.trees.tree import DraftTree
 
 
@@ -44,9 +45,10 @@ class DDTreeBuilder:
         sampling: SamplingParams,
         generator: torch.Generator | None,
         context: int = 0,
+        stats: GenerationStats | None = None,
     ) -> DraftTree:
-        """``sampling``, ``generator`` and ``context`` are unused: the tree is deterministic, its
-        size fixed, and the sampling walk verifier keeps it lossless at any temperature."""
+        """``sampling``, ``generator``, ``context`` and ``stats`` are unused: the tree is deterministic,
+        its size fixed, and the sampling walk verifier keeps it lossless at any temperature."""
         log_probs = proposal.log_probs
         if log_probs is None:
             if proposal.tokens is not None:
