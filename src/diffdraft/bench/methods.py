@@ -17,6 +17,10 @@ them (stage ``tree``).
 DEER (a diffusion LM drafter that reads tokens only) runs beside them too: ``deer`` (its chain,
 verified by rejection sampling) and ``deer-tree:BUDGET`` (DDTree over its distributions), both
 with the drafter of ``--deer-drafter``.
+
+llama.cpp, the engine CPU users run on a GGUF, is a baseline row: ``llama.cpp`` (the target's GGUF
+as it is), ``llama.cpp:bf16`` (the same weights dense, our precision) and ``llama.cpp-pld`` (its
+prompt lookup decoding); skipped with one line when ``llama-cpp-python`` is not installed.
 """
 
 from __future__ import annotations
@@ -26,14 +30,24 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
+from diffdraft.bench.llamacpp import LlamaCppRunner
 from diffdraft.bench.probes import ForwardProbe, TimedNgram, rounds_from_calls
+from diffdraft.bench.runner_api import (
+    STAGE_NAMES,
+    Completion,
+    MethodRunner,
+    MethodSpec,
+    MethodUnavailable,
+    Request,
+)
 from diffdraft.budget import AutoBudgetBuilder, BudgetPlanner, VerifyCostCurve, load_or_measure
+from diffdraft.default_model import default_gguf_path
 from diffdraft.drafters.checkpoint import DraftModel, load_draft_model, resolve_drafter_path
 from diffdraft.drafters.dart_model import DARTDraftModel
 from diffdraft.drafters.deer_model import DEERDraftModel
@@ -51,90 +65,6 @@ REFERENCE = "ar"
 """The method every other is timed and checked against."""
 DART_TREE_SIZE = 59
 """The DART paper's tree size: what the dart methods run when given no argument."""
-STAGE_NAMES = (
-    "prefill",
-    "draft",
-    "ngram",
-    "tree",
-    "mask",
-    "verify_forward",
-    "accept",
-    "commit",
-    "other",
-)
-"""Per-generation time split; ``other`` is everything outside the engine's stages. ``ngram`` is the
-DART tree's N-gram lookups (0 for every other method), ``tree`` the tree building without them."""
-
-
-class MethodUnavailable(InvalidRequestError):
-    """The method cannot run with what was given (e.g. no drafter); default method lists skip it."""
-
-
-@dataclass(frozen=True)
-class MethodSpec:
-    name: str
-    arg: str | None = None
-    dtype: str | None = None
-    """None: the benchmark's dtype."""
-
-    @classmethod
-    def parse(cls, text: str) -> MethodSpec:
-        rest, _, dtype = text.strip().partition("@")
-        name, _, arg = rest.partition(":")
-        if not name or (dtype and dtype not in DTYPES):
-            raise InvalidRequestError(
-                f"bad method spec {text!r}: write name[:arg][@dtype], e.g. ddtree:32, hf-pld:3 or hf@float32 "
-                f"(dtype one of {', '.join(DTYPES)})"
-            )
-        return cls(name, arg or None, dtype or None)
-
-    @property
-    def label(self) -> str:
-        return self.name + (f":{self.arg}" if self.arg else "") + (f"@{self.dtype}" if self.dtype else "")
-
-
-@dataclass
-class Request:
-    prompt_token_ids: list[int]
-    max_new_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-
-
-@dataclass
-class Completion:
-    token_ids: list[int]
-    seconds: float
-    """Wall time of the whole call, prefill included."""
-    acceptance_lengths: list[int]
-    """Tokens committed per verification round, bonus included."""
-    stages: dict[str, float]
-    """Seconds per stage (see :data:`STAGE_NAMES`) over the whole generation."""
-    verify_sizes: list[int] = field(default_factory=list)
-    """Tokens in each round's verification forward."""
-    verify_seconds: list[float] = field(default_factory=list)
-    """Seconds of each round's verification forward."""
-    verify_contexts: list[int] = field(default_factory=list)
-    """Cached tokens each round's verification forward attended over."""
-    budgets: list[int] = field(default_factory=list)
-    """DDTree budget of each round (auto budget only)."""
-    draft_depths: list[int] = field(default_factory=list)
-    """Positions drafted in each round (one entry per acceptance length)."""
-    ngram_lookups: int = 0
-    """N-gram trie lookups (``log_probs`` calls) the tree made over the generation."""
-    ngram_lookup_median: float = 0.0
-    """Median seconds of one of those lookups."""
-
-
-class MethodRunner(Protocol):
-    """Generates one request and accounts for where the time went."""
-
-    spec: MethodSpec
-    dtype: torch.dtype
-
-    def generate(self, request: Request) -> Completion: ...
 
 
 class BenchModels:
@@ -485,6 +415,25 @@ def _deer(models: BenchModels, spec: MethodSpec) -> MethodRunner:
     return OursRunner(models, spec, True, drafter=models.deer_model(spec.dtype))
 
 
+def _llama_cpp(lookup: bool) -> MethodFactory:
+    """llama.cpp on the target's GGUF file (see :mod:`diffdraft.bench.llamacpp`), with its prompt
+    lookup decoding if ``lookup``."""
+
+    def factory(models: BenchModels, spec: MethodSpec) -> MethodRunner:
+        if str(models.target_spec) == "default":
+            gguf = default_gguf_path()
+        elif Path(models.target_spec).suffix.lower() == ".gguf":
+            gguf = Path(models.target_spec)
+        else:
+            raise MethodUnavailable(
+                f"{spec.label} runs a GGUF file: pass --target default or --target FILE.gguf "
+                "(a Hugging Face directory has none)"
+            )
+        return LlamaCppRunner(spec, gguf, models.end_token_ids, lookup=lookup)
+
+    return factory
+
+
 def _hf(models: BenchModels, spec: MethodSpec) -> MethodRunner:
     if spec.arg is not None:
         raise InvalidRequestError(f"{spec.label}: hf takes no argument")
@@ -503,6 +452,8 @@ register("ar", _ours(needs_drafter=False))
 register("hf", _hf)
 register("hf-pld", _hf_pld, default_args=("3", "10"))  # HF PLD at its usual best settings
 register("hf-assisted", _hf_assisted)
+register("llama.cpp", _llama_cpp(lookup=False), default_args=(None, "bf16"))
+register("llama.cpp-pld", _llama_cpp(lookup=True))
 register("pld", _ours(needs_drafter=False))
 register("chain", _ours(needs_drafter=True))
 register("ddtree", _ours(needs_drafter=True), default_args=("budget",))

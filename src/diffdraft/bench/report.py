@@ -89,7 +89,7 @@ def _lossless(summary: MethodSummary) -> str:
     if summary.method == REFERENCE:
         return "reference"
     if not summary.compared:
-        return "n/a (sampled)" if summary.temperature else "n/a (other dtype)"
+        return "n/a (sampled)" if summary.temperature else "n/a (other dtype or engine)"
     if summary.violations:
         return f"**FAIL: {summary.violations} unexplained**"
     text = f"{summary.identical}/{summary.compared} identical"
