@@ -61,6 +61,9 @@ class LlamaCppRunner:
             n_threads=threads,
             n_threads_batch=threads,
             draft_model=draft,
+            # drafting needs every position's logits; the binding sizes its logits buffer by this
+            # argument, not by the draft model (without it, prompts past 512 tokens overflow it)
+            logits_all=lookup,
             verbose=False,
         )
         self._eval = self.llm.eval
