@@ -104,6 +104,7 @@ def test_prompt_lookup_rounds_and_rolled_back_drafts(binding, tmp_path) -> None:
     assert done.verify_sizes == [4, 4]
     assert done.verify_contexts == [2, 5]  # the rejected third draft is not cached
     assert runner.llm.draft.num_pred_tokens == 10
+    assert runner.llm.options["logits_all"] is True  # the binding's buffer for drafted positions
 
 
 def test_stops_at_an_end_token_and_samples_with_the_seed(binding, tmp_path) -> None:
