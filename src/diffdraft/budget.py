@@ -548,11 +548,10 @@ class AutoBudgetBuilder:
         stats.budgets.append(budget)
         return tree
 
-    def observe_generation(self, stats: GenerationStats, fixed_seconds: float) -> list[int]:
+    def observe_generation(self, stats: GenerationStats, fixed_seconds: float) -> None:
         """Teach the planner a finished sequence's own record (its surrogates, what each round
         accepted over which context and how long its verification took) with the mean seconds per
-        round spent outside verification. Returns the budget chosen for each of its trees."""
+        round spent outside verification."""
         for surrogate in stats.surrogates:
             self.planner.observe_proposal(surrogate)
         self.planner.observe_rounds(rounds_of(stats), fixed_seconds)
-        return list(stats.budgets)

@@ -25,7 +25,6 @@ prompt lookup decoding); skipped with one line when ``llama-cpp-python`` is not 
 
 from __future__ import annotations
 
-import itertools
 import os
 import statistics
 import time
@@ -291,12 +290,9 @@ class OursRunner:
         stages["ngram"] = min(sum(lookups), stages["tree"])  # the lookups ran inside the tree stage
         stages["tree"] -= stages["ngram"]
         stages["other"] = max(0.0, seconds - sum(stages.values()))
-        budgets = []
         if self.auto is not None:
             outside = seconds - stages["prefill"] - stages["verify_forward"]
-            budgets = self.auto.observe_generation(stats, outside / max(1, stats.rounds))
-        # round r verifies over the prompt and everything committed before it, minus its root
-        contexts = itertools.accumulate(stats.acceptance_lengths[:-1], initial=len(request.prompt_token_ids))
+            self.auto.observe_generation(stats, outside / max(1, stats.rounds))
         return Completion(
             token_ids=result.token_ids,
             seconds=seconds,
@@ -304,8 +300,8 @@ class OursRunner:
             stages=stages,
             verify_sizes=[nodes + 1 for nodes in stats.tree_sizes],
             verify_seconds=list(stats.verify_seconds),
-            verify_contexts=list(contexts) if stats.rounds else [],
-            budgets=budgets,
+            verify_contexts=list(stats.verify_contexts),
+            budgets=list(stats.budgets),
             draft_depths=list(stats.draft_depths),
             ngram_lookups=len(lookups),
             ngram_lookup_median=statistics.median(lookups) if lookups else 0.0,
