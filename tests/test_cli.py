@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 
@@ -89,6 +90,25 @@ def test_stream_prints_the_text_and_a_stats_line(checkpoint, capsys):
 def test_bad_arguments_exit_2_with_the_reason(checkpoint, capsys, args, message):
     assert main(["generate", "--target", str(checkpoint), "--prompt", "hi", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("value", "budget"), [("auto", "auto"), ("6", 6)])
+def test_a_budget_is_a_positive_integer_or_auto(value, budget):
+    parser = argparse.ArgumentParser()
+    diffdraft.cli.add_model_arguments(parser)
+    assert parser.parse_args(["--budget", value]).budget == budget
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-3", "1.5"])
+def test_a_bad_budget_names_the_accepted_forms(capsys, value):
+    parser = argparse.ArgumentParser()
+    diffdraft.cli.add_model_arguments(parser)
+    with pytest.raises(SystemExit) as exited:
+        parser.parse_args(["--budget", value])
+    assert exited.value.code == 2
+    assert (
+        f"argument --budget: expected a positive integer or 'auto', got '{value}'" in capsys.readouterr().err
+    )
 
 
 def test_missing_target_is_a_clear_error(tmp_path, capsys):

@@ -21,6 +21,19 @@ SHIPPED_DRAFTERS = {"dart": "default-dart", "deer": "default-deer", "deer-tree":
 """The drafter a method gets with --target default and no --drafter (others: 'default', DFlare)."""
 
 
+def budget_argument(value: str) -> int | str:
+    """``--budget``'s value, a positive integer or 'auto': a bad one's error names both forms."""
+    if value == "auto":
+        return value
+    try:
+        budget = int(value)
+    except ValueError:
+        budget = None
+    if budget is None or budget < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {value!r}")
+    return budget
+
+
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """The options that pick what :func:`load_generator` loads (shared by generate and serve)."""
     p.add_argument(
@@ -36,7 +49,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", choices=METHODS, default="ar", help="decoding method (default: ar)")
     p.add_argument(
         "--budget",
-        type=lambda v: v if v == "auto" else int(v),
+        type=budget_argument,
         default=None,
         help="DDTree node budget (ddtree, ddtree+pld, deer-tree), or 'auto' (their default) to pick it from "
         "this machine's verification cost, measured once; for dart the tree size (default: 32)",

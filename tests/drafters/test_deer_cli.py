@@ -16,22 +16,48 @@ from conftest import CHECKPOINT_VOCAB, make_checkpoint, tiny_drafter, tiny_targe
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """Untied Llama whose tokenizer has no spare control token: the mask token must be given."""
+    """Untied Llama whose tokenizer has no spare control token (and fewer tokens than embedding rows)."""
     return make_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
+
+
+def _rebuilt(path, tokenizer, **config_changes):
+    """The checkpoint at ``path`` with ``tokenizer`` and fresh weights for the changed config."""
+    tokenizer.save_pretrained(path)
+    config = AutoConfig.from_pretrained(path)
+    for name, value in config_changes.items():
+        setattr(config, name, value)
+    torch.manual_seed(1)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return path
 
 
 @pytest.fixture(scope="module")
 def tied_checkpoint(tmp_path_factory):
-    """Tied Qwen3 (like the SmolLM2 default) whose tokenizer has an unused control token to mask with."""
+    """Tied Qwen3 (like the SmolLM2 default): an embedding row for each token, one an unused control token."""
     path = make_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3")
-    config = AutoConfig.from_pretrained(path)
-    config.tie_word_embeddings = True
-    torch.manual_seed(1)
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.add_tokens(["<extra_0>"], special_tokens=True)
-    tokenizer.save_pretrained(path)
-    return path
+    return _rebuilt(path, tokenizer, tie_word_embeddings=True, vocab_size=len(tokenizer))
+
+
+@pytest.fixture(scope="module")
+def qwen2_checkpoint(tmp_path_factory):
+    """Qwen2.5's layout in small: an embedding padded past the tokenizer, whose last added token
+    (``<|file_sep|>``) is plain text in repository-level code."""
+    path = make_checkpoint(tmp_path_factory.mktemp("qwen2"), "qwen2")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.add_tokens(["<|fim_prefix|>", "<|repo_name|>", "<|file_sep|>"])
+    assert len(tokenizer) < CHECKPOINT_VOCAB
+    return _rebuilt(path, tokenizer)
+
+
+@pytest.fixture(scope="module")
+def full_checkpoint(tmp_path_factory):
+    """An embedding row for each token and no spare control token: nothing to mask with."""
+    path = make_checkpoint(tmp_path_factory.mktemp("full"), "llama")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return _rebuilt(path, tokenizer, vocab_size=len(tokenizer))
 
 
 def init_args(base, out, *extra):
@@ -104,12 +130,31 @@ def test_init_copies_the_first_layers(checkpoint, tmp_path, capsys):
         assert line in info
 
 
+def test_init_masks_with_an_unused_embedding_row_and_says_why(qwen2_checkpoint, tmp_path, capsys):
+    out = tmp_path / "drafter"
+    assert main(init_args(qwen2_checkpoint, out, "--num-layers", "1")) == 0
+    tokens = len(AutoTokenizer.from_pretrained(qwen2_checkpoint))
+    assert (
+        f"mask token {tokens} (an unused embedding row: the embedding has {CHECKPOINT_VOCAB} rows and the "
+        f"tokenizer {tokens} tokens, so no text encodes to ids {tokens} and up)"
+    ) in capsys.readouterr().out
+    assert load_draft_model(out).mask_token_id == tokens
+    last = str(CHECKPOINT_VOCAB - 1)  # given, a row beyond the tokenizer is named as such
+    given = init_args(qwen2_checkpoint, out, "--num-layers", "1", "--mask-token-id", last, "--force")
+    assert main(given) == 0
+    assert f"mask token {last} (an id no text encodes to)" in capsys.readouterr().out
+
+
 def test_init_picks_the_mask_token_and_keeps_a_tied_head(tied_checkpoint, tmp_path, capsys):
     out = tmp_path / "drafter"
     args = init_args(tied_checkpoint, out, "--num-layers", "2", "--dtype", "bfloat16")
     assert main(args) == 0
-    spare = AutoTokenizer.from_pretrained(tied_checkpoint).convert_tokens_to_ids("<extra_0>")
-    assert f"mask token {spare} ('<extra_0>')" in capsys.readouterr().out
+    tokenizer = AutoTokenizer.from_pretrained(tied_checkpoint)
+    spare = tokenizer.convert_tokens_to_ids("<extra_0>")
+    assert (
+        f"mask token {spare} ('<extra_0>', an added control token outside the chat format, since the "
+        f"embedding has no row beyond the tokenizer's {len(tokenizer)} tokens;"
+    ) in capsys.readouterr().out
     drafter = load_draft_model(out)
     assert drafter.mask_token_id == spare and drafter.block_size == 16
     assert drafter.tied and drafter.lm_head.weight is drafter.model.embed_tokens.weight
@@ -142,12 +187,20 @@ def test_force_replaces_a_non_empty_out(checkpoint, tmp_path, capsys):
         ),
         (["--num-layers", "1", "--mask-token-id", str(CHECKPOINT_VOCAB)], "leave it out to pick one"),
         (["--num-layers", "1", "--mask-token-id", "-1"], "leave it out to pick one"),
-        (["--num-layers", "1"], "pass --mask-token-id"),  # the tokenizer has no spare control token
     ],
 )
 def test_bad_settings_exit_2_and_write_nothing(checkpoint, tmp_path, capsys, extra, fix):
     assert main(init_args(checkpoint, tmp_path / "drafter", *extra)) == 2
     assert fix in _one_line_error(capsys)
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_model_with_nothing_to_mask_with_asks_for_an_id_and_writes_nothing(
+    full_checkpoint, tmp_path, capsys
+):
+    assert main(init_args(full_checkpoint, tmp_path / "drafter", "--num-layers", "1")) == 2
+    error = _one_line_error(capsys)
+    assert "no row beyond the tokenizer's" in error and "pass --mask-token-id" in error
     assert not any(tmp_path.iterdir())
 
 

@@ -6,10 +6,11 @@ import json
 
 import pytest
 import torch
+from transformers import Qwen2Config
 
 from diffdraft.drafters.checkpoint import load_draft_model, save_draft_model
 from diffdraft.drafters.dflash import DFlashDrafter
-from diffdraft.drafters.dflash_model import DFLARE, DFLASH, default_target_layer_ids
+from diffdraft.drafters.dflash_model import DFLARE, DFLASH, default_target_layer_ids, make_draft_config
 from diffdraft.errors import CheckpointError, IncompatibleDrafterError
 from diffdraft.target import TargetModel
 
@@ -132,6 +133,45 @@ def test_incremental_context_cache_equals_full_recompute(variant):
 def test_default_layer_ids_spread_from_shallow_to_deep():
     assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
     assert default_target_layer_ids(30, 1) == [15]
+
+
+def test_default_layer_ids_are_distinct_target_layers_however_shallow_the_target():
+    for layers in range(1, 40):
+        ids = default_target_layer_ids(layers, 5)
+        assert len(ids) == min(5, max(1, layers - 3)) and ids == sorted(set(ids)), (layers, ids)
+        assert ids[0] >= 0 and ids[-1] < layers, (layers, ids)
+
+
+QWEN25_05B = Qwen2Config(  # Qwen2.5-0.5B's shape: 24 layers
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+)
+
+
+@pytest.mark.parametrize("depth", [1, 2, 5])
+def test_a_new_drafter_taps_layers_spread_over_the_target_whatever_its_own_depth(depth):
+    config = make_draft_config(QWEN25_05B, num_layers=depth, block_size=16, mask_token_id=151665)
+    assert config.num_hidden_layers == depth
+    assert config.dflash_config["target_layer_ids"] == [1, 6, 11, 16, 21]
+    dflare = make_draft_config(
+        QWEN25_05B, num_layers=depth, block_size=16, mask_token_id=151665, variant=DFLARE
+    )
+    assert dflare.dflash_config["target_layer_ids"] == [1, 4, 6, 8, 11, 14, 16, 18, 21]
+
+
+def test_the_shipped_drafter_keeps_the_taps_a_new_dflare_gets_on_its_target():
+    shipped = load_draft_model("default")
+    smollm2 = Qwen2Config(num_hidden_layers=shipped.config.num_target_layers)  # only the depth counts
+    config = make_draft_config(smollm2, num_layers=2, block_size=8, mask_token_id=16, variant=DFLARE)
+    assert (
+        config.dflash_config["target_layer_ids"]
+        == shipped.target_layer_ids
+        == [1, 4, 8, 11, 14, 17, 20, 24, 27]
+    )
 
 
 def test_mismatched_drafter_and_target_are_rejected_with_the_reason():

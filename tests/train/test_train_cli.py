@@ -10,12 +10,13 @@ import torch
 from transformers import AutoTokenizer
 
 from diffdraft.bench.datasets import Sample
+from diffdraft.drafters.checkpoint import load_draft_model
 from diffdraft.errors import InvalidRequestError
 from diffdraft.loading import fastest_dtype
 from diffdraft.train import cli as train_cli
 from diffdraft.train.cli import add_train_parser, process_group_backend, run_train
 
-from conftest import make_checkpoint
+from conftest import CHECKPOINT_VOCAB, make_checkpoint
 
 COPIED = " ".join(f"word{i}" for i in range(13))
 HELD_OUT = [Sample("p2", "sharegpt", messages=[{"role": "user", "content": "Q: " + COPIED}])]
@@ -343,6 +344,48 @@ def test_fit_refuses_a_deer_drafter_built_with_another_tokenizer(responses, tmp_
     assert main([*fit, "--output-dir", str(out), "--variant", "deer", "--init-drafter", str(drafter)]) == 2
     assert "built with tokenizer another-tokenizer" in capsys.readouterr().err
     assert not (out / "final").exists()
+
+
+def _token_data(path, rows):
+    """A responses file of the given (prompt, response) token id lists."""
+    lines = [
+        json.dumps({"id": f"r{i}", "prompt_token_ids": prompt, "response_token_ids": response})
+        for i, (prompt, response) in enumerate(rows)
+    ]
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+def test_deer_fit_masks_with_an_unused_row_and_refuses_data_containing_the_mask(tmp_path, capsys):
+    from diffdraft.cli import main
+
+    target = make_checkpoint(tmp_path / "target")  # more embedding rows than tokens
+    tokens = len(AutoTokenizer.from_pretrained(target))
+    clean = _token_data(tmp_path / "clean.jsonl", [([3, 4, 5], [6 + i, 7, 8, 9, 10]) for i in range(4)])
+    fit = ["train", "fit", "--target", str(target), "--held-out", "0", "--variant", "deer"]
+    fit += ["--labels", "tokens", "--num-layers", "1", "--block-size", "4", "--batch-size", "2"]
+    fit += ["--max-steps", "1"]
+    assert main([*fit, "--data", str(clean), "--output-dir", str(tmp_path / "run")]) == 0
+    picked = f"mask token: {tokens} (an unused embedding row: the embedding has {CHECKPOINT_VOCAB} rows"
+    assert picked in capsys.readouterr().out
+    assert load_draft_model(tmp_path / "run" / "final").mask_token_id == tokens
+
+    # an id the data contains: given, or carried by a drafter to fine-tune, it is refused before training
+    rows = [([3, 4, 5], [6, 7, 8, 9, 10]), ([3, 4, 5], [6, 7, 8, 9, 11]), ([7, 4], [5, 7, 8, 9, 10])]
+    dirty = _token_data(tmp_path / "dirty.jsonl", rows)
+    drafter = tmp_path / "deer"
+    init = ["deer", "init", "--from", str(target), "--out", str(drafter), "--num-layers", "1"]
+    assert main([*init, "--mask-token-id", "11"]) == 0
+    capsys.readouterr()
+    for flags, fix in (
+        (["--mask-token-id", "7"], "the mask token id 7 occurs in 3 training samples (first: r0)"),
+        (["--init-drafter", str(drafter)], "the mask token id 11 occurs in 1 training samples (first: r1)"),
+    ):
+        out = tmp_path / f"refused-{flags[0]}"
+        assert main([*fit, "--data", str(dirty), "--output-dir", str(out), *flags]) == 2
+        error = capsys.readouterr().err
+        assert fix in error and "--mask-token-id" in error
+        assert not out.exists()
 
 
 @pytest.mark.parametrize(

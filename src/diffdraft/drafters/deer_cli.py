@@ -59,7 +59,8 @@ def add_deer_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
         type=int,
         default=None,
         metavar="ID",
-        help="token id of the mask rows (default: the tokenizer's mask token or an unused control token)",
+        help="token id of the mask rows (default: the tokenizer's mask token, else the first unused "
+        "embedding row, else an unused control token)",
     )
     init.add_argument(
         "--dtype",
@@ -108,13 +109,18 @@ def _run_init(args: argparse.Namespace) -> None:
         )
     mask_token_id = args.mask_token_id
     if mask_token_id is None:
-        mask_token_id = pick_mask_token(loaded.tokenizer, end_token_ids(loaded.model, loaded.tokenizer))
+        embedding = loaded.model.get_input_embeddings().weight
+        mask = pick_mask_token(loaded.tokenizer, end_token_ids(loaded.model, loaded.tokenizer), embedding)
+        mask_token_id, mask_text = mask.token_id, mask.reason
     elif not 0 <= mask_token_id < base.vocab_size:
         raise InvalidRequestError(
             f"--mask-token-id {mask_token_id} is outside the vocabulary [0, {base.vocab_size}) of "
             f"{initialized_from}; pass the id of a token the model practically never emits, or leave it out "
             "to pick one"
         )
+    else:
+        text = loaded.tokenizer.convert_ids_to_tokens(mask_token_id)
+        mask_text = "an id no text encodes to" if text is None else repr(text)
     drafter = deer_from_causal_lm(
         loaded.model,
         args.num_layers,
@@ -126,11 +132,10 @@ def _run_init(args: argparse.Namespace) -> None:
     )
     with staged_directory(out) as tmp:
         save_draft_model(drafter, tmp, DTYPES[args.dtype])
-    mask_text = loaded.tokenizer.convert_ids_to_tokens(mask_token_id)
     print(
         f"wrote {out}: DEER drafter from {args.num_layers}/{base.num_hidden_layers} layers of "
         f"{initialized_from}, {_parameter_count(drafter):,} parameters ({args.dtype}), "
-        f"block size {args.block_size}, mask token {mask_token_id} ({mask_text!r})",
+        f"block size {args.block_size}, mask token {mask_token_id} ({mask_text})",
         flush=True,
     )
 

@@ -219,11 +219,19 @@ def draft_head(lm_head: nn.Module, draft_vocab: torch.Tensor | None) -> nn.Modul
     return head
 
 
+DEFAULT_TAP_COUNT = {DFLASH: 5, DFLARE: 9}
+"""Target layers a new drafter taps, whatever its own depth, so a shallow drafter still sees the target
+from shallow to deep: the official Qwen3 DFlash drafters tap 5 ([1, 9, 17, 25, 33] of 36); DFlare
+fuses 9 (the shipped default's, of SmolLM2's 30)."""
+
+
 def default_target_layer_ids(num_target_layers: int, count: int) -> list[int]:
-    """``count`` layer ids spread evenly from layer 1 to layer L-3 (shallow to deep, as DFlash picks)."""
-    if count == 1:
+    """Up to ``count`` distinct layer ids spread evenly from layer 1 to layer L-3 (shallow to deep, as
+    DFlash picks); one tap, or a target too shallow for two, gets the middle layer."""
+    first, last = 1, num_target_layers - 3
+    count = min(count, last - first + 1)
+    if count <= 1:
         return [num_target_layers // 2]
-    first, last = 1, max(1, num_target_layers - 3)
     return [round(first + i * (last - first) / (count - 1)) for i in range(count)]
 
 
@@ -243,7 +251,7 @@ def make_draft_config(
     """
     num_target_layers = target_config.num_hidden_layers
     if target_layer_ids is None:
-        target_layer_ids = default_target_layer_ids(num_target_layers, 9 if variant == DFLARE else num_layers)
+        target_layer_ids = default_target_layer_ids(num_target_layers, DEFAULT_TAP_COUNT[variant])
     heads = target_config.num_attention_heads
     rope = getattr(target_config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}
     return Qwen3Config(

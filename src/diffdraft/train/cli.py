@@ -21,7 +21,7 @@ from torch import distributed as dist
 from diffdraft.bench.datasets import sharegpt_held_out
 from diffdraft.drafters.checkpoint import load_draft_model
 from diffdraft.drafters.deer import check_tokenizer
-from diffdraft.drafters.deer_model import DEERDraftModel
+from diffdraft.drafters.deer_model import DEER, DEERDraftModel
 from diffdraft.drafters.dflash_model import DFLASH
 from diffdraft.errors import InvalidRequestError
 from diffdraft.loading import default_device, end_token_ids, fastest_dtype, load_target
@@ -32,7 +32,7 @@ from diffdraft.train.dataset import load_responses
 from diffdraft.train.draft_vocab import coverage
 from diffdraft.train.evaluate import DartTrees, evaluate_drafter
 from diffdraft.train.features import capture_features
-from diffdraft.train.mask_token import pick_mask_token
+from diffdraft.train.mask_token import pick_mask_token, refuse_mask_in_data
 from diffdraft.train.plots import plot_learning_curve, plot_training_curves
 from diffdraft.train.prompts import (
     SHAREGPT,
@@ -284,13 +284,15 @@ def _add_fit_parser(steps: argparse._SubParsersAction) -> None:
         type=int,
         nargs="+",
         default=None,
-        help="target layers to tap, DFlash ids (default: spread from layer 1 to L-3)",
+        help="target layers to tap, DFlash ids (default: dflash 5, dflare 9 spread evenly from layer 1 to "
+        "L-3 of the target's L, whatever --num-layers; dart: EAGLE-3's 3)",
     )
     fit.add_argument(
         "--mask-token-id",
         type=int,
         default=None,
-        help="default: the tokenizer's mask token, else an unused control token",
+        help="default: the tokenizer's mask token, else the first unused embedding row, else an unused "
+        "control token (deer refuses an id the training data contains)",
     )
     fit.add_argument(
         "--gamma-0",
@@ -503,12 +505,15 @@ def _run_fit(args: argparse.Namespace) -> None:
         initial = load_draft_model(args.init_drafter) if args.init_drafter else None
         if isinstance(initial, DEERDraftModel):
             check_tokenizer(initial, loaded.tokenizer)  # equal vocab sizes can still mean other text
+        mask = None
         if initial is not None:
             config.mask_token_id = getattr(initial, "mask_token_id", None)  # DART drafters have none
         elif config.mask_token_id is None and config.variant != DART:
-            config.mask_token_id = pick_mask_token(
-                loaded.tokenizer, end_token_ids(loaded.model, loaded.tokenizer)
-            )
+            embedding = loaded.model.get_input_embeddings().weight
+            mask = pick_mask_token(loaded.tokenizer, end_token_ids(loaded.model, loaded.tokenizer), embedding)
+            config.mask_token_id = mask.token_id
+        if isinstance(initial, DEERDraftModel) or (initial is None and config.variant == DEER):
+            refuse_mask_in_data(train, config.mask_token_id)
         trainer = Trainer(
             config, TargetModel(loaded.model), train, feature_cache=args.feature_cache, drafter=initial
         )
@@ -516,6 +521,8 @@ def _run_fit(args: argparse.Namespace) -> None:
             steps = trainer.total_steps
             print(f"training on {len(train)} sequences ({args.held_out} held out), {steps} steps")
             print(f"precision: target {args.dtype}, drafter compute {args.compute_dtype}")
+            if mask is not None:
+                print(f"mask token: {mask.token_id} ({mask.reason})")
             if args.feature_cache:
                 cached = sum(s.sample_id in trainer.features.shard_of for s in train)
                 print(f"target features: {cached} sequences cached, {len(train) - cached} computed online")
