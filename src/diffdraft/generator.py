@@ -221,16 +221,21 @@ class SpeculativeGenerator:
         drafter: str | os.PathLike | DraftModel | None = None,
         budget: int | str | None = None,
         ngram: str | os.PathLike | None = None,
+        builder: TreeBuilder | None = None,
     ) -> None:
         """``ngram``: the N-gram trie of the ``dart`` tree (a directory, ``"default"`` for the one
-        shipped for the default target, or None for none)."""
+        shipped for the default target, or None for none). ``builder``: a tree rule built by the
+        caller, used instead of the one ``method``, ``budget`` and ``ngram`` make (the benchmark's
+        auto budget plans over its own cost curve, its dart tree times each trie lookup); an auto
+        budget given here learns from every finished request like the one made here."""
         _check_method(method)
         self.loaded = target
         self.tokenizer = target.tokenizer
         self.target = TargetModel(target.model)
         self.method = method
         self.drafter: Drafter | None = _make_drafter(method, drafter, self.target, self.tokenizer)
-        builder = _make_builder(method, budget, self.target, ngram, self.tokenizer)
+        if builder is None:
+            builder = _make_builder(method, budget, self.target, ngram, self.tokenizer)
         self.engine = SpeculativeEngine(self.target, self.drafter, builder)
         self._auto_budget = builder if isinstance(builder, AutoBudgetBuilder) else None
         self.end_token_ids = end_token_ids(target.model, target.tokenizer)

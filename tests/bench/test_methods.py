@@ -149,6 +149,8 @@ def test_every_method_matches_plain_ar_and_accounts_for_its_time(models, label):
     assert sum(done.acceptance_lengths) >= len(done.token_ids) - 1
     if label.endswith(":auto"):
         assert done.budgets and all(b >= 1 for b in done.budgets)
+        # the generator fed this generation to the bench's planner, once
+        assert runner.auto.planner.rank_gains()[1][0] == sum(size > 1 for size in done.verify_sizes)
     if label.startswith("deer"):  # the DEER drafter's forward is timed as drafting, its block drafted
         assert done.stages["draft"] > 0 and max(done.draft_depths) == 4
 

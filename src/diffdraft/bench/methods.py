@@ -51,19 +51,19 @@ from diffdraft.drafters.checkpoint import DraftModel, load_draft_model, resolve_
 from diffdraft.drafters.dart_model import DARTDraftModel
 from diffdraft.drafters.deer_model import DEERDraftModel
 from diffdraft.errors import CheckpointError, InvalidRequestError
-from diffdraft.generator import SpeculativeGenerator
+from diffdraft.generator import DDTREE_METHODS, SpeculativeGenerator
 from diffdraft.loading import DTYPES, LoadedModel, end_token_ids, load_target
 from diffdraft.ngram import NgramTrie
 from diffdraft.ngram.shipped import load_ngram
 from diffdraft.stats import STAGES
 from diffdraft.target import TargetModel
-from diffdraft.trees import DDTreeBuilder
-from diffdraft.trees.dart import DartTreeBuilder
+from diffdraft.trees.dart import DartTreeBuilder, DartTreeSettings
 
 REFERENCE = "ar"
 """The method every other is timed and checked against."""
-DART_TREE_SIZE = 59
-"""The DART paper's tree size: what the dart methods run when given no argument."""
+DART_PAPER_TREE_SIZE = 59
+"""The DART paper's tree size: what the dart methods of the benchmark run when given no argument (the
+generator's own default, :data:`diffdraft.generator.DART_TREE_SIZE`, is smaller to pay on a CPU)."""
 
 
 class BenchModels:
@@ -253,22 +253,23 @@ class OursRunner:
         self.spec = spec
         loaded = models.target(spec.dtype)
         self.dtype = loaded.model.dtype
+        method = method or spec.name
         budget = default_budget if spec.arg in (None, "auto") else _positive_int(spec)
         if drafter is None and needs_drafter:
             drafter = models.draft_model(spec.dtype)
-        self.generator = SpeculativeGenerator(loaded, method or spec.name, drafter=drafter, budget=budget)
+        builder = None
         self.lookups: TimedNgram | None = None
         if ngram is not None:
-            builder = self.generator.engine.builder
-            if not isinstance(builder, DartTreeBuilder):
+            if method != "dart":
                 raise InvalidRequestError(f"{spec.label}: only the dart tree takes an N-gram trie")
-            self.lookups = builder.ngram = TimedNgram(ngram)
+            self.lookups = TimedNgram(ngram)
+            builder = DartTreeBuilder(DartTreeSettings(tree_size=budget), self.lookups)
         self.auto: AutoBudgetBuilder | None = None
         if spec.arg == "auto":
-            if not isinstance(self.generator.engine.builder, DDTreeBuilder):
+            if method not in DDTREE_METHODS:
                 raise InvalidRequestError(f"{spec.label}: only DDTree methods take an auto budget")
-            self.auto = AutoBudgetBuilder(BudgetPlanner(models.cost_curve()), initial_budget=budget)
-            self.generator.engine.builder = self.auto
+            builder = self.auto = AutoBudgetBuilder(BudgetPlanner(models.cost_curve()), initial_budget=budget)
+        self.generator = SpeculativeGenerator(loaded, method, drafter=drafter, budget=budget, builder=builder)
 
     def generate(self, request: Request) -> Completion:
         if self.lookups is not None:
@@ -290,9 +291,6 @@ class OursRunner:
         stages["ngram"] = min(sum(lookups), stages["tree"])  # the lookups ran inside the tree stage
         stages["tree"] -= stages["ngram"]
         stages["other"] = max(0.0, seconds - sum(stages.values()))
-        if self.auto is not None:
-            outside = seconds - stages["prefill"] - stages["verify_forward"]
-            self.auto.observe_generation(stats, outside / max(1, stats.rounds))
         return Completion(
             token_ids=result.token_ids,
             seconds=seconds,
@@ -400,7 +398,13 @@ def _dart(method: str, ngram: bool, main_drafter: bool = False) -> MethodFactory
         drafter = models.draft_model(spec.dtype) if main_drafter else models.dart_model(spec.dtype)
         trie = models.ngram() if ngram else None
         return OursRunner(
-            models, spec, True, method=method, drafter=drafter, ngram=trie, default_budget=DART_TREE_SIZE
+            models,
+            spec,
+            True,
+            method=method,
+            drafter=drafter,
+            ngram=trie,
+            default_budget=DART_PAPER_TREE_SIZE,
         )
 
     return factory
@@ -455,9 +459,9 @@ register("chain", _ours(needs_drafter=True))
 register("ddtree", _ours(needs_drafter=True), default_args=("budget",))
 register("chain+pld", _ours(needs_drafter=True))
 register("ddtree+pld", _ours(needs_drafter=True), default_args=("32",))
-register("dart", _dart("dart", ngram=True), default_args=(str(DART_TREE_SIZE),))
-register("dart-no-ngram", _dart("dart", ngram=False), default_args=(str(DART_TREE_SIZE),))
-register("ddtree-dart", _dart("ddtree", ngram=False), default_args=(str(DART_TREE_SIZE),))
-register("dart-tree", _dart("dart", ngram=True, main_drafter=True), default_args=(str(DART_TREE_SIZE),))
+register("dart", _dart("dart", ngram=True), default_args=(str(DART_PAPER_TREE_SIZE),))
+register("dart-no-ngram", _dart("dart", ngram=False), default_args=(str(DART_PAPER_TREE_SIZE),))
+register("ddtree-dart", _dart("ddtree", ngram=False), default_args=(str(DART_PAPER_TREE_SIZE),))
+register("dart-tree", _dart("dart", ngram=True, main_drafter=True), default_args=(str(DART_PAPER_TREE_SIZE),))
 register("deer", _deer)
 register("deer-tree", _deer, default_args=("32",))
