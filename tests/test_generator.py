@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import diffdraft
+from diffdraft import budget
 from diffdraft.drafters.checkpoint import save_draft_model
 from diffdraft.drafters.deer_model import deer_from_causal_lm
 from diffdraft.ngram.trie import tokenizer_fingerprint
@@ -250,8 +251,6 @@ def test_deer_sampling_with_a_seed_is_reproducible(checkpoint, deer_dir):
 
 
 def test_deer_tree_takes_an_auto_budget(checkpoint, deer_dir, monkeypatch, tmp_path):
-    from diffdraft import budget
-
     monkeypatch.setenv("DIFFDRAFT_CACHE", str(tmp_path))
     monkeypatch.setattr(budget, "DEFAULT_SIZES", (1, 4, 8))
     monkeypatch.setattr(budget, "DEFAULT_CONTEXTS", (16, 32))
@@ -301,15 +300,17 @@ def test_default_target_every_method_matches_transformers_greedy(tmp_path):
         assert result.token_ids == expected, method
 
 
-def test_ddtree_auto_budget_is_lossless_and_learns_from_each_request(
-    checkpoint, drafter_dir, monkeypatch, tmp_path
-):
-    from diffdraft import budget
-
+@pytest.fixture
+def auto_generator(checkpoint, drafter_dir, monkeypatch, tmp_path) -> diffdraft.SpeculativeGenerator:
+    """ddtree with the auto budget, its cost curve measured at a few small points into tmp_path."""
     monkeypatch.setenv("DIFFDRAFT_CACHE", str(tmp_path))
     monkeypatch.setattr(budget, "DEFAULT_SIZES", (1, 4, 8, 16))
     monkeypatch.setattr(budget, "DEFAULT_CONTEXTS", (16, 32))
-    generator = diffdraft.load(checkpoint, drafter=drafter_dir, method="ddtree", budget="auto")
+    return diffdraft.load(checkpoint, drafter=drafter_dir, method="ddtree", budget="auto")
+
+
+def test_ddtree_auto_budget_is_lossless_and_learns_from_each_request(auto_generator, tmp_path):
+    generator = auto_generator
     result = generator.generate("hello world, the quick", max_new_tokens=16, ignore_eos=True)
     reference = hf_greedy(generator.loaded.model, result.prompt_token_ids, 16, eos=None)
     assert result.token_ids == reference[:16]
@@ -319,15 +320,8 @@ def test_ddtree_auto_budget_is_lossless_and_learns_from_each_request(
     assert result.stats.budgets and len(result.stats.verify_contexts) == result.stats.rounds
 
 
-def test_ddtree_auto_budget_in_a_batch_learns_from_each_finished_request_alone(
-    checkpoint, drafter_dir, monkeypatch, tmp_path
-):
-    from diffdraft import budget
-
-    monkeypatch.setenv("DIFFDRAFT_CACHE", str(tmp_path))
-    monkeypatch.setattr(budget, "DEFAULT_SIZES", (1, 4, 8, 16))
-    monkeypatch.setattr(budget, "DEFAULT_CONTEXTS", (16, 32))
-    generator = diffdraft.load(checkpoint, drafter=drafter_dir, method="ddtree", budget="auto")
+def test_ddtree_auto_budget_in_a_batch_learns_from_each_finished_request_alone(auto_generator):
+    generator = auto_generator
     requests = [
         diffdraft.GenerationRequest(prompt, max_new_tokens=n, ignore_eos=True)
         for prompt, n in [("hello world, the quick", 24), ("def f(x):", 12), ("one two three", 18)]
@@ -347,7 +341,6 @@ def test_ddtree_auto_budget_in_a_batch_learns_from_each_finished_request_alone(
 
 
 def test_cli_accepts_an_auto_budget(checkpoint, drafter_dir, monkeypatch, tmp_path, capsys):
-    from diffdraft import budget
     from diffdraft.cli import main
 
     monkeypatch.setenv("DIFFDRAFT_CACHE", str(tmp_path))
@@ -463,7 +456,6 @@ def test_a_batch_on_the_default_target_gives_every_request_its_alone_tokens():
 def test_without_a_budget_ddtree_methods_plan_it_and_dart_takes_its_default_size(
     checkpoint, drafter_dir, dart_and_trie, monkeypatch, tmp_path, capsys
 ):
-    from diffdraft import budget
     from diffdraft.budget import AutoBudgetBuilder
     from diffdraft.generator import DART_TREE_SIZE
 
