@@ -333,3 +333,30 @@ def test_eval_measures_agreement_with_the_target_and_the_target_s_own_ceiling(ta
     evaluation = evaluate_drafter(trainer.drafter, TargetModel(target), samples, (4,), max_new_tokens=4)
     assert evaluation.target_accuracy == 1.0
     assert evaluation.agreement_by_position == evaluation.accuracy_by_position
+
+
+def test_a_time_limit_stops_at_a_checkpoint_and_a_rerun_finishes_like_one_run(target, tmp_path, capsys):
+    samples = make_samples(target, 16, seed=5)
+    straight = Trainer(config(tmp_path / "straight", epochs=2), TargetModel(target), samples)
+    straight.train()
+    limited = config(tmp_path / "leased", epochs=2, save_every=1000, max_minutes=1e-9)
+    stopped = Trainer(limited, TargetModel(target), samples).train()
+    assert stopped.step == 1 < straight.total_steps  # the time was up after the first step
+    assert (tmp_path / "leased" / "checkpoint-1").is_dir() and not (tmp_path / "leased" / "final").exists()
+    assert "run again to resume" in capsys.readouterr().err
+    resumed = Trainer(config(tmp_path / "leased", epochs=2), TargetModel(target), samples)
+    assert resumed.state.step == 1
+    resumed.train()
+    assert (tmp_path / "leased" / "final").is_dir()
+    for name, tensor in straight.drafter.state_dict().items():
+        torch.testing.assert_close(resumed.drafter.state_dict()[name], tensor, rtol=0, atol=0)
+
+
+def test_checkpoints_by_the_clock_as_well_as_by_steps(target, tmp_path):
+    samples = make_samples(target, 8, seed=6)
+    trainer = Trainer(
+        config(tmp_path, epochs=1, save_every=1000, save_every_minutes=1e-9), TargetModel(target), samples
+    )
+    trainer.train()
+    saved = sorted(int(p.name.split("-")[1]) for p in tmp_path.glob("checkpoint-*"))
+    assert saved == list(range(1, trainer.total_steps + 1))

@@ -16,6 +16,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import time
 import zlib
 from contextlib import nullcontext
@@ -93,6 +94,13 @@ class TrainConfig:
     out the same; on a GPU, where one sequence leaves most of it idle, 8-32 trains several times
     faster. Every drafter family (DFlare, DART, DEER) runs its micro-batch as one forward."""
     save_every: int = 200
+    max_minutes: float = 0.0
+    """Stop this process after about this many minutes of training (0: no limit), at a checkpoint:
+    a lent GPU's lease ends at a fixed time, and a later run resumes from it where it stopped. The
+    schedules still span the whole run, and final/ is written only when it is complete."""
+    save_every_minutes: float = 0.0
+    """Also checkpoint whenever this many minutes passed since the last checkpoint (0: by steps only),
+    so a run whose speed is not known yet still leaves a recent one."""
     seed: int = 0
     compute_dtype: str = "float32"
     """"bfloat16" = mixed precision: the drafter's matmuls run in bfloat16 under autocast while its
@@ -371,6 +379,7 @@ class Trainer:
         progress = progress_bar(
             total=self.total_steps, initial=self.state.step, desc="training drafter", disable=self.rank != 0
         )
+        started = last_save = time.perf_counter()
         while self.state.step < self.total_steps:
             begin = time.perf_counter()
             step = self.state.step
@@ -389,12 +398,16 @@ class Trainer:
                     (loss * share).backward()
                 sums += torch.cat([(loss * share).detach().float()[None], h, a, n])
                 self.state.tokens_seen += sum(int(s.token_ids.shape[0]) for s in samples) * self.world
+            # rank 0's clock decides for every rank whether the time is up (summed with the statistics)
+            out_of_time = self.rank == 0 and _minutes_since(started) >= c.max_minutes > 0
+            sums = torch.cat([sums, torch.tensor([float(out_of_time)], device=sums.device)])
             if self.world > 1:  # log the global batch, not rank 0's share
                 dist.all_reduce(sums)
                 sums[0] /= self.world
             sums = sums.cpu()
+            out_of_time = bool(sums[-1] > 0)
             total_loss = float(sums[0])
-            hits, agreements, counts = sums[1:].split(self.positions)
+            hits, agreements, counts = sums[1:-1].split(self.positions)
             if not math.isfinite(total_loss):  # before the step: the weights and checkpoints stay sound
                 raise TrainingDivergedError(
                     f"training diverged at step {step + 1} (loss {total_loss}); rerun to resume from the "
@@ -427,15 +440,34 @@ class Trainer:
                     f.write(json.dumps(record) + "\n")
                 progress.set_postfix(loss=f"{total_loss:.3f}", acc1=f"{accuracy[0]:.2f}")
                 progress.update(1)
-                if self.state.step % c.save_every == 0 or self.state.step == self.total_steps:
+                due = _minutes_since(last_save) >= c.save_every_minutes > 0
+                if (
+                    due
+                    or out_of_time
+                    or self.state.step % c.save_every == 0
+                    or self.state.step == self.total_steps
+                ):
                     self.save_checkpoint()
+                    last_save = time.perf_counter()
             if on_step is not None:
                 on_step(self.state.step)
+            if out_of_time and self.state.step < self.total_steps:
+                progress.close()
+                if self.rank == 0:
+                    print(
+                        f"diffdraft train: stopped after {c.max_minutes:g} minutes at step {self.state.step} "
+                        f"of {self.total_steps} (checkpoint-{self.state.step}); run again to resume",
+                        file=sys.stderr,
+                    )
+                return self._finish_processes()
         progress.close()
         if self.rank == 0:
             save_draft_model(self.drafter, self.output_dir / "final")
-        if self.world > 1:  # every rank returns once the final drafter is written; a rank that ran
-            dist.barrier()  # ahead into process-group teardown aborted the run at exit (gloo)
+        return self._finish_processes()
+
+    def _finish_processes(self) -> TrainState:
+        if self.world > 1:  # every rank returns once rank 0 has written; a rank that ran ahead into
+            dist.barrier()  # process-group teardown aborted the run at exit (gloo)
             # Free DDP's reducer now, while the group lives: left to the garbage collector it could
             # outlive destroy_process_group and abort the process at exit (gloo, rarely).
             self.model = self.model.module
@@ -459,3 +491,7 @@ class Trainer:
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)
         return path
+
+
+def _minutes_since(moment: float) -> float:
+    return (time.perf_counter() - moment) / 60
