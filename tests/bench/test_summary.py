@@ -10,7 +10,15 @@ from diffdraft.bench.summary import checks, summarize
 from diffdraft.budget import VerifyCostCurve
 
 
-def record(method: str, repeat: int, seconds: float, lengths: list[int], sizes: int = 1, draft: float = 0.0):
+def record(
+    method: str,
+    repeat: int,
+    seconds: float,
+    lengths: list[int],
+    sizes: int = 1,
+    draft: float = 0.0,
+    engine: str = "diffdraft",
+):
     tokens = list(range(1 + sum(lengths)))
     stages = dict.fromkeys(STAGE_NAMES, 0.0) | {"draft": draft}
     done = Completion(
@@ -22,6 +30,7 @@ def record(method: str, repeat: int, seconds: float, lengths: list[int], sizes: 
         [0.01] * len(lengths),
         verify_contexts=[5 + sum(lengths[:i]) for i in range(len(lengths))],
         draft_depths=[sizes - 1] * len(lengths),
+        engine=engine,
     )
     return Record("set", "s", 0, 0.0, repeat, method, 5, done, compared=method != "ar")
 
@@ -36,8 +45,9 @@ def test_speedup_is_per_repeat_with_spread_and_acceptance_is_counted():
         record("ar", 1, 2.0, [1] * 9),
         record("ddtree:8", 0, 0.5, [3, 1, 2, 3], sizes=8),
         record("ddtree:8", 1, 0.5, [3, 1, 2, 3], sizes=8),
-        record("hf", 0, 1.0, [1] * 9),
-        record("hf", 1, 1.0, [1] * 9),
+        record("hf", 0, 1.0, [1] * 9, engine="transformers"),
+        record("hf", 1, 1.0, [1] * 9, engine="transformers"),
+        record("llama.cpp", 0, 0.4, [1] * 9, engine="llama.cpp"),
     ]
     by_method = {s.method: s for s in summarize(records, CURVE, "float32")}
     tree = by_method["ddtree:8"]
@@ -55,6 +65,8 @@ def test_speedup_is_per_repeat_with_spread_and_acceptance_is_counted():
     t_eight = sum(CURVE(8, n) for n in contexts) / 4
     assert tree.bound == pytest.approx(2.25 * t_one / t_eight)
     assert by_method["ar"].bound == pytest.approx(1.0)
+    # our cost curve bounds our engine only: another engine's rows get none
+    assert by_method["hf"].bound is None and by_method["llama.cpp"].bound is None
     assert tree.compared == tree.identical == 2
 
 

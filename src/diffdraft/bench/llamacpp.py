@@ -112,6 +112,7 @@ class LlamaCppRunner:
             verify_seconds=[s for *_, s in rounds],
             verify_contexts=[cached for _, cached, _ in rounds],
             draft_depths=[size - 1 for size, _, _ in rounds],
+            engine="llama.cpp",
         )
 
     def _timed_eval(self, tokens: Sequence[int]) -> None:

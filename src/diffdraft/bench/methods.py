@@ -370,6 +370,7 @@ class HFRunner:
             verify_seconds=[call.seconds for call in rounds],
             verify_contexts=[call.cached for call in rounds],
             draft_depths=[size - 1 for size in sizes],  # HF drafts chains: verified = root + drafts
+            engine="transformers",
         )
 
 

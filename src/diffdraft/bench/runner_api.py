@@ -89,6 +89,9 @@ class Completion:
     """N-gram trie lookups (``log_probs`` calls) the tree made over the generation."""
     ngram_lookup_median: float = 0.0
     """Median seconds of one of those lookups."""
+    engine: str = "diffdraft"
+    """What ran the target's forwards: ``diffdraft`` (our kernels and loop), ``transformers`` or
+    ``llama.cpp``. The physical bound is built from our kernels' cost curve, so only ours get one."""
 
 
 class MethodRunner(Protocol):

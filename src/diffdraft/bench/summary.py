@@ -147,6 +147,7 @@ def _summary(
         and rounds
         and len(contexts) == len(sizes)
         and spec.dtype in (None, main_dtype)
+        and first.completion.engine == "diffdraft"
     ):
         # t(1) and t(q) at the contexts the rounds actually verified over
         one = float(np.mean([curve(1, n) for n in contexts]))
