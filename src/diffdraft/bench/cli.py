@@ -17,6 +17,7 @@ import transformers
 from diffdraft.bench.datasets import BUILTIN, load_samples
 from diffdraft.bench.journal import Journal
 from diffdraft.bench.lossless import TIE_TOLERANCE, LosslessChecker
+from diffdraft.bench.machine import cpu_name
 from diffdraft.bench.methods import (
     REFERENCE,
     BenchModels,
@@ -403,7 +404,7 @@ def _command(args: argparse.Namespace, options: dict) -> str:
 def _machine(models: BenchModels) -> dict:
     """What timings depend on besides the command."""
     return {
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "cores": os.cpu_count(),
         "threads": torch.get_num_threads(),
         "device": str(models.device),
@@ -419,16 +420,6 @@ def _environment(models: BenchModels, busy_before: float | None) -> dict:
         "busy_after": _cpu_busy(),
         "load_average": _load_average(),
     }
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _cpu_busy(seconds: float = 0.5) -> float | None:

@@ -31,9 +31,12 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen3Config
 
+from diffdraft.bench.lossless import first_divergence
+from diffdraft.bench.machine import cpu_name
 from diffdraft.drafters.dflash import DFlashDrafter
 from diffdraft.drafters.dflash_model import DFlashDraftModel, make_draft_config
 from diffdraft.engine import SpeculativeEngine
+from diffdraft.loading import DTYPES as LOAD_DTYPES
 from diffdraft.sampling import SamplingParams
 from diffdraft.stats import STAGES, GenerationStats
 from diffdraft.stopping import StopConditions
@@ -52,12 +55,7 @@ ACCEPTANCE = {
     "head), so chains and the official loop accept whole blocks (DDTree's ties make its tau arbitrary)",
 }
 """The two acceptance regimes a synthetic run can fix: no draft token accepted, or every one."""
-DTYPES = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-    "float64": torch.float64,  # exact greedy ties in tests
-}
+DTYPES = LOAD_DTYPES | {"float64": torch.float64}  # float64: exact greedy ties in tests
 
 
 @dataclass(frozen=True)
@@ -199,7 +197,7 @@ class MethodTimes:
             "break_even_tau": mean / statistics.fmean(reference.round_ms) if reference else None,
             "official_over_this": statistics.fmean(official.round_ms) / mean if official else None,
             "tokens_compared": compared,
-            "tokens_matching_ar": _common_prefix(self.tokens, reference.tokens) if reference else 0,
+            "tokens_matching_ar": _matching(self.tokens, reference.tokens) if reference else 0,
         }
 
 
@@ -492,7 +490,7 @@ def environment(device: torch.device, dtype: torch.dtype) -> dict:
     cuda = device.type == "cuda"
     return {
         "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if cuda else _cpu_name(),
+        "device_name": torch.cuda.get_device_name(device) if cuda else cpu_name(),
         "cuda_max_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
         "threads": torch.get_num_threads(),
         "dtype": str(dtype).removeprefix("torch."),
@@ -528,8 +526,10 @@ def _clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+def _matching(tokens: list[int], reference: list[int]) -> int:
+    """How many leading tokens equal the reference's (the shorter length when one is a prefix)."""
+    position = first_divergence(reference, tokens)
+    return len(tokens) if position is None else position
 
 
 def _progress_line(times: MethodTimes) -> str:
@@ -551,12 +551,3 @@ def _version(package: str) -> str | None:
         return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
         return None
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as info:
-            names = [line.split(":", 1)[1].strip() for line in info if line.startswith("model name")]
-    except OSError:
-        names = []
-    return names[0] if names else platform.processor() or "cpu"
