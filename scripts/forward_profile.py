@@ -17,7 +17,7 @@ import importlib.util
 import json
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -28,28 +28,36 @@ from diffdraft.bench.llamacpp import INSTALL
 from diffdraft.default_model import default_gguf_path
 from diffdraft.loading import load_target
 from diffdraft.packed_linear import PackedLinear
+from diffdraft.quantized.block_linear import BlockQuantizedLinear, has_block_layers
 from diffdraft.target import TargetModel
 from diffdraft.trees.tree import DraftTree
 
 
 @contextmanager
 def timed_linears() -> Iterator[list[float]]:
-    """Time every packed linear call inside the block; the yielded list's one entry sums their seconds.
-    (The torch profiler would split ops too, but here it slows oneDNN's multi-row matmuls tenfold.)"""
+    """Time every packed or block-quantized linear call inside the block; the yielded list's one entry
+    sums their seconds. (The torch profiler would split ops too, but here it slows oneDNN's multi-row
+    matmuls tenfold.)"""
     total = [0.0]
-    plain = PackedLinear.forward
+    kinds = (PackedLinear, BlockQuantizedLinear)
+    plain = {kind: kind.forward for kind in kinds}
 
-    def timed(self: PackedLinear, x: torch.Tensor) -> torch.Tensor:
-        begin = time.perf_counter()
-        out = plain(self, x)
-        total[0] += time.perf_counter() - begin
-        return out
+    def timed(kind: type) -> Callable:
+        def forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+            begin = time.perf_counter()
+            out = plain[kind](self, x)
+            total[0] += time.perf_counter() - begin
+            return out
 
-    PackedLinear.forward = timed
+        return forward
+
+    for kind in kinds:
+        kind.forward = timed(kind)
     try:
         yield total
     finally:
-        PackedLinear.forward = plain
+        for kind in kinds:
+            kind.forward = plain[kind]
 
 
 def ours(target: TargetModel, context: torch.Tensor, tokens: torch.Tensor, repeats: int) -> dict:
@@ -114,19 +122,24 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", type=Path, default=Path("forward-profile"))
+    parser.add_argument(
+        "--dense", action="store_true", help="dense weights even where the GGUF's blocks could be kept"
+    )
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    loaded = load_target(args.target, dtype=args.dtype, optimize=True)
+    loaded = load_target(args.target, dtype=args.dtype, optimize=True, gguf_blocks=not args.dense)
     target = TargetModel(loaded.model)
     ids = torch.randint(
         0, target.vocab_size, (args.context + args.tokens,), generator=torch.Generator().manual_seed(0)
     )
     context, tokens = ids[: args.context], ids[args.context :]
     rows = {}
+    weights = "dense" if args.dense or not has_block_layers(loaded.model) else "GGUF blocks"
     for q in (1, args.tokens):
-        rows[f"diffdraft {args.dtype}, {q} token(s)"] = ours(target, context, tokens[:q], args.repeats)
-        print(f"diffdraft q={q}: {rows[f'diffdraft {args.dtype}, {q} token(s)']}", flush=True)
+        name = f"diffdraft {args.dtype} {weights}, {q} token(s)"
+        rows[name] = ours(target, context, tokens[:q], args.repeats)
+        print(f"{name}: {rows[name]}", flush=True)
     engines = {}
     if str(args.target) == "default" or str(args.target).endswith(".gguf"):
         if importlib.util.find_spec("llama_cpp") is None:

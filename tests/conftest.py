@@ -14,6 +14,7 @@ from diffdraft.drafters.checkpoint import save_draft_model
 from diffdraft.drafters.dart_model import DARTDraftModel, make_dart_config
 from diffdraft.drafters.dflash_model import DFLASH, DFlashDraftModel, make_draft_config
 from diffdraft.packed_linear import packing_supported
+from diffdraft.quantized.kernel_build import cpu_supported
 from diffdraft.train.batch import TrainingBatch, pad_right
 
 # Tiny models are dominated by per-op overhead: one thread is several times faster than two.
@@ -23,6 +24,9 @@ needs_packing = pytest.mark.skipif(
     not packing_supported(torch.bfloat16, torch.device("cpu")), reason="no oneDNN bfloat16 on this CPU"
 )
 """For tests of diffdraft's packed CPU kernels."""
+
+needs_block_kernel = pytest.mark.skipif(not cpu_supported(), reason="no AVX-512 BF16 on this CPU")
+"""For tests of the Q4_1 kernel (:mod:`diffdraft.quantized`)."""
 
 FAMILIES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
 
@@ -209,3 +213,31 @@ class PerContextLookups:
 
     def log_probs_many(self, contexts, tokens):
         return np.stack([self.log_probs(context, tokens) for context in contexts]).reshape(len(contexts), -1)
+
+
+def q4_1_blocks(weight: torch.Tensor):
+    """``weight`` quantized to GGUF Q4_1 blocks by the reference quantizer of the ``gguf`` package."""
+    from gguf import GGMLQuantizationType, quants
+
+    from diffdraft.quantized.block_linear import BlockWeight
+
+    raw = quants.quantize(weight.detach().float().numpy(), GGMLQuantizationType.Q4_1)
+    return BlockWeight.from_gguf(raw)
+
+
+def q4_1_target(family: str = "llama", seed: int = 0, **kwargs) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A tiny target whose decoder-layer weights are Q4_1 blocks: (bf16 model on
+    :class:`BlockQuantizedLinear` layers, float32 dense model of the same weights)."""
+    from diffdraft.quantized.block_linear import BlockQuantizedLinear
+
+    kwargs.setdefault("hidden", 64)  # block-quantized widths are multiples of 32
+    dense = tiny_target(family, seed=seed, dtype=torch.float32, **kwargs)
+    model = tiny_target(family, seed=seed, dtype=torch.bfloat16, **kwargs)
+    for name, linear in list(dense.model.layers.named_modules()):
+        if isinstance(linear, torch.nn.Linear):
+            blocks = q4_1_blocks(linear.weight)
+            linear.weight.data = blocks.dequantize()
+            parent_name, _, attribute = name.rpartition(".")
+            parent = model.model.layers.get_submodule(parent_name)
+            setattr(parent, attribute, BlockQuantizedLinear(blocks, getattr(parent, attribute).bias))
+    return model, dense

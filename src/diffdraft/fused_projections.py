@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from diffdraft.packed_linear import PackedLinear
+from diffdraft.packed_linear import InferenceLinear
 
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 """Attribute names of projections that read the same input (Llama, Qwen2/3, Mistral and kin)."""
@@ -29,11 +29,8 @@ SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 class StackedProjection:
     """The siblings' stacked projection, run once per input and handed out column by column."""
 
-    def __init__(self, siblings: Sequence[PackedLinear]) -> None:
-        weight = torch.cat([sibling.weight for sibling in siblings])
-        biases = [sibling.bias for sibling in siblings]
-        bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
-        self.linear = PackedLinear(weight, bias)
+    def __init__(self, siblings: Sequence[InferenceLinear]) -> None:
+        self.linear = type(siblings[0]).stacked(list(siblings))
         edges = itertools.accumulate((sibling.out_features for sibling in siblings), initial=0)
         self.columns = [slice(a, b) for a, b in itertools.pairwise(edges)]
         self._input: torch.Tensor | None = None
@@ -91,16 +88,16 @@ class ProjectionSlice(nn.Module):
 
 
 def fuse_projections(model: nn.Module) -> int:
-    """Stack every group of packed sibling projections inside ``model`` in place; returns how many
-    groups were stacked (a group with an unpacked member, or whose members differ in input width
-    or in having a bias, is left alone)."""
+    """Stack every group of packed or block-quantized sibling projections inside ``model`` in place;
+    returns how many groups were stacked (a group with a plain member, or whose members differ in
+    kind, input width or in having a bias, is left alone)."""
     stacked = 0
     for module in list(model.modules()):
         for names in SIBLINGS:
             siblings = [getattr(module, name, None) for name in names]
-            if not all(isinstance(s, PackedLinear) for s in siblings):
+            if not all(isinstance(s, InferenceLinear) for s in siblings):
                 continue
-            if len({s.in_features for s in siblings}) > 1 or len({s.bias is None for s in siblings}) > 1:
+            if len({s.stack_key() for s in siblings}) > 1:
                 continue
             projection = StackedProjection(siblings)
             for index, name in enumerate(names):

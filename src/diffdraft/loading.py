@@ -22,11 +22,12 @@ from transformers import (
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from diffdraft.default_model import MODEL_NAME, default_model_dir
+from diffdraft.default_model import MODEL_NAME, default_gguf_path, default_model_dir
 from diffdraft.errors import CheckpointError, InvalidRequestError
 from diffdraft.fused_projections import fuse_projections
 from diffdraft.grouped_attention import use_grouped_attention
 from diffdraft.packed_linear import pack_linear_layers
+from diffdraft.quantized.gguf_weights import block_weights_supported, use_gguf_blocks
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The names from_pretrained looks for; anything else in the directory is not loadable weights.
@@ -53,6 +54,7 @@ def load_target(
     dtype: str = "auto",
     device: str | torch.device | None = None,
     optimize: bool = False,
+    gguf_blocks: bool = True,
 ) -> LoadedModel:
     """Load a causal LM in eval mode with SDPA attention (the tree-mask verifier needs SDPA).
 
@@ -61,14 +63,29 @@ def load_target(
     dtype, except float16 on CPU and unrecorded dtypes, which become float32. ``optimize`` applies
     diffdraft's CPU inference kernels (:mod:`diffdraft.packed_linear`,
     :mod:`diffdraft.fused_projections`, :mod:`diffdraft.grouped_attention`): identical logits in
-    float32 (bfloat16: equal up to rounding), faster forwards, inference only.
+    float32 (bfloat16: equal up to rounding), faster forwards, inference only. With ``optimize`` and
+    ``gguf_blocks``, a bfloat16 target read from a GGUF (the default included) also keeps the GGUF's
+    Q4_1 / Q8_0 blocks for its linear layers where this CPU runs :mod:`diffdraft.quantized`'s kernel:
+    the same weights, a third of the bytes per forward.
     """
     loaded = _load(spec, dtype, device)
     if optimize:
+        gguf = _gguf_file(spec)
+        usable = gguf_blocks and gguf is not None and block_weights_supported(loaded.model)
+        if usable and (replaced := use_gguf_blocks(loaded.model, gguf)):
+            loaded.source += f", {replaced} linear layers on its Q4_1 blocks"
         pack_linear_layers(loaded.model)
         fuse_projections(loaded.model)
         use_grouped_attention(loaded.model)
     return loaded
+
+
+def _gguf_file(spec: str | os.PathLike) -> Path | None:
+    """The GGUF a target was read from: the default's, or ``spec`` itself when it is one."""
+    if str(spec) == "default":
+        return default_gguf_path()
+    path = Path(spec).expanduser()
+    return path if path.suffix.lower() == ".gguf" else None
 
 
 def default_device(device: str | torch.device | None = None) -> torch.device:

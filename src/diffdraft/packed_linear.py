@@ -27,7 +27,29 @@ def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
     )
 
 
-class PackedLinear(nn.Module):
+class InferenceLinear(nn.Module):
+    """A linear layer whose weight is laid out for one kernel: inference only. Siblings of one kind
+    (same :meth:`stack_key`) can be stacked into one layer (:mod:`diffdraft.fused_projections`)."""
+
+    in_features: int
+    out_features: int
+    bias: nn.Parameter | None
+
+    def stack_key(self) -> tuple:
+        """Layers with equal keys can be stacked by :meth:`stacked`."""
+        return type(self), self.in_features, self.bias is None
+
+    @classmethod
+    def stacked(cls, siblings: list[InferenceLinear]) -> InferenceLinear:
+        """One layer whose outputs are the siblings' side by side, each column bit-identical to its own."""
+        raise NotImplementedError
+
+    @staticmethod
+    def stacked_bias(siblings: list[InferenceLinear]) -> torch.Tensor | None:
+        return None if siblings[0].bias is None else torch.cat([s.bias.detach() for s in siblings])
+
+
+class PackedLinear(InferenceLinear):
     """``nn.Linear`` with its weight reordered once; :attr:`weight` and ``state_dict`` still give
     the plain weight (rebuilt on demand, so the model holds one copy of each weight)."""
 
@@ -45,6 +67,11 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+
+    @classmethod
+    def stacked(cls, siblings: list[PackedLinear]) -> PackedLinear:
+        """The same oneDNN kernel over the stacked weight: each column reduces its input as before."""
+        return cls(torch.cat([sibling.weight for sibling in siblings]), cls.stacked_bias(siblings))
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -80,4 +107,5 @@ def pack_linear_layers(model: nn.Module) -> int:
 
 
 def has_packed_layers(model: nn.Module) -> bool:
-    return any(isinstance(module, PackedLinear) for module in model.modules())
+    """Whether ``model`` was laid out for inference (packed or block-quantized linear layers)."""
+    return any(isinstance(module, InferenceLinear) for module in model.modules())

@@ -1,0 +1,36 @@
+"""Building the kernel: cached by source and torch version, and a missing compiler leaves dense weights."""
+
+from __future__ import annotations
+
+import pytest
+
+from diffdraft.quantized import kernel_build
+
+from conftest import needs_block_kernel
+
+
+@pytest.fixture
+def fresh_build(tmp_path, monkeypatch):
+    """block_kernel() as in a new process whose cache is empty."""
+    monkeypatch.setenv("DIFFDRAFT_CACHE", str(tmp_path))
+    kernel_build.block_kernel.cache_clear()
+    yield tmp_path
+    kernel_build.block_kernel.cache_clear()
+
+
+@needs_block_kernel
+def test_without_a_compiler_the_kernel_is_absent_and_says_why(fresh_build, monkeypatch, capsys):
+    monkeypatch.setenv("CXX", str(fresh_build / "no-such-compiler"))
+    assert kernel_build.block_kernel() is None
+    err = capsys.readouterr().err
+    assert "cannot build the quantized CPU kernel" in err and "Install a C++ compiler" in err
+    assert not list((fresh_build / "kernels").glob("*.so"))  # nothing half-built left behind
+
+
+def test_the_library_name_changes_with_the_source(fresh_build, monkeypatch, tmp_path):
+    first = kernel_build._library_path()
+    changed = tmp_path / "changed.cpp"
+    changed.write_text(kernel_build.SOURCE.read_text() + "\n// changed\n")
+    monkeypatch.setattr(kernel_build, "SOURCE", changed)
+    assert kernel_build._library_path() != first
+    assert first.parent == fresh_build / "kernels"
