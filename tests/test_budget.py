@@ -13,7 +13,6 @@ from diffdraft import budget
 from diffdraft.budget import (
     MIN_TIMED_ROUNDS,
     PRIOR_ROUNDS,
-    AutoBudgetBuilder,
     BudgetPlanner,
     ObservedRound,
     VerifyCostCurve,
@@ -106,6 +105,7 @@ def _verified(
     stats.accepted_nodes.append(accepted)
     stats.verify_contexts.append(context)
     stats.verify_seconds.append(seconds)
+    stats.verify_forwards.append((1, nodes + 1, context))
 
 
 def _linear_surrogate_planner(max_budget: int = 32) -> BudgetPlanner:
@@ -188,41 +188,6 @@ def test_the_choice_never_takes_a_dip_in_a_calibrated_cost_as_a_cheaper_tree():
     choice = choose_budget(lambda q, n: costs[q], [1.0, 1.5, 1.6, 1.7], 512)
     assert choice.expected[3] == pytest.approx(1.7 / 0.03)  # costed as 2 nodes were, not less
     assert choice.budget == 1
-
-
-def test_the_auto_builder_keeps_the_best_first_prefix_of_the_chosen_size_and_explores_past_it():
-    # t(q) flat up to 9 tokens then steep: the planner should settle on 8 nodes
-    curve = VerifyCostCurve(sizes=[1, 9, 10, 64], contexts=[512], seconds=[[0.01, 0.01, 0.05, 1.0]])
-    builder = AutoBudgetBuilder(BudgetPlanner(curve), initial_budget=2, refresh=2)
-    log_probs = torch.randn(3, 50).mul(2).log_softmax(-1)
-    proposal = Proposal(log_probs=log_probs)
-    stats = GenerationStats()
-    tree = builder.build(5, proposal, SamplingParams(), None, context=300, stats=stats)
-    # the refresh round verifies half the chosen budget more, to measure the ranks past it
-    expected = DDTreeBuilder(12).build(5, proposal, SamplingParams(), None)
-    assert stats.budgets == [8] and len(stats.surrogates) == 1  # recorded in the sequence's own stats
-    assert torch.equal(tree.tokens, expected.tokens) and torch.equal(tree.parents, expected.parents)
-    _verified(stats, tree.num_nodes, [1], context=300, seconds=0.02)
-    tree = builder.build(5, proposal, SamplingParams(), None, context=302, stats=stats)
-    assert tree.num_nodes == 8
-    _verified(stats, tree.num_nodes, [], context=302, seconds=0.01)
-    # the next refresh verifies a quarter of the budget less, to measure what a node costs around it
-    tree = builder.build(5, proposal, SamplingParams(), None, context=304, stats=stats)
-    assert tree.num_nodes == 6
-    _verified(stats, tree.num_nodes, [2], context=304, seconds=0.01)
-    assert builder.planner.rank_gains()[1].sum() == 0  # nothing learned while the sequence runs
-    builder.observe_generation(stats, fixed_seconds=0.001)
-    assert stats.budgets == [8, 8, 8]
-    assert builder.planner.fixed_seconds == 0.001
-    assert builder.planner.surrogate() == pytest.approx(builder.planner.surrogate(stats))
-    assert [r.context for r in budget.rounds_of(stats)] == [300, 302, 304]
-    observed, counts = builder.planner.rank_gains()
-    assert counts[5] == 3 and counts[7] == 2 and counts[8] == 1
-    assert observed[0] == 1 and observed[1] == 1 and observed[2:].sum() == 0
-    # another sequence starts from its own first refresh, not from where this one ended
-    other = GenerationStats()
-    assert builder.build(5, proposal, SamplingParams(), None, context=10, stats=other).num_nodes == 12
-    assert other.budgets == [8]
 
 
 def test_measuring_gives_every_size_and_the_cache_is_reused_until_it_stops_matching(tmp_path, monkeypatch):

@@ -9,6 +9,7 @@ import torch
 
 import diffdraft
 from diffdraft import budget
+from diffdraft.auto_budget import AutoBudgetBuilder
 from diffdraft.drafters.checkpoint import save_draft_model
 from diffdraft.drafters.deer_model import deer_from_causal_lm
 from diffdraft.ngram.trie import tokenizer_fingerprint
@@ -255,7 +256,7 @@ def test_deer_tree_takes_an_auto_budget(checkpoint, deer_dir, monkeypatch, tmp_p
     monkeypatch.setattr(budget, "DEFAULT_SIZES", (1, 4, 8))
     monkeypatch.setattr(budget, "DEFAULT_CONTEXTS", (16, 32))
     generator = diffdraft.load(checkpoint, drafter=deer_dir, method="deer-tree", budget="auto")
-    assert isinstance(generator.engine.builder, budget.AutoBudgetBuilder)
+    assert isinstance(generator.engine.builder, AutoBudgetBuilder)
     result = generator.generate("hello world", max_new_tokens=12, ignore_eos=True)
     assert result.token_ids == hf_greedy(generator.loaded.model, result.prompt_token_ids, 12, eos=None)
 
@@ -456,7 +457,6 @@ def test_a_batch_on_the_default_target_gives_every_request_its_alone_tokens():
 def test_without_a_budget_ddtree_methods_plan_it_and_dart_takes_its_default_size(
     checkpoint, drafter_dir, dart_and_trie, monkeypatch, tmp_path, capsys
 ):
-    from diffdraft.budget import AutoBudgetBuilder
     from diffdraft.generator import DART_TREE_SIZE
 
     monkeypatch.setenv("DIFFDRAFT_CACHE", str(tmp_path))

@@ -1,11 +1,14 @@
 """Several sequences through the speculative loop at once, with one target forward per round.
 
 Every sequence keeps its own KV cache, drafter context (a fork of the engine's drafter: shared
-weights), random stream, tree and statistics; a round drafts and builds each sequence's tree, then
-verifies all trees in one packed forward (:meth:`TargetModel.verify_batch`), then accepts and
-commits per sequence. Sequences join between rounds (their prompt is prefilled when they join) and
-leave when they stop or are cancelled: continuous batching. Because each sequence sees only its
-own cache and its own random stream, its output is the one it would get alone.
+weights), random stream, tree and statistics; a round plans every sequence's budget together when
+the tree builder plans rounds (the auto budget: a sequence may skip drafting when speculation does
+not pay), drafts every drafting sequence in one drafter call (one forward for the DFlash / DFlare
+family), builds each tree, verifies all trees in one packed forward
+(:meth:`TargetModel.verify_batch`), then accepts and commits per sequence. Sequences join between
+rounds (their prompt is prefilled when they join) and leave when they stop or are cancelled:
+continuous batching. Because each sequence sees only its own cache and its own random stream, its
+output is the one it would get alone (its tree sizes may differ: the plan weighs the whole batch).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import time
 
 import torch
 
-from diffdraft.engine import SequenceRun, SpeculativeEngine
+from diffdraft.engine import SequenceRun, SpeculativeEngine, draft_round
 from diffdraft.logprobs import LogprobRecorder
 from diffdraft.sampling import SamplingParams
 from diffdraft.stats import GenerationStats
@@ -56,16 +59,19 @@ class BatchEngine:
         sequences = list(self.active)
         if not sequences:
             return []
-        inputs = [sequence.draft() for sequence in sequences]
+        contexts = [sequence.context for sequence in sequences]
+        inputs = draft_round(sequences, self.engine.plan(sequences))
         target = self.engine.target
         begin = time.perf_counter()
         outputs = target.verify_batch(inputs, self.engine.layer_ids)
         if target.device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - begin
+        tokens = sum(i.token_ids.shape[0] for i in inputs)
+        forward = (len(inputs), tokens, round(sum(contexts) / len(contexts)))
         committed = []
         for sequence, output in zip(sequences, outputs, strict=True):
             sequence.stats.timings["verify"] += seconds  # the shared forward, as each sequence waited for it
-            committed.append((sequence, sequence.commit(output, seconds)))
+            committed.append((sequence, sequence.commit(output, seconds, forward)))
         self.active = [sequence for sequence in self.active if not sequence.done]
         return committed

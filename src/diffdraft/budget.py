@@ -34,7 +34,6 @@ from transformers import DynamicCache
 
 from diffdraft.atomic_write import write_text_atomically
 from diffdraft.default_model import cache_root
-from diffdraft.drafters.base import Proposal
 from diffdraft.fused_projections import ProjectionSlice
 from diffdraft.grouped_attention import ROW_DTYPES
 from diffdraft.packed_linear import has_packed_layers
@@ -43,7 +42,7 @@ from diffdraft.quantized.block_linear import has_block_layers
 from diffdraft.sampling import SamplingParams
 from diffdraft.stats import GenerationStats
 from diffdraft.target import TargetModel
-from diffdraft.trees import DDTreeBuilder, DraftTree
+from diffdraft.trees import DraftTree
 from diffdraft.verify import accept
 
 DEFAULT_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -68,21 +67,35 @@ class VerifyCostCurve:
     measured: list[list[float]] = field(default_factory=list)
     """The medians as measured, before the fit (same layout as :attr:`seconds`)."""
 
-    def __call__(self, q: float, context: float) -> float:
+    def __call__(self, q: float | np.ndarray, context: float) -> float | np.ndarray:
         """t(q, n), linear between measured points, extrapolated linearly past the largest size and
-        context (and flat below the smallest context)."""
-        per_context = [_interpolate(q, self.sizes, row) for row in self.seconds]
-        return _interpolate(context, self.contexts, per_context)
+        context (and flat below the smallest context); ``q`` may be an array of sizes."""
+        return interpolate(q, self.sizes, blend_rows(context, self.contexts, self.seconds))
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def _interpolate(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
-    if x > xs[-1] and len(xs) > 1:
+def interpolate(x: float | np.ndarray, xs: Sequence[float], ys: Sequence[float]) -> float | np.ndarray:
+    """Linear between the points ``(xs, ys)``, extrapolated linearly past the last one and flat
+    before the first; a float for a float ``x``, an array for an array."""
+    inside = np.interp(x, xs, ys)
+    if len(xs) > 1:
         slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
-        return ys[-1] + slope * (x - xs[-1])
-    return float(np.interp(x, xs, ys))
+        inside = np.where(np.asarray(x) > xs[-1], ys[-1] + slope * (np.asarray(x) - xs[-1]), inside)
+    return float(inside) if np.ndim(x) == 0 else inside
+
+
+def blend_rows(x: float, xs: Sequence[float], rows: Sequence[Sequence[float]]) -> np.ndarray:
+    """The row at ``x`` among ``rows`` measured at ``xs``, each entry interpolated as :func:`interpolate`
+    does (a table at one context, say, from tables at several)."""
+    table = np.asarray(rows, dtype=float)
+    if len(xs) == 1 or x <= xs[0]:
+        return table[0]
+    upper = min(int(np.searchsorted(xs, x)), len(xs) - 1)  # x past the last point: the last pair
+    lower = upper - 1
+    share = (x - xs[lower]) / (xs[upper] - xs[lower])
+    return table[lower] + share * (table[upper] - table[lower])
 
 
 def measure_verify_cost(
@@ -153,7 +166,7 @@ def _time_one(target: TargetModel, cache: DynamicCache, tokens: torch.Tensor) ->
     """Seconds of one verification stage of ``tokens`` as a DDTree-shaped tree; the cache is left
     as it was."""
     context = cache.get_seq_length()
-    tree = _synthetic_tree(tokens.to(target.device))
+    tree = synthetic_tree(tokens.to(target.device))
     begin = time.perf_counter()
     mask = target.attention_mask(cache, tree.ancestor_mask()) if tree.num_nodes else None
     out = target.verify(cache, tree.tokens, tree.position_ids(context), mask, [])
@@ -165,7 +178,7 @@ def _time_one(target: TargetModel, cache: DynamicCache, tokens: torch.Tensor) ->
     return seconds
 
 
-def _synthetic_tree(tokens: torch.Tensor) -> DraftTree:
+def synthetic_tree(tokens: torch.Tensor) -> DraftTree:
     """A tree of the given tokens shaped like a DDTree: node i hangs under node i - 16, so depth stays
     within a drafter block however many nodes there are."""
     nodes = torch.arange(tokens.shape[0], device=tokens.device)
@@ -306,15 +319,23 @@ class ObservedRound:
     """Cached tokens the round verified over."""
     seconds: float = 0.0
     """Its verification forward; 0 when not timed."""
+    forward: tuple[int, int, int] | None = None
+    """The forward's shape when several sequences shared it: (sequences, tokens, mean cached tokens);
+    None when the round's tree was verified alone."""
 
 
 def rounds_of(stats: GenerationStats) -> list[ObservedRound]:
     """A sequence's verified rounds as the planner learns from them: every list is one entry per
     round, recorded by the round itself, so nothing from another sequence can be mixed in."""
     return [
-        ObservedRound(size, accepted, context, seconds)
-        for size, accepted, context, seconds in zip(
-            stats.tree_sizes, stats.accepted_nodes, stats.verify_contexts, stats.verify_seconds, strict=True
+        ObservedRound(size, accepted, context, seconds, None if forward[0] == 1 else tuple(forward))
+        for size, accepted, context, seconds, forward in zip(
+            stats.tree_sizes,
+            stats.accepted_nodes,
+            stats.verify_contexts,
+            stats.verify_seconds,
+            stats.verify_forwards,
+            strict=True,
         )
     ]
 
@@ -379,10 +400,13 @@ class BudgetPlanner:
         return padded + [padded[-1]] * (self.max_budget + 1 - len(padded))
 
     def observe_rounds(self, rounds: Sequence[ObservedRound], fixed_seconds: float) -> None:
-        """Verified rounds, and the mean seconds per round spent outside verification."""
+        """Verified rounds, and the mean seconds per round spent outside verification. Only rounds
+        verified alone rescale the curve: a shared forward's time is not its tree's."""
         self._rounds.extend(rounds)
         self._timed.extend(
-            (r.budget + 1, r.seconds / self.curve(r.budget + 1, r.context)) for r in rounds if r.seconds > 0
+            (r.budget + 1, r.seconds / self.curve(r.budget + 1, r.context))
+            for r in rounds
+            if r.seconds > 0 and r.forward is None
         )
         self.fixed_seconds = fixed_seconds
 
@@ -404,7 +428,7 @@ class BudgetPlanner:
             np.polyfit(sizes, scales, 1, w=np.sqrt(counts)) if len(sizes) > 1 else (0.0, scales[0])
         )
         low, high = sizes[0], sizes[-1]
-        return lambda q, context: self.curve(q, context) * float(intercept + slope * min(max(q, low), high))
+        return lambda q, context: self.curve(q, context) * (intercept + slope * np.clip(q, low, high))
 
     def cost_scales(self) -> tuple[list[int], list[float], list[int]]:
         """Verified sizes with enough timed rounds, their median measured / cached-curve time, and
@@ -438,14 +462,6 @@ class BudgetPlanner:
             observed, counts = _rank_gains(rounds_of(sequence), self.max_budget)
             gains = (observed + PRIOR_ROUNDS * gains) / (counts + PRIOR_ROUNDS)
         return [1.0, *(1.0 + np.cumsum(gains)).tolist()]
-
-    def choose(
-        self, context: int, largest: int | None = None, sequence: GenerationStats | None = None
-    ) -> BudgetChoice:
-        """The best budget over ``context`` cached tokens, among 1..``largest`` (default: all), for
-        ``sequence`` (see :meth:`expected_tau`)."""
-        budgets = range(1, min(largest or self.max_budget, self.max_budget) + 1)
-        return choose_budget(self.cost(), self.expected_tau(sequence), context, self.fixed_seconds, budgets)
 
     def describe(self, context: int) -> dict:
         """The planner's current model, for reports: what it expects at each power-of-two budget
@@ -485,75 +501,3 @@ def _growth(promised: np.ndarray, observed: np.ndarray, counts: np.ndarray) -> f
     realized = float((observed[upper] / counts[upper]).sum())
     predicted = float(promised[upper].sum())
     return min(1.0, realized / predicted) if predicted > 1e-6 else 1.0
-
-
-class AutoBudgetBuilder:
-    """A DDTree builder whose budget the planner re-chooses for each sequence every ``refresh`` trees.
-
-    On a refresh round it builds a tree ``lookahead`` times the sequence's current budget once,
-    records its surrogate in the sequence's stats, chooses, and verifies that tree's best-first
-    prefix of the chosen size plus ``explore_up`` of it on every other refresh, and minus
-    ``explore_down`` of it on the rest: the bigger trees are how the planner measures the ranks just
-    past its choice, and both are how it measures what a node costs around it. A smaller tree loses
-    acceptance and a bigger one costs time, so the steps are small and taken on one round in
-    ``refresh``. Other rounds build at the chosen budget directly, so the surrogate's cost is paid
-    once in ``refresh`` rounds, and the budget can grow by at most ``lookahead`` per refresh.
-
-    The builder itself holds settings only: a sequence's budget, refresh rounds and surrogates live
-    in its own :class:`~diffdraft.stats.GenerationStats`, so each choice is a function of that
-    sequence and of what the planner learned from finished ones, however many share the builder.
-    """
-
-    def __init__(
-        self,
-        planner: BudgetPlanner,
-        initial_budget: int = 32,
-        refresh: int = 8,
-        lookahead: int = 4,
-        explore_up: float = 0.5,
-        explore_down: float = 0.25,
-    ) -> None:
-        self.planner = planner
-        self.initial_budget = initial_budget
-        self.refresh = refresh
-        self.lookahead = lookahead
-        self.explore_up = explore_up
-        self.explore_down = explore_down
-
-    def build(
-        self,
-        root_token: int,
-        proposal: Proposal,
-        sampling: SamplingParams,
-        generator: torch.Generator | None,
-        context: int = 0,
-        stats: GenerationStats | None = None,
-    ) -> DraftTree:
-        """The sequence's next tree; its budget and surrogate are recorded in ``stats`` (None: the
-        first tree of a sequence nobody keeps a record of)."""
-        stats = stats if stats is not None else GenerationStats()
-        built = len(stats.budgets)
-        budget = stats.budgets[-1] if stats.budgets else self.initial_budget
-        if built % self.refresh or proposal.log_probs is None:
-            tree = DDTreeBuilder(budget).build(root_token, proposal, sampling, generator)
-        else:
-            horizon = min(self.planner.max_budget, self.lookahead * max(budget, 4))
-            largest = DDTreeBuilder(horizon).build(root_token, proposal, sampling, generator)
-            stats.surrogates.append(surrogate_acceptance(largest, proposal.log_probs))
-            budget = self.planner.choose(context, largest=horizon, sequence=stats).budget
-            if built // self.refresh % 2 == 0:
-                verified = min(horizon, budget + max(1, round(self.explore_up * budget)))
-            else:
-                verified = max(1, budget - max(1, round(self.explore_down * budget)))
-            keep = slice(0, verified + 1)  # best-first order: a prefix is the optimal smaller tree
-            tree = DraftTree(largest.tokens[keep], largest.parents[keep], largest.depths[keep])
-        stats.budgets.append(budget)
-        return tree
-
-    def observe_generation(self, stats: GenerationStats, fixed_seconds: float) -> None:
-        """Teach the planner a finished sequence's own record (its surrogates, what each round
-        accepted over which context and how long its verification took) with the mean seconds per
-        round spent outside verification."""
-        for surrogate in stats.surrogates:
-            self.planner.observe_proposal(surrogate)
-        self.planner.observe_rounds(rounds_of(stats), fixed_seconds)

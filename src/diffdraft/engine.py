@@ -12,17 +12,17 @@ same per-sequence code.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
-from diffdraft.drafters.base import Drafter, Proposal
+from diffdraft.drafters.base import Drafter, Proposal, propose_together
 from diffdraft.logprobs import LogprobRecorder
 from diffdraft.sampling import SamplingParams, greedy_tokens, sample_from
 from diffdraft.stats import GenerationStats, StageTimer
 from diffdraft.stopping import StopConditions, StopDecision
 from diffdraft.target import TargetModel, TargetOutput, VerifyInput
-from diffdraft.trees import DraftTree, TreeBuilder
+from diffdraft.trees import DraftTree, RoundPlanner, RoundSequence, TreeBuilder
 from diffdraft.verify import accept
 
 
@@ -63,12 +63,39 @@ class SpeculativeEngine:
         sequence = self.start(prompt_ids, stop, sampling, stats, seed, logprobs=logprobs)
         yield sequence.prefill()
         while not sequence.done:
-            step = sequence.draft()
+            [step] = draft_round([sequence], self.plan([sequence]))
             with sequence.timer("verify"):
                 out = self.target.verify(
                     step.cache, step.token_ids, step.position_ids, step.mask, self.layer_ids
                 )
             yield sequence.commit(out, sequence.timer.last)
+
+    def plan(self, sequences: Sequence[SequenceRun]) -> list[int | None]:
+        """Each sequence's node budget this round, when the tree builder plans rounds
+        (:class:`~diffdraft.trees.RoundPlanner`); None each (the builder's own size) otherwise."""
+        if not isinstance(self.builder, RoundPlanner):
+            return [None] * len(sequences)
+        return self.builder.plan([RoundSequence(s.stats, s.context, s.draft_depth() > 0) for s in sequences])
+
+
+def draft_round(sequences: Sequence[SequenceRun], budgets: Sequence[int | None]) -> list[VerifyInput]:
+    """Draft and build every sequence's tree of a round: one drafter call for all that draft (the
+    drafter's forks draft them in one forward where the family can, :func:`propose_together`), its
+    time shared evenly among them. Budget 0: the sequence verifies its pending token alone."""
+    depths = [s.draft_depth(budget) for s, budget in zip(sequences, budgets, strict=True)]
+    drafting = [i for i, depth in enumerate(depths) if depth > 0]
+    token_ids = [sequences[i].token_ids() for i in drafting]
+    proposals = [Proposal() for _ in sequences]
+    if drafting:
+        timer = StageTimer([sequences[i].stats for i in drafting], sequences[0].target.device)
+        with timer("draft"):
+            drafted = propose_together(
+                [sequences[i].drafter for i in drafting], token_ids, [depths[i] for i in drafting]
+            )
+        for i, ids, proposal in zip(drafting, token_ids, drafted, strict=True):
+            proposal.prefix = ids
+            proposals[i] = proposal
+    return [s.build(p, budget) for s, p, budget in zip(sequences, proposals, budgets, strict=True)]
 
 
 class SequenceRun:
@@ -119,33 +146,51 @@ class SequenceRun:
             first = _pick(out.logits[-1], self.sampling, self.generator)
         return self._extend([first], out.logits[-1:])
 
-    def draft(self) -> VerifyInput:
-        """Draft and build this round's tree; the returned input is what the target must verify."""
-        start = len(self.prompt_ids) + len(self.generated) - 1  # absolute position of the root
-        all_ids = torch.cat([self.prompt_ids, torch.tensor(self.generated, device=self.prompt_ids.device)])
-        max_depth = self.drafter.max_depth if self.drafter else 0
-        depth = min(max_depth, self.stop.remaining(len(self.generated)) - 1)
-        with self.timer("draft"):
-            proposal = self.drafter.propose(all_ids, depth) if depth > 0 else Proposal()
-            proposal.prefix = all_ids
+    @property
+    def context(self) -> int:
+        """Tokens in the cache: the absolute position of this round's root."""
+        return len(self.prompt_ids) + len(self.generated) - 1
+
+    def token_ids(self) -> torch.Tensor:
+        """Every committed token, this round's root (not yet in the cache) last."""
+        return torch.cat([self.prompt_ids, torch.tensor(self.generated, device=self.prompt_ids.device)])
+
+    def draft_depth(self, budget: int | None = None) -> int:
+        """Positions this round drafts: none without a drafter, at budget 0 (plain decoding) or when
+        only the root's own next token is left to generate."""
+        if self.drafter is None or budget == 0:
+            return 0
+        return max(0, min(self.drafter.max_depth, self.stop.remaining(len(self.generated)) - 1))
+
+    def build(self, proposal: Proposal, budget: int | None = None) -> VerifyInput:
+        """Build this round's tree from the drafter's ``proposal`` (empty: the root alone) at the
+        round plan's ``budget`` (None: the builder's own size); the returned input is what the target
+        must verify."""
+        start = self.context
         with self.timer("tree"):
+            builder = self.engine.builder
+            root = self.generated[-1]
             if proposal.depth == 0:
-                tree = DraftTree.root_only(self.generated[-1], self.target.device)
+                tree = DraftTree.root_only(root, self.target.device)
+            elif budget is None:
+                tree = builder.build(root, proposal, self.sampling, self.generator, start, self.stats)
             else:
-                tree = self.engine.builder.build(
-                    self.generated[-1], proposal, self.sampling, self.generator, start, self.stats
-                )
+                tree = builder.build(root, proposal, self.sampling, self.generator, start, self.stats, budget)
         with self.timer("mask"):
             mask = self.target.attention_mask(self.cache, tree.ancestor_mask()) if tree.num_nodes else None
         self._round = (tree, proposal, start)
         return VerifyInput(self.cache, tree.tokens, tree.position_ids(start), mask)
 
-    def commit(self, out: TargetOutput, verify_seconds: float) -> list[int]:
+    def commit(
+        self, out: TargetOutput, verify_seconds: float, forward: tuple[int, int, int] | None = None
+    ) -> list[int]:
         """Accept from the verified tree, keep its accepted path; returns the tokens this round added
-        (cut at a stop condition). ``verify_seconds``: the forward's time, recorded in the stats."""
+        (cut at a stop condition). ``verify_seconds``: the forward's time, recorded in the stats with
+        its ``forward`` shape (sequences, tokens, mean cached tokens; None: this tree alone)."""
         tree, proposal, start = self._round
         self._round = None
         self.stats.verify_seconds.append(verify_seconds)
+        self.stats.verify_forwards.append(forward or (1, tree.num_nodes + 1, start))
         with self.timer("accept"):
             result = accept(tree, out.logits, self.sampling, self.generator)
         with self.timer("commit"):

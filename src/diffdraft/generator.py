@@ -8,14 +8,17 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from diffdraft.auto_budget import AutoBudgetBuilder
+from diffdraft.batch_cost import load_or_measure_batch_cost
 from diffdraft.batching import BatchEngine
-from diffdraft.budget import AutoBudgetBuilder, BudgetPlanner, load_or_measure
+from diffdraft.budget import BudgetPlanner, load_or_measure
 from diffdraft.chat import encode_chat, encode_prompt
 from diffdraft.detokenize import INCOMPLETE, IncrementalDecoder
 from diffdraft.drafters.base import Drafter
@@ -207,7 +210,9 @@ def _make_builder(
     if method not in DDTREE_METHODS:
         return ChainBuilder()
     if budget == "auto":
-        return AutoBudgetBuilder(BudgetPlanner(load_or_measure(target, progress=True)))
+        planner = BudgetPlanner(load_or_measure(target, progress=True))
+        batch_cost = functools.partial(load_or_measure_batch_cost, target, progress=True)  # on first batch
+        return AutoBudgetBuilder(planner, batch_cost=batch_cost)
     return DDTreeBuilder(budget)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -31,6 +31,10 @@ class GenerationStats:
     """Per round, seconds of the target's verification forward (what the auto budget calibrates t on)."""
     verify_contexts: list[int] = field(default_factory=list)
     """Per round, the cached tokens its verification attended over (t depends on them as on the size)."""
+    verify_forwards: list[tuple[int, int, int]] = field(default_factory=list)
+    """Per round, the shape of the verification forward it shared: (sequences, tokens, mean cached
+    tokens per sequence); verify_seconds is that whole forward's time, so a batch's cost is learned
+    from its own shape, never mistaken for one tree's."""
     budgets: list[int] = field(default_factory=list)
     """Per tree the auto budget built, the node budget it had chosen for this sequence (its exploring
     rounds verify a little more or less: see tree_sizes); empty for fixed-size builders."""
@@ -38,6 +42,10 @@ class GenerationStats:
     """The drafter's promised acceptance per budget on each of the auto budget's refresh rounds: the
     sequence's own prior while it runs, and what the planner learns from once it finished (a planner
     input, so not in :meth:`to_dict`)."""
+    tau_estimate: tuple[int, int, list[float]] | None = None
+    """The round planner's expected acceptance length per budget for this sequence, with the rounds
+    and surrogates it was estimated from (re-estimated every few rounds: a planner input, so not in
+    :meth:`to_dict`)."""
     timings: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
     """Seconds spent per stage over the whole generation."""
     total_seconds: float = 0.0
@@ -62,6 +70,7 @@ class GenerationStats:
             "tree_sizes": self.tree_sizes,
             "verify_seconds": self.verify_seconds,
             "verify_contexts": self.verify_contexts,
+            "verify_forwards": self.verify_forwards,
             "budgets": self.budgets,
             "acceptance_histogram": {str(k): v for k, v in self.acceptance_histogram.items()},
             "timings": dict(self.timings),
@@ -72,12 +81,14 @@ class GenerationStats:
 
 class StageTimer:
     """Adds wall time to ``stats.timings[stage]``; synchronizes CUDA so GPU time is not misattributed.
+    A stage several sequences ran together (one drafter forward for all) is split evenly among
+    their stats, so each sequence's timings still add up to the wall time it is charged.
 
     Each stage is also a ``torch.profiler`` range named ``diffdraft.<stage>``, so a profile of a
     generation groups its operators by stage."""
 
-    def __init__(self, stats: GenerationStats, device: torch.device) -> None:
-        self.stats = stats
+    def __init__(self, stats: GenerationStats | Sequence[GenerationStats], device: torch.device) -> None:
+        self.shares = [stats] if isinstance(stats, GenerationStats) else list(stats)
         self.sync = device.type == "cuda"
         self.last = 0.0
         """Seconds of the stage timed last."""
@@ -90,4 +101,5 @@ class StageTimer:
             if self.sync:
                 torch.cuda.synchronize()
         self.last = time.perf_counter() - begin
-        self.stats.timings[stage] += self.last
+        for stats in self.shares:
+            stats.timings[stage] += self.last / len(self.shares)

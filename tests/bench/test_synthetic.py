@@ -84,7 +84,9 @@ def test_stage_times_add_up_to_the_round(smoke):
             assert method["stage_ms"] == {}  # the official loop is timed whole
             continue
         stages = method["stage_ms"]
-        assert all(stages[stage] > 0 for stage in ROUND_STAGES)
+        drafts = method["method"] != "ar"  # plain decoding pays no draft stage
+        assert all(stages[stage] > 0 for stage in ROUND_STAGES if drafts or stage != "draft")
+        assert (stages["draft"] > 0) == drafts
         total = sum(stages[stage] for stage in ROUND_STAGES)
         assert 0.5 * method["round_ms_mean"] < total <= method["round_ms_mean"] * 1.001
         assert stages["other"] == pytest.approx(method["round_ms_mean"] - total)

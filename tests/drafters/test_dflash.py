@@ -247,3 +247,44 @@ def test_a_draft_vocabulary_beyond_the_target_vocabulary_is_rejected():
     model.draft_vocab[1] = 100  # as if it had been chosen for a bigger tokenizer
     with pytest.raises(IncompatibleDrafterError, match="draft_vocab holds token ids outside"):
         DFlashDrafter(model, TargetModel(target))
+
+
+def _forks_with_contexts(drafter, lengths: list[int], seed: int, hidden_size: int) -> tuple[list, list]:
+    """Forks of ``drafter`` (tapping 2 float64 layers) with contexts of the given lengths, and each
+    one's committed tokens."""
+    g = torch.Generator().manual_seed(seed)
+    forks, token_ids = [], []
+    for length in lengths:
+        fork = drafter.fork()
+        hidden = torch.randn(length, 2, hidden_size, generator=g, dtype=torch.float64)
+        fork.extend_context(hidden[: length // 2], 0)  # in two steps, as rounds commit
+        fork.extend_context(hidden[length // 2 :], length // 2)
+        forks.append(fork)
+        token_ids.append(torch.randint(0, 60, (length + 1,), generator=g))
+    return forks, token_ids
+
+
+@pytest.mark.parametrize("variant", [DFLASH, DFLARE])
+@pytest.mark.parametrize("draft_vocab", [None, list(range(0, 64, 2))])
+def test_one_forward_drafts_every_fork_as_each_drafts_alone(variant, draft_vocab):
+    from diffdraft.drafters.base import propose_together
+    from diffdraft.sampling import SamplingParams
+    from diffdraft.trees import DDTreeBuilder
+
+    target = tiny_target("qwen3", seed=3)
+    drafter = DFlashDrafter(
+        tiny_drafter(target, layers=2, block_size=6, variant=variant, draft_vocab=draft_vocab),
+        TargetModel(target),
+    )
+    forks, token_ids = _forks_with_contexts(drafter, [7, 2, 12, 5], 3, target.config.hidden_size)
+    depths = [5, 3, 1, 5]  # sequences near their end draft shorter blocks
+    together = propose_together(forks, token_ids, depths)
+    for fork, ids, depth, proposal in zip(forks, token_ids, depths, together, strict=True):
+        alone = fork.propose(ids, depth)
+        assert proposal.log_probs.shape == alone.log_probs.shape == (depth, target.config.vocab_size)
+        torch.testing.assert_close(proposal.log_probs, alone.log_probs, rtol=0, atol=1e-12)
+        trees = [DDTreeBuilder(12).build(int(ids[-1]), p, SamplingParams(), None) for p in (proposal, alone)]
+        assert torch.equal(trees[0].tokens, trees[1].tokens) and torch.equal(
+            trees[0].parents, trees[1].parents
+        )
+    assert [len(kv[0][0][0, 0]) for kv in [f._context_kv for f in forks]] == [7, 2, 12, 5]  # untouched

@@ -91,3 +91,24 @@ def test_a_copy_longer_than_the_drafter_block_extends_the_proposal():
         assert math.isclose(row[copied], 0.5 + 0.5 / 6, rel_tol=1e-5)
         assert math.isclose(row.min(), 0.5 / 6, rel_tol=1e-5)
     assert boosted.propose(torch.tensor([1, 2, 3, 4, 5, 0, 1, 2]), 4).depth == 4  # the engine's cap holds
+
+
+def test_boosted_forks_draft_together_as_each_alone():
+    from diffdraft.drafters.base import propose_together
+    from diffdraft.drafters.dflash import DFlashDrafter
+    from diffdraft.target import TargetModel
+
+    from conftest import tiny_drafter, tiny_target
+    from drafters.test_dflash import _forks_with_contexts
+
+    target = tiny_target("llama", seed=4)
+    boosted = LookupBoostedDrafter(DFlashDrafter(tiny_drafter(target, block_size=4), TargetModel(target)))
+    forks, token_ids = _forks_with_contexts(boosted, [11, 6], 4, target.config.hidden_size)
+    alone, _ = _forks_with_contexts(boosted, [11, 6], 4, target.config.hidden_size)
+    token_ids[0] = torch.tensor([5, 6, 7, 8, 1, 2, 3, 4, 9, 5, 6, 7])  # "5 6 7" repeats: "8 1 2 ..." copied
+    together = propose_together(forks, token_ids, [5, 3])
+    for drafter, ids, depth, proposal in zip(alone, token_ids, [5, 3], together, strict=True):
+        torch.testing.assert_close(
+            proposal.log_probs, drafter.propose(ids, depth).log_probs, rtol=0, atol=1e-12
+        )
+    assert together[0].log_probs.shape[0] == 5  # the copy runs past the inner drafter's block of 3

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
+from diffdraft.auto_budget import AutoBudgetBuilder
 from diffdraft.bench.llamacpp import LlamaCppRunner
 from diffdraft.bench.probes import ForwardProbe, TimedNgram, rounds_from_calls
 from diffdraft.bench.runner_api import (
@@ -45,7 +46,7 @@ from diffdraft.bench.runner_api import (
     MethodUnavailable,
     Request,
 )
-from diffdraft.budget import AutoBudgetBuilder, BudgetPlanner, VerifyCostCurve, load_or_measure
+from diffdraft.budget import BudgetPlanner, VerifyCostCurve, load_or_measure
 from diffdraft.default_model import default_gguf_path
 from diffdraft.drafters.checkpoint import DraftModel, load_draft_model, resolve_drafter_path
 from diffdraft.drafters.dart_model import DARTDraftModel

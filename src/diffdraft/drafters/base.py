@@ -8,6 +8,7 @@ The engine never learns a drafter's name. It tells the drafter which target laye
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -61,6 +62,28 @@ class Drafter(Protocol):
     def fork(self) -> Drafter:
         """A drafter with an empty context that shares this one's weights: one per sequence when
         several sequences are decoded at once."""
+
+
+@runtime_checkable
+class BatchDrafter(Protocol):
+    """A drafter whose forks can draft several sequences in one forward (the weights read once)."""
+
+    def propose_batch(
+        self, forks: Sequence[Drafter], token_ids: Sequence[torch.Tensor], depths: Sequence[int]
+    ) -> list[Proposal]:
+        """What ``fork.propose(ids, depth)`` gives for each fork of this drafter (itself included)."""
+        ...
+
+
+def propose_together(
+    drafters: Sequence[Drafter], token_ids: Sequence[torch.Tensor], depths: Sequence[int]
+) -> list[Proposal]:
+    """One proposal per drafter (forks of one drafter, each with its sequence's context): in one
+    call where the family drafts in batches, else one after another."""
+    first = drafters[0] if drafters else None
+    if len(drafters) > 1 and isinstance(first, BatchDrafter):
+        return first.propose_batch(drafters, token_ids, depths)
+    return [d.propose(ids, depth) for d, ids, depth in zip(drafters, token_ids, depths, strict=True)]
 
 
 class ForksByCopy:

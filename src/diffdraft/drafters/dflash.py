@@ -6,6 +6,8 @@ draft layer's context keys/values, so each round only projects the newly committ
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -58,12 +60,58 @@ class DFlashDrafter(ForksByCopy):
         start = token_ids.shape[0] - 1
         positions = torch.arange(start, start + depth + 1, device=self._device)[None]
         hidden = self.model(self.embed(block[None]), positions, self._context_kv)
-        log_probs = self.head(hidden[0, 1:]).float().log_softmax(-1)
+        return self._proposal(self.head(hidden[0, 1:]).float().log_softmax(-1))
+
+    @torch.inference_mode()
+    def propose_batch(
+        self, forks: Sequence[DFlashDrafter], token_ids: Sequence[torch.Tensor], depths: Sequence[int]
+    ) -> list[Proposal]:
+        """:meth:`propose` for every fork (of this drafter: the same weights) in one forward.
+
+        Blocks are padded to the deepest and contexts to the longest; a mask lets each block row see
+        its own context and its own block only, so each proposal is its fork's own (equal up to the
+        attention kernel's rounding: a masked attention sums in another order than an unmasked one).
+        """
+        width = max(depths) + 1
+        lengths = [fork._context_kv[0][0].shape[2] for fork in forks]
+        longest = max(lengths)
+        blocks = torch.full((len(forks), width), self.model.mask_token_id, device=self._device)
+        positions = torch.empty((len(forks), width), dtype=torch.long, device=self._device)
+        visible = torch.zeros((len(forks), 1, width, longest + width), dtype=torch.bool, device=self._device)
+        for row, (ids, depth, length) in enumerate(zip(token_ids, depths, lengths, strict=True)):
+            blocks[row, 0] = ids[-1]
+            positions[row] = torch.arange(ids.shape[0] - 1, ids.shape[0] - 1 + width, device=self._device)
+            visible[row, :, :, :length] = True
+            visible[row, :, :, longest : longest + depth + 1] = True
+        dtype = self.model.norm.weight.dtype
+        mask = torch.zeros(visible.shape, dtype=dtype, device=self._device)
+        mask.masked_fill_(~visible, torch.finfo(dtype).min)
+        context_kv = [
+            tuple(_padded([fork._context_kv[layer][part] for fork in forks], longest) for part in (0, 1))
+            for layer in range(len(self.model.layers))
+        ]
+        hidden = self.model(self.embed(blocks), positions, context_kv, mask)
+        log_probs = self.head(hidden[:, 1:]).float().log_softmax(-1)
+        return [self._proposal(log_probs[row, :depth]) for row, depth in enumerate(depths)]
+
+    def _proposal(self, log_probs: torch.Tensor) -> Proposal:
+        """The proposal of drafted rows ``log_probs`` [depth, draft vocabulary]: tokens outside the
+        draft vocabulary get probability 0."""
         vocab = self.model.draft_vocab
-        if vocab is not None:  # tokens outside the draft vocabulary get probability 0
-            full = torch.full((depth, self.vocab_size), float("-inf"), device=self._device)
+        if vocab is not None:
+            full = torch.full((log_probs.shape[0], self.vocab_size), float("-inf"), device=self._device)
             log_probs = full.index_copy_(1, vocab, log_probs)
         return Proposal(log_probs=log_probs)
+
+
+def _padded(rows: Sequence[torch.Tensor], length: int) -> torch.Tensor:
+    """Context keys or values [1, heads, n_i, d] of several sequences as one [b, heads, length, d],
+    zero past each one's n_i (masked out)."""
+    first = rows[0]
+    out = first.new_zeros((len(rows), first.shape[1], length, first.shape[3]))
+    for row, part in enumerate(rows):
+        out[row, :, : part.shape[2]] = part[0]
+    return out
 
 
 def check_compatible(model: DFlashDraftModel, target: TargetModel) -> None:

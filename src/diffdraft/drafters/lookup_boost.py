@@ -21,10 +21,11 @@ drafter covers its start.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
-from diffdraft.drafters.base import Drafter, Proposal
+from diffdraft.drafters.base import Drafter, Proposal, propose_together
 from diffdraft.drafters.prompt_lookup import PromptLookupDrafter
 
 COPY_DEPTH = 10
@@ -74,11 +75,28 @@ class LookupBoostedDrafter:
     def extend_context(self, hidden: torch.Tensor | None, start: int) -> None:
         self.drafter.extend_context(hidden, start)
 
-    @torch.inference_mode()
     def propose(self, token_ids: torch.Tensor, depth: int) -> Proposal:
+        inner = self.drafter.propose(token_ids, min(depth, self.drafter.max_depth))
+        return self._boost(token_ids, inner, depth)
+
+    def propose_batch(
+        self, forks: Sequence[LookupBoostedDrafter], token_ids: Sequence[torch.Tensor], depths: Sequence[int]
+    ) -> list[Proposal]:
+        """The inner drafters' proposals together (one forward where their family can), each boosted
+        by its own fork's lookup."""
+        inner = [fork.drafter for fork in forks]
+        inner_depths = [min(depth, drafter.max_depth) for drafter, depth in zip(inner, depths, strict=True)]
+        drafted = propose_together(inner, token_ids, inner_depths)
+        return [
+            fork._boost(ids, proposal, depth)
+            for fork, ids, proposal, depth in zip(forks, token_ids, drafted, depths, strict=True)
+        ]
+
+    @torch.inference_mode()
+    def _boost(self, token_ids: torch.Tensor, proposal: Proposal, depth: int) -> Proposal:
+        """``proposal`` (the inner drafter's, for the same tokens) with lookup's copy mixed in."""
         ids = token_ids.tolist()
         self._score_last_copy(ids)
-        proposal = self.drafter.propose(token_ids, min(depth, self.drafter.max_depth))
         ngram, follow = self.lookup.match(ids, min(depth, self.lookup.max_depth))
         self._last_copy = (len(ids) - 1, ngram, follow)
         if not follow:

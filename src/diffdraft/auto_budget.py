@@ -1,0 +1,99 @@
+"""The DDTree builder of budget 'auto': each round's budgets planned together, each tree built to its
+sequence's share of the plan."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from diffdraft.batch_cost import BatchCostCurve
+from diffdraft.budget import BudgetPlanner, rounds_of, surrogate_acceptance
+from diffdraft.drafters.base import Proposal
+from diffdraft.round_budget import RoundBudgetPlanner
+from diffdraft.sampling import SamplingParams
+from diffdraft.stats import GenerationStats
+from diffdraft.trees import DDTreeBuilder, DraftTree, RoundSequence
+
+
+class AutoBudgetBuilder:
+    """A DDTree builder whose budgets :meth:`plan` chooses for all sequences of a round together
+    (:class:`~diffdraft.round_budget.RoundBudgetPlanner`; 0: the sequence does not draft).
+
+    Every ``refresh`` trees of a sequence it builds a tree ``lookahead`` times the sequence's budget
+    once, records its surrogate in the sequence's stats (the acceptance the round planner expects
+    from it comes from there), and verifies that tree's best-first prefix of the planned size plus
+    ``explore_up`` of it on every other refresh, and minus ``explore_down`` of it on the rest: the
+    bigger trees are how the planner measures the ranks just past its choice, and both are how it
+    measures what a node costs around it. A smaller tree loses acceptance and a bigger one costs
+    time, so the steps are small and taken on one tree in ``refresh``. Other trees are built at the
+    planned budget directly, so the surrogate's cost is paid once in ``refresh`` trees.
+
+    The builder itself holds settings and what finished sequences taught: a sequence's budgets,
+    refresh rounds and surrogates live in its own :class:`~diffdraft.stats.GenerationStats`.
+    """
+
+    def __init__(
+        self,
+        planner: BudgetPlanner,
+        initial_budget: int = 32,
+        refresh: int = 8,
+        lookahead: int = 4,
+        explore_up: float = 0.5,
+        explore_down: float = 0.25,
+        batch_cost: BatchCostCurve | Callable[[], BatchCostCurve] | None = None,
+    ) -> None:
+        """``batch_cost``: what forwards shared by several sequences cost, or its loader (without it,
+        the single-sequence curve over all their tokens stands in)."""
+        self.planner = planner
+        self.rounds = RoundBudgetPlanner(planner, batch_cost, refresh=refresh)
+        self.initial_budget = initial_budget
+        self.refresh = refresh
+        self.lookahead = lookahead
+        self.explore_up = explore_up
+        self.explore_down = explore_down
+
+    def plan(self, sequences: Sequence[RoundSequence]) -> list[int]:
+        """Each sequence's node budget this round (see :class:`RoundBudgetPlanner`)."""
+        return self.rounds.plan(sequences)
+
+    def build(
+        self,
+        root_token: int,
+        proposal: Proposal,
+        sampling: SamplingParams,
+        generator: torch.Generator | None,
+        context: int = 0,
+        stats: GenerationStats | None = None,
+        budget: int | None = None,
+    ) -> DraftTree:
+        """The sequence's next tree, of the planned ``budget`` (None: its last budget, or the initial
+        one); the budget and any surrogate are recorded in ``stats`` (None: the first tree of a
+        sequence nobody keeps a record of)."""
+        stats = stats if stats is not None else GenerationStats()
+        built = len(stats.budgets)
+        previous = stats.budgets[-1] if stats.budgets else self.initial_budget
+        budget = min(budget or previous, self.planner.max_budget)
+        if built % self.refresh or proposal.log_probs is None:
+            tree = DDTreeBuilder(budget).build(root_token, proposal, sampling, generator)
+        else:
+            horizon = min(self.planner.max_budget, self.lookahead * max(previous, budget, 4))
+            largest = DDTreeBuilder(horizon).build(root_token, proposal, sampling, generator)
+            stats.surrogates.append(surrogate_acceptance(largest, proposal.log_probs))
+            if built // self.refresh % 2 == 0:
+                verified = min(horizon, budget + max(1, round(self.explore_up * budget)))
+            else:
+                verified = max(1, budget - max(1, round(self.explore_down * budget)))
+            keep = slice(0, verified + 1)  # best-first order: a prefix is the optimal smaller tree
+            tree = DraftTree(largest.tokens[keep], largest.parents[keep], largest.depths[keep])
+        stats.budgets.append(budget)
+        return tree
+
+    def observe_generation(self, stats: GenerationStats, fixed_seconds: float) -> None:
+        """Teach the planners a finished sequence's own record (its surrogates, what each round
+        accepted over which context, how long its forwards and stages took) with the mean seconds per
+        round spent outside verification."""
+        for surrogate in stats.surrogates:
+            self.planner.observe_proposal(surrogate)
+        self.planner.observe_rounds(rounds_of(stats), fixed_seconds)
+        self.rounds.observe_generation(stats)

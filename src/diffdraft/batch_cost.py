@@ -1,0 +1,162 @@
+"""What one packed verification forward of several sequences costs on this machine.
+
+Batched rounds verify every sequence's tree in one forward (:meth:`TargetModel.verify_batch`):
+projections and MLPs run over all sequences' tokens at once, attention over each sequence's own
+cache. Its time is no sum of single-sequence costs (the weights are read once), so it is measured
+over the number of sequences, the tokens per sequence and the context, once per model shape, dtype
+and device, and cached beside the single-sequence curve (:mod:`diffdraft.budget`), which it extends.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from diffdraft.atomic_write import write_text_atomically
+from diffdraft.budget import blend_rows, curve_key, interpolate, monotone_fit, synthetic_tree
+from diffdraft.default_model import cache_root
+from diffdraft.progress import progress_bar
+from diffdraft.sampling import SamplingParams
+from diffdraft.target import TargetModel, VerifyInput
+from diffdraft.verify import accept
+
+BATCHES = (2, 4, 8)
+"""Sequences per forward; one alone is the single-sequence curve's."""
+SIZES = (1, 4, 8, 16)
+"""Tokens per sequence: batched rounds pay for small trees only (larger totals extrapolate)."""
+CONTEXTS = (128, 512)
+
+
+@dataclass
+class BatchCostCurve:
+    """Measured seconds of verifying ``batch`` sequences' trees (masks, one packed forward, each
+    sequence's acceptance) with ``size`` tokens each over ``context`` cached tokens each."""
+
+    batches: list[int]
+    sizes: list[int]
+    contexts: list[int]
+    seconds: list[list[list[float]]]
+    """``seconds[b][i][j]``: batches[b] sequences of sizes[j] tokens over contexts[i] cached tokens,
+    fitted nondecreasing along every axis (more work never costs less)."""
+    key: str = ""
+    measured_at: str = ""
+    measured: list[list[list[float]]] = field(default_factory=list)
+    """The medians as measured, before the fit."""
+
+    def __call__(self, tokens: float | np.ndarray, batch: float, context: float) -> float | np.ndarray:
+        """Seconds of a forward of ``tokens`` in all (may be an array) shared by ``batch`` sequences
+        over ``context`` cached tokens each (their mean when they differ), linear between measured
+        points and past the largest; sequences share the tokens evenly."""
+        per_batch = [
+            interpolate(np.asarray(tokens) / batch, self.sizes, blend_rows(context, self.contexts, table))
+            for table in self.seconds
+        ]
+        seconds = blend_rows(batch, self.batches, per_batch)
+        return float(seconds) if np.ndim(tokens) == 0 else seconds
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def measure_batch_cost(
+    target: TargetModel,
+    batches: Sequence[int] = BATCHES,
+    sizes: Sequence[int] = SIZES,
+    contexts: Sequence[int] = CONTEXTS,
+    repeats: int = 3,
+    progress: bool = False,
+) -> BatchCostCurve:
+    """Median time of a batched verification stage per point, fitted nondecreasing in every axis
+    (see :func:`diffdraft.budget.measure_verify_cost`: same passes, same fit)."""
+    sizes = sorted({q for q in sizes if q <= target.max_context // 2})
+    contexts = sorted({min(n, target.max_context - sizes[-1]) for n in contexts})
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, target.vocab_size, (contexts[-1] + sizes[-1],), generator=generator).to(
+        target.device
+    )
+    caches = {(n, i): target.new_cache() for n in contexts for i in range(max(batches))}
+    for (n, _), cache in caches.items():
+        target.prefill(cache, ids[:n], [])
+    points = [(b, n, q) for b in batches for n in contexts for q in sizes]
+    timings: dict[tuple[int, int, int], list[float]] = {point: [] for point in points}
+    with progress_bar(
+        total=(repeats + 1) * len(points), desc="batch verify cost", disable=not progress, leave=False
+    ) as steps:
+        for repeat in range(repeats + 1):  # the first pass warms kernels up and is not kept
+            for b, n, q in points:
+                seconds = _time_batch(target, [caches[n, i] for i in range(b)], ids[n : n + q])
+                if repeat:
+                    timings[b, n, q].append(seconds)
+                steps.update()
+    measured = [[[float(np.median(timings[b, n, q])) for q in sizes] for n in contexts] for b in batches]
+    return BatchCostCurve(
+        batches=list(batches),
+        sizes=list(sizes),
+        contexts=list(contexts),
+        seconds=_monotone_in_batch([monotone_fit(table) for table in measured]),
+        key=curve_key(target),
+        measured_at=time.strftime("%Y-%m-%d %H:%M:%S"),
+        measured=measured,
+    )
+
+
+def _monotone_in_batch(tables: list[list[list[float]]]) -> list[list[list[float]]]:
+    """``tables`` [batch][context][size], each monotone in context and size, fitted nondecreasing
+    along batch too (the fit is order-preserving, so the other axes stay monotone)."""
+    stacked = np.asarray(tables, dtype=float)
+    flat = stacked.reshape(len(tables), -1)
+    fitted = np.asarray([monotone_fit([column])[0] for column in flat.T]).T
+    return fitted.reshape(stacked.shape).tolist()
+
+
+def _time_batch(target: TargetModel, caches: list, tokens: torch.Tensor) -> float:
+    """Seconds of one batched verification stage of ``tokens`` as a DDTree-shaped tree for every
+    cache; the caches are left as they were."""
+    tree = synthetic_tree(tokens)
+    begin = time.perf_counter()
+    inputs = []
+    for cache in caches:
+        context = cache.get_seq_length()
+        mask = target.attention_mask(cache, tree.ancestor_mask()) if tree.num_nodes else None
+        inputs.append(VerifyInput(cache, tree.tokens, tree.position_ids(context), mask))
+    for out in target.verify_batch(inputs, []):
+        accept(tree, out.logits, SamplingParams(), None)
+    if target.device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - begin
+    for cache in caches:
+        cache.crop(-tokens.shape[0])
+    return seconds
+
+
+def still_valid(curve: BatchCostCurve, target: TargetModel, tolerance: float = 0.25) -> bool:
+    """Spot-check a cached curve at its middle point (a curve measured on a loaded machine, or on
+    other hardware, would mislead every round's plan)."""
+    batch, size = curve.batches[len(curve.batches) // 2], curve.sizes[len(curve.sizes) // 2]
+    context = curve.contexts[len(curve.contexts) // 2]
+    probe = measure_batch_cost(target, [batch], [size], [context], repeats=3)
+    expected = curve(batch * size, batch, probe.contexts[0])
+    return abs(probe.seconds[0][0][0] - expected) <= tolerance * expected
+
+
+def load_or_measure_batch_cost(
+    target: TargetModel, cache_dir: str | Path | None = None, progress: bool = False
+) -> BatchCostCurve:
+    """The cached curve for this model shape and device, measured (and cached) when absent or when a
+    spot check no longer matches it."""
+    folder = Path(cache_dir) if cache_dir is not None else cache_root() / "batch_verify_cost"
+    file = folder / f"{curve_key(target)}.json"
+    if file.is_file():
+        cached = BatchCostCurve(**json.loads(file.read_text()))
+        if still_valid(cached, target):
+            return cached
+    curve = measure_batch_cost(target, BATCHES, SIZES, CONTEXTS, progress=progress)
+    folder.mkdir(parents=True, exist_ok=True)
+    write_text_atomically(file, json.dumps(curve.to_dict(), indent=1) + "\n")
+    return curve

@@ -1,0 +1,220 @@
+"""Every tree of a round sized together, so speculation never loses to plain decoding under load.
+
+Sequences decoded together share one verification forward, whose time grows with the tokens of all
+their trees, and each sequence that drafts pays its drafter's work. A budget that pays for one
+sequence alone can lose at batch 8 (measured: DDTree-8 ran 0.86x plain decoding there). So each
+round picks every sequence's node budget B_i, 0 included (no drafting: the sequence verifies its
+pending token alone, as plain decoding does), to maximize the batch's expected committed tokens
+per second:
+
+    sum_i tau_i(B_i) / (t(sum_i (B_i + 1), sequences, context) + d * #{B_i > 0} + c * sequences)
+
+with tau_i a sequence's expected acceptance length per budget (:meth:`BudgetPlanner.expected_tau`
+from its own record), t the verification forward (the single-sequence curve alone, the batch curve
+shared, both rescaled by the finished sequences' own forwards), d the drafting, tree and mask time
+of one drafting sequence and c each sequence's acceptance and commit, both learned from finished
+sequences.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from diffdraft.batch_cost import BatchCostCurve
+from diffdraft.budget import MIN_TIMED_ROUNDS, BudgetPlanner, rounds_of
+from diffdraft.stats import GenerationStats
+from diffdraft.trees import RoundSequence
+
+DRAFT_STAGES = ("draft", "tree", "mask")
+"""What a drafting sequence pays on top of a plain decoding step's."""
+COMMIT_STAGES = ("accept", "commit")
+"""What every sequence pays per round outside the shared forward."""
+
+
+def plan_budgets(
+    taus: Sequence[Sequence[float]],
+    verify_seconds: Sequence[float],
+    draft_seconds: float,
+    fixed_seconds: float,
+    explore: Sequence[bool],
+) -> list[int]:
+    """Budgets B_i maximizing ``sum tau_i[B_i] / (verify_seconds[sum (B_i + 1)] + draft_seconds *
+    #{B_i > 0} + fixed_seconds)``.
+
+    ``taus[i]`` covers sequence i's candidate budgets 0..len - 1 (``[1.0]``: it cannot draft);
+    ``verify_seconds[q]`` is the forward of q tokens in all, taken nondecreasing in q;
+    ``explore[i]`` makes sequence i draft (B_i >= 1) whatever it costs, so its record stays fresh.
+
+    First the greedy path: nodes added one at a time, each to the sequence whose next node gains the
+    most, the best point on the way kept (for every total it has the most acceptance when gains
+    fall with the rank). Then coordinate ascent from there: each step moves the one sequence whose
+    best budget, the others held, raises the rate most (a jump, not a unit step: drafting's cost
+    comes at B = 1 and pays back over several nodes), until no move does.
+    """
+    curves = [np.asarray(tau, dtype=float) for tau in taus]
+    cost = np.maximum.accumulate(np.asarray(verify_seconds, dtype=float))
+    lowest = [1 if must and len(tau) > 1 else 0 for tau, must in zip(curves, explore, strict=True)]
+
+    def rates(gained, tokens, drafting):
+        return gained / (cost[tokens] + draft_seconds * drafting + fixed_seconds)
+
+    budgets = _best_on_greedy_path(curves, lowest, rates)
+    gained = sum(tau[b] for tau, b in zip(curves, budgets, strict=True))
+    tokens = sum(budgets) + len(budgets)
+    drafting = sum(b > 0 for b in budgets)
+    best = rates(gained, tokens, drafting)
+    while True:
+        move = None
+        for i, tau in enumerate(curves):
+            options = np.arange(lowest[i], len(tau))
+            current = budgets[i]
+            candidate = rates(
+                gained - tau[current] + tau[options],
+                tokens - current + options,
+                drafting - (current > 0) + (options > 0),
+            )
+            pick = int(np.argmax(candidate))  # the smallest budget among equals
+            if candidate[pick] > best * (1 + 1e-9) and options[pick] != current:
+                best, move = float(candidate[pick]), (i, int(options[pick]))
+        if move is None:
+            return budgets
+        i, budget = move
+        gained += curves[i][budget] - curves[i][budgets[i]]
+        tokens += budget - budgets[i]
+        drafting += (budget > 0) - (budgets[i] > 0)
+        budgets[i] = budget
+
+
+def _best_on_greedy_path(curves: list[np.ndarray], lowest: list[int], rates) -> list[int]:
+    """The best point of :func:`plan_budgets`' greedy path, all at once: every sequence's next nodes
+    ordered by gain (a running minimum, so a sequence's nodes keep their order), then the rate after
+    each. ``rates(gained, tokens, drafting)`` takes arrays."""
+    owners, gains, keys, firsts = [], [], [], []
+    for i, tau in enumerate(curves):
+        gain = np.diff(tau)[lowest[i] :]
+        owners.append(np.full(len(gain), i))
+        gains.append(gain)
+        keys.append(np.minimum.accumulate(gain) if len(gain) else gain)
+        firsts.append((np.arange(len(gain)) == 0) & (lowest[i] == 0))
+    order = np.argsort(-np.concatenate(keys), kind="stable")
+    owner = np.concatenate(owners)[order]
+    gained = sum(tau[b] for tau, b in zip(curves, lowest, strict=True))
+    tokens = sum(lowest) + len(lowest)
+    drafting = sum(b > 0 for b in lowest)
+    path = rates(
+        gained + np.concatenate([[0.0], np.cumsum(np.concatenate(gains)[order])]),
+        tokens + np.arange(len(order) + 1),
+        drafting + np.concatenate([[0], np.cumsum(np.concatenate(firsts)[order])]),
+    )
+    steps = int(np.argmax(path))  # the fewest nodes among equals
+    return (np.asarray(lowest) + np.bincount(owner[:steps], minlength=len(curves))).tolist()
+
+
+class RoundBudgetPlanner:
+    """Plans each round's budgets (:func:`plan_budgets`) from a :class:`BudgetPlanner`'s acceptance
+    model and cost curve, a batch cost curve for shared forwards, and the stage times of finished
+    sequences.
+
+    A sequence drafts on its first round (its own surrogate then guides it) and whenever it has not
+    drafted for ``explore_every`` rounds: plain decoding teaches nothing about acceptance, and
+    what pays changes as sequences join and leave. A sequence's acceptance estimate is refreshed
+    every ``refresh`` rounds and with each new surrogate, not every round (it reads its whole record).
+    """
+
+    def __init__(
+        self,
+        planner: BudgetPlanner,
+        batch_cost: BatchCostCurve | Callable[[], BatchCostCurve] | None = None,
+        explore_every: int = 32,
+        refresh: int = 8,
+        window: int = 64,
+        timed_rounds: int = 128,
+    ) -> None:
+        """``batch_cost`` may be a loader, called on the first round shared by several sequences:
+        measuring it takes a while, and a process that never batches never pays for it."""
+        self.planner = planner
+        self._batch_cost = batch_cost
+        self.explore_every = explore_every
+        self.refresh = refresh
+        self._draft_seconds: deque[float] = deque(maxlen=window)
+        self._commit_seconds: deque[float] = deque(maxlen=window)
+        self._batch_scales: deque[tuple[int, float]] = deque(maxlen=timed_rounds)
+        """(sequences, measured / batch curve seconds) of finished sequences' shared forwards."""
+
+    @property
+    def batch_cost(self) -> BatchCostCurve | None:
+        if callable(self._batch_cost) and not isinstance(self._batch_cost, BatchCostCurve):
+            self._batch_cost = self._batch_cost()
+        return self._batch_cost
+
+    @property
+    def draft_seconds(self) -> float:
+        """Seconds one drafting sequence adds to a round (0 before any sequence finished)."""
+        return float(np.mean(self._draft_seconds)) if self._draft_seconds else 0.0
+
+    @property
+    def commit_seconds(self) -> float:
+        """Seconds each sequence adds to a round outside the forward and drafting."""
+        return float(np.mean(self._commit_seconds)) if self._commit_seconds else 0.0
+
+    def observe_generation(self, stats: GenerationStats) -> None:
+        """Learn a finished sequence's stage times and its shared forwards' times."""
+        drafted = sum(size > 0 for size in stats.tree_sizes)
+        if drafted:
+            self._draft_seconds.append(sum(stats.timings[s] for s in DRAFT_STAGES) / drafted)
+        if stats.rounds:
+            self._commit_seconds.append(sum(stats.timings[s] for s in COMMIT_STAGES) / stats.rounds)
+        shared = [r for r in rounds_of(stats) if r.forward is not None and r.seconds > 0]
+        if shared and self.batch_cost is not None:
+            self._batch_scales.extend(
+                (r.forward[0], r.seconds / self.batch_cost(r.forward[1], r.forward[0], r.forward[2]))
+                for r in shared
+            )
+
+    def verify_seconds(self, tokens: np.ndarray, sequences: int, context: float) -> np.ndarray:
+        """The forward's seconds for each total of ``tokens`` shared by ``sequences`` over ``context``
+        cached tokens each: the calibrated single-sequence curve alone (and without a batch curve,
+        over all the tokens at once), else the batch curve, scaled by what the finished sequences'
+        forwards of that many sequences took against it."""
+        if sequences == 1 or self.batch_cost is None:
+            return np.asarray(self.planner.cost()(tokens, context))
+        return np.asarray(self.batch_cost(tokens, sequences, context)) * self.batch_scale(sequences)
+
+    def batch_scale(self, sequences: int) -> float:
+        """Median measured / curve time of finished forwards shared by ``sequences`` sequences (of
+        any shared forward while too few of that size finished; 1 before any)."""
+        same = [scale for n, scale in self._batch_scales if n == sequences]
+        if len(same) >= MIN_TIMED_ROUNDS:
+            return float(np.median(same))
+        return float(np.median([scale for _, scale in self._batch_scales])) if self._batch_scales else 1.0
+
+    def plan(self, sequences: Sequence[RoundSequence]) -> list[int]:
+        """Each sequence's node budget this round (0: it verifies its pending token alone)."""
+        taus = [self.expected_tau(s.stats) if s.can_draft else [1.0] for s in sequences]
+        explore = [s.can_draft and self._must_explore(s.stats) for s in sequences]
+        tokens = np.arange(sum(len(tau) for tau in taus) + 1)
+        context = float(np.mean([s.context for s in sequences]))
+        verify = self.verify_seconds(tokens, len(sequences), context)
+        fixed = self.commit_seconds * len(sequences)
+        return plan_budgets(taus, verify, self.draft_seconds, fixed, explore)
+
+    def expected_tau(self, stats: GenerationStats) -> list[float]:
+        """:meth:`BudgetPlanner.expected_tau` of the sequence, re-estimated when stale."""
+        estimate = stats.tau_estimate
+        fresh = estimate is not None and (
+            stats.rounds - estimate[0] < self.refresh and estimate[1] == len(stats.surrogates)
+        )
+        if not fresh:
+            stats.tau_estimate = estimate = (
+                stats.rounds,
+                len(stats.surrogates),
+                self.planner.expected_tau(stats),
+            )
+        return estimate[2]
+
+    def _must_explore(self, stats: GenerationStats) -> bool:
+        recent = stats.tree_sizes[-self.explore_every :]
+        return not stats.surrogates or (len(recent) == self.explore_every and not any(recent))

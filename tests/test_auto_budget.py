@@ -1,0 +1,69 @@
+"""The auto budget's builder: trees of the planned size, surrogates and exploration on refresh trees."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffdraft import budget
+from diffdraft.auto_budget import AutoBudgetBuilder
+from diffdraft.budget import BudgetPlanner, VerifyCostCurve
+from diffdraft.drafters.base import Proposal
+from diffdraft.sampling import SamplingParams
+from diffdraft.stats import GenerationStats
+from diffdraft.trees import DDTreeBuilder, RoundSequence
+
+from test_budget import _verified
+
+
+def test_the_auto_builder_keeps_the_best_first_prefix_of_the_planned_size_and_explores_past_it():
+    # t(q) flat up to 9 tokens then steep: the plan should settle on 8 nodes
+    curve = VerifyCostCurve(sizes=[1, 9, 10, 64], contexts=[512], seconds=[[0.01, 0.01, 0.05, 1.0]])
+    builder = AutoBudgetBuilder(BudgetPlanner(curve), initial_budget=2, refresh=2)
+    log_probs = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)).mul(2).log_softmax(-1)
+    proposal = Proposal(log_probs=log_probs)
+    stats = GenerationStats()
+    # a new sequence drafts whatever it costs: nothing is known of what it will accept
+    assert builder.plan([RoundSequence(stats, 300, can_draft=True)]) == [1]
+    tree = builder.build(5, proposal, SamplingParams(), None, context=300, stats=stats, budget=8)
+    # the refresh tree verifies half the planned budget more, to measure the ranks past it
+    expected = DDTreeBuilder(12).build(5, proposal, SamplingParams(), None)
+    assert stats.budgets == [8] and len(stats.surrogates) == 1  # recorded in the sequence's own stats
+    assert torch.equal(tree.tokens, expected.tokens) and torch.equal(tree.parents, expected.parents)
+    _verified(stats, tree.num_nodes, [1], context=300, seconds=0.02)
+    assert builder.plan([RoundSequence(stats, 302, can_draft=True)]) == [8]  # the last flat size
+    assert builder.plan([RoundSequence(stats, 302, can_draft=False)]) == [0]
+    tree = builder.build(5, proposal, SamplingParams(), None, context=302, stats=stats, budget=8)
+    assert tree.num_nodes == 8
+    _verified(stats, tree.num_nodes, [], context=302, seconds=0.01)
+    # the next refresh verifies a quarter of the budget less, to measure what a node costs around it
+    tree = builder.build(5, proposal, SamplingParams(), None, context=304, stats=stats, budget=8)
+    assert tree.num_nodes == 6
+    _verified(stats, tree.num_nodes, [2], context=304, seconds=0.01)
+    assert builder.planner.rank_gains()[1].sum() == 0  # nothing learned while the sequence runs
+    builder.observe_generation(stats, fixed_seconds=0.001)
+    assert stats.budgets == [8, 8, 8]
+    assert builder.planner.fixed_seconds == 0.001
+    assert builder.planner.surrogate() == pytest.approx(builder.planner.surrogate(stats))
+    assert [r.context for r in budget.rounds_of(stats)] == [300, 302, 304]
+    observed, counts = builder.planner.rank_gains()
+    assert counts[5] == 3 and counts[7] == 2 and counts[8] == 1
+    assert observed[0] == 1 and observed[1] == 1 and observed[2:].sum() == 0
+    # another sequence's first refresh tree looks ahead from the initial budget, not from this one's
+    other = GenerationStats()
+    assert (
+        builder.build(5, proposal, SamplingParams(), None, context=10, stats=other, budget=3).num_nodes == 5
+    )
+    assert other.budgets == [3]
+
+
+def test_without_a_plan_a_tree_keeps_the_last_budget():
+    curve = VerifyCostCurve(sizes=[1, 64], contexts=[512], seconds=[[0.01, 0.02]])
+    builder = AutoBudgetBuilder(BudgetPlanner(curve), initial_budget=6, refresh=4)
+    proposal = Proposal(
+        log_probs=torch.randn(4, 30, generator=torch.Generator().manual_seed(1)).log_softmax(-1)
+    )
+    stats = GenerationStats()
+    builder.build(5, proposal, SamplingParams(), None, context=10, stats=stats, budget=4)
+    assert builder.build(5, proposal, SamplingParams(), None, context=11, stats=stats).num_nodes == 4
+    assert stats.budgets == [4, 4]

@@ -1,0 +1,152 @@
+"""Round plans: budgets for a whole batch from stub costs where the optimum is known, and rounds at
+budget 0 that change no output (they are plain decoding steps)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from diffdraft.budget import BudgetPlanner, VerifyCostCurve
+from diffdraft.engine import SpeculativeEngine
+from diffdraft.round_budget import RoundBudgetPlanner, plan_budgets
+from diffdraft.sampling import SamplingParams
+from diffdraft.stats import GenerationStats
+from diffdraft.target import TargetModel
+from diffdraft.trees import ChainBuilder, DDTreeBuilder, RoundSequence
+
+from conftest import tiny_target
+from test_batching import alone, batched, requests_for
+from test_engine import make_method
+
+
+def concave_tau(largest: int, per_node: float) -> list[float]:
+    return [1.0 + per_node * 8 * (1 - math.exp(-b / 8)) for b in range(largest + 1)]
+
+
+def rate(budgets, taus, verify, draft_seconds, fixed_seconds) -> float:
+    tokens = sum(budgets) + len(budgets)
+    drafting = sum(b > 0 for b in budgets)
+    return sum(t[b] for t, b in zip(taus, budgets, strict=True)) / (
+        verify[tokens] + draft_seconds * drafting + fixed_seconds
+    )
+
+
+def test_speculation_that_loses_gets_budget_0_everywhere_and_that_wins_gets_budgets_above_0():
+    taus = [concave_tau(16, 0.5)] * 8
+    most = 8 * 17 + 1
+    # a forward costs 10 ms a token and drafting 20 ms a sequence: every drafted node loses
+    steep = 0.01 * np.arange(most)
+    assert plan_budgets(taus, steep, 0.02, 0.001, [False] * 8) == [0] * 8
+    # a flat forward (a GPU's) and cheap drafting: every sequence drafts the whole useful tree
+    flat = np.full(most, 0.01)
+    assert plan_budgets(taus, flat, 0.0001, 0.001, [False] * 8) == [16] * 8
+    # sequences that cannot draft stay at 0; one that must explore drafts even where it loses
+    assert plan_budgets([[1.0], *taus[:2]], steep, 0.02, 0.001, [False, True, False]) == [0, 1, 0]
+
+
+def test_the_plan_is_near_the_brute_force_optimum_on_small_batches():
+    """A local search: optimal on most draws, never far off (a swap of nodes between two sequences
+    is no move it makes)."""
+    g = np.random.default_rng(0)
+    optimal = 0
+    for _ in range(30):
+        taus = [
+            np.concatenate([[1.0], 1.0 + np.cumsum(np.sort(g.uniform(0, 0.8, 5))[::-1])]) for _ in range(3)
+        ]
+        verify = 0.01 + np.cumsum(g.uniform(0, 0.004, 19))
+        draft, fixed = g.uniform(0, 0.01), g.uniform(0, 0.005)
+        planned = plan_budgets(taus, verify, draft, fixed, [False] * 3)
+        best = max(rate(b, taus, verify, draft, fixed) for b in itertools.product(range(6), repeat=3))
+        assert rate(planned, taus, verify, draft, fixed) >= 0.95 * best
+        optimal += rate(planned, taus, verify, draft, fixed) == pytest.approx(best)
+    assert optimal >= 24
+
+
+def test_a_sequence_alone_decodes_plainly_once_its_drafts_do_not_pay():
+    # the forward costs 10 ms plus 10 ms per extra token, drafting 20 ms: no drafted node pays
+    curve = VerifyCostCurve(sizes=[1, 64], contexts=[512], seconds=[[0.01, 0.64]])
+    rounds = RoundBudgetPlanner(BudgetPlanner(curve), explore_every=4)
+    rounds._draft_seconds.append(0.02)
+    stats = GenerationStats(surrogates=[[1.0 + 0.3 * b for b in range(20)]])
+    assert rounds.plan([RoundSequence(stats, 100, can_draft=True)]) == [0]
+    stats.tree_sizes = [3, 0, 0, 0, 0]  # nothing drafted for the last 4 rounds: it explores
+    assert rounds.plan([RoundSequence(stats, 100, can_draft=True)]) == [1]
+    cheap = RoundBudgetPlanner(
+        BudgetPlanner(VerifyCostCurve(sizes=[1, 64], contexts=[512], seconds=[[0.01, 0.01]]))
+    )
+    assert cheap.plan([RoundSequence(GenerationStats(surrogates=stats.surrogates), 100, True)]) == [19]
+
+
+def test_finished_sequences_teach_the_stage_costs_and_the_shared_forwards_scale():
+    from diffdraft.batch_cost import BatchCostCurve
+
+    batch = BatchCostCurve(
+        batches=[2, 4], sizes=[1, 8], contexts=[100], seconds=[[[0.01, 0.02]], [[0.02, 0.04]]]
+    )
+    rounds = RoundBudgetPlanner(BudgetPlanner(VerifyCostCurve([1, 64], [100], [[0.01, 0.02]])), batch)
+    stats = GenerationStats(rounds=4, tree_sizes=[3, 0, 2, 0], accepted_nodes=[[], [], [], []])
+    stats.verify_contexts, stats.verify_seconds = [100] * 4, [0.04] * 4
+    stats.verify_forwards = [(2, 16, 100)] * 4  # twice what the batch curve says
+    stats.timings.update(draft=0.03, tree=0.01, mask=0.0, accept=0.004, commit=0.004)
+    rounds.observe_generation(stats)
+    assert rounds.draft_seconds == pytest.approx(0.02)  # per drafting round
+    assert rounds.commit_seconds == pytest.approx(0.002)
+    assert rounds.batch_scale(2) == pytest.approx(2.0)
+    assert rounds.verify_seconds(np.array([16]), 2, 100)[0] == pytest.approx(0.04)
+
+
+def test_the_batch_curve_is_measured_on_the_first_shared_round_only():
+    from diffdraft.batch_cost import BatchCostCurve
+
+    loads = []
+
+    def load() -> BatchCostCurve:
+        loads.append(1)
+        return BatchCostCurve(batches=[2], sizes=[1, 8], contexts=[100], seconds=[[[0.01, 0.02]]])
+
+    rounds = RoundBudgetPlanner(BudgetPlanner(VerifyCostCurve([1, 64], [100], [[0.01, 0.02]])), load)
+    solo = GenerationStats(rounds=2, tree_sizes=[3, 2], accepted_nodes=[[], []])
+    solo.verify_contexts, solo.verify_seconds, solo.verify_forwards = [100] * 2, [0.01] * 2, [(1, 4, 100)] * 2
+    rounds.observe_generation(solo)
+    rounds.plan([RoundSequence(GenerationStats(), 100, True)])
+    assert not loads  # a process that never batches never measures
+    rounds.plan([RoundSequence(GenerationStats(), 100, True)] * 2)
+    rounds.plan([RoundSequence(GenerationStats(), 100, True)] * 2)
+    assert loads == [1]
+
+
+class FixedPlan:
+    """A round planner that gives every sequence the budgets of ``pattern`` in turn, by round."""
+
+    def __init__(self, pattern: list[int]) -> None:
+        self.pattern = pattern
+
+    def plan(self, sequences: list[RoundSequence]) -> list[int]:
+        return [self.pattern[s.stats.rounds % len(self.pattern)] if s.can_draft else 0 for s in sequences]
+
+    def build(self, root_token, proposal, sampling, generator, context=0, stats=None, budget=None):
+        return DDTreeBuilder(budget).build(root_token, proposal, sampling, generator)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_rounds_at_budget_0_are_plain_decoding_steps(temperature):
+    target = tiny_target("qwen3", seed=8)
+    drafter, _ = make_method("ddtree-4+pld", target, [], [], 5, 8)
+    requests = requests_for(target, 8, 4)
+    sampling = SamplingParams(temperature=temperature)
+    plain = [
+        alone(SpeculativeEngine(TargetModel(target), None, ChainBuilder()), r, sampling) for r in requests
+    ]
+    never = SpeculativeEngine(TargetModel(target), drafter, FixedPlan([0]))
+    stats = [GenerationStats() for _ in requests]
+    assert batched(never, requests, sampling, 3, stats) == plain  # the same samples too, seed for seed
+    assert [alone(never, r, sampling) for r in requests] == plain
+    assert all(s.timings["draft"] == 0 and not any(s.tree_sizes) for s in stats)  # no drafting paid
+    mixed = SpeculativeEngine(TargetModel(target), drafter, FixedPlan([0, 3, 0, 6]))
+    each = [alone(mixed, r, sampling) for r in requests]
+    assert batched(mixed, requests, sampling, 3) == each
+    if temperature == 0:
+        assert each == plain
