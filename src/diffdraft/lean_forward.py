@@ -7,7 +7,9 @@ through transformers, 44.9 ms here), and a speculative round is mostly that forw
 Llama-shaped families (Llama, Qwen2, Qwen3) this loop calls the model's own module forwards and
 attention function in Hugging Face's order, so the logits, taps and cache are bit-identical (the
 tests compare them); other families, and models with sliding-window layers, keep Hugging Face's
-forward. Module hooks do not run on this path.
+forward. Module hooks do not run on this path. Targets on Q4_1 blocks, whose matmuls already differ
+from Hugging Face's in rounding, run their layers through fused CPU ops instead
+(:mod:`diffdraft.quantized.decoder_ops`): deterministic and batch-invariant rather than bit-identical.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from diffdraft.fused_projections import ProjectionSlice, StackedProjection
+from diffdraft.quantized.decoder_ops import FusedDecoderLayers
 
 SUPPORTED_LAYERS = {"LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"}
 """Decoder layers whose forward is the Llama one (Qwen3 adds per-head q/k norms, handled here)."""
@@ -47,6 +50,8 @@ class LeanForward:
         self.decoder = model.get_decoder()
         self.layers = list(self.decoder.layers[: model.config.num_hidden_layers])
         self.stacked_qkv = [_stacked_qkv(layer.self_attn) for layer in self.layers]
+        self.fused = FusedDecoderLayers.build(model, self.layers, self.stacked_qkv)
+        """The layers as fused CPU ops, for Llama and Qwen2 targets on Q4_1 blocks; None otherwise."""
 
     @staticmethod
     def supports(model: PreTrainedModel) -> bool:
@@ -92,10 +97,35 @@ class LeanForward:
         hidden = self.decoder.embed_tokens.forward(token_ids[None])
         positions = position_ids[None]
         rotary = self.decoder.rotary_emb(hidden, positions)
+        wanted = set(layer_ids)
+        if self.fused is not None:
+            hidden, taps = self.fused(hidden[0], rotary, segments, wanted)
+        else:
+            hidden, taps = self._layers(hidden, rotary, positions, segments, wanted)
+        last = len(self.layers) - 1
+        if last in wanted:  # Hugging Face reports the last layer's output after the final norm
+            taps[last] = hidden
+        logits = self.model.lm_head.forward(hidden[None])[0]
+        stacked = torch.stack([taps[i] for i in layer_ids], dim=1) if layer_ids else None
+        if len(segments) == 1:
+            return [(logits, stacked)]
+        sizes = [segment.length for segment in segments]
+        split_taps = stacked.split(sizes) if stacked is not None else [None] * len(segments)
+        return list(zip(logits.split(sizes), split_taps, strict=True))
+
+    def _layers(
+        self,
+        hidden: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        positions: torch.Tensor,
+        segments: list[Segment],
+        wanted: set[int],
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The decoder layers through the model's own modules, in Hugging Face's order: (hidden [n, H]
+        after the final norm, {layer index: its output [n, H]} for ``wanted``)."""
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.model.config._attn_implementation, eager_attention_forward
         )
-        wanted = set(layer_ids)
         taps: dict[int, torch.Tensor] = {}
         for index, (layer, stacked) in enumerate(zip(self.layers, self.stacked_qkv, strict=True)):
             residual = hidden
@@ -109,18 +139,8 @@ class LeanForward:
             gated = mlp.act_fn(mlp.gate_proj.forward(normed)) * mlp.up_proj.forward(normed)
             hidden = residual + mlp.down_proj.forward(gated)
             if index in wanted:
-                taps[index] = hidden
-        hidden = self.decoder.norm.forward(hidden)
-        last = len(self.layers) - 1
-        if last in wanted:  # Hugging Face reports the last layer's output after the final norm
-            taps[last] = hidden
-        logits = self.model.lm_head.forward(hidden)[0]
-        stacked = torch.stack([taps[i][0] for i in layer_ids], dim=1) if layer_ids else None
-        if len(segments) == 1:
-            return [(logits, stacked)]
-        sizes = [segment.length for segment in segments]
-        split_taps = stacked.split(sizes) if stacked is not None else [None] * len(segments)
-        return list(zip(logits.split(sizes), split_taps, strict=True))
+                taps[index] = hidden[0]
+        return self.decoder.norm.forward(hidden)[0], taps
 
 
 def _stacked_qkv(attention: nn.Module) -> StackedProjection | None:

@@ -1,4 +1,5 @@
-"""Compile the Q4_1 matmul (``q4_1_matmul.cpp``) once per machine and load it into torch.
+"""Compile the Q4_1 matmul (``q4_1_matmul.cpp``) and the fused decoder-layer ops (``decoder_ops.cpp``)
+once per machine into one library and load it into torch.
 
 The kernel needs AVX-512 with the bfloat16 dot product and a C++ compiler; it is compiled against the
 installed torch on first use (about 10 s) into the diffdraft cache, keyed by the source, torch version
@@ -22,6 +23,7 @@ from diffdraft.default_model import cache_root
 from diffdraft.staging import temp_dir_beside
 
 SOURCE = Path(__file__).with_name("q4_1_matmul.cpp")
+DECODER_SOURCE = Path(__file__).with_name("decoder_ops.cpp")
 FLAGS = ["-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
          "-mavx512bf16", "-mfma"]  # fmt: skip
 """No -march=native: the cached library must not use instructions of the machine that compiled it
@@ -57,10 +59,16 @@ def block_kernel() -> object | None:
 
 
 def _library_path() -> Path:
+    sources = [path.read_bytes() for path in _sources()]
     key = hashlib.sha1(
-        b"\0".join([SOURCE.read_bytes(), torch.__version__.encode(), " ".join(FLAGS).encode()])
+        b"\0".join([*sources, torch.__version__.encode(), " ".join(FLAGS).encode()])
     ).hexdigest()[:16]
     return cache_root() / "kernels" / f"q4_1_matmul-{key}.so"
+
+
+def _sources() -> tuple[Path, Path]:
+    """Read at call time, so a test can swap one."""
+    return SOURCE, DECODER_SOURCE
 
 
 def _compile(library: Path) -> None:
@@ -77,7 +85,7 @@ def _compile(library: Path) -> None:
         abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
         built = tmp / library.name
         linked = [*libraries, "-lc10", "-ltorch_cpu"]
-        command = [compiler, *FLAGS, abi, *includes, str(SOURCE), *linked, "-o", str(built)]
+        command = [compiler, *FLAGS, abi, *includes, *map(str, _sources()), *linked, "-o", str(built)]
         print("diffdraft: compiling the quantized CPU kernel (once, ~10 s) ...", file=sys.stderr)
         subprocess.run(command, check=True, capture_output=True, text=True)
         os.replace(built, library)

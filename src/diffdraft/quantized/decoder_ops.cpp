@@ -1,0 +1,403 @@
+// The work of a Llama-family decoder layer between its matmuls, one op per step, for bfloat16
+// activations on AVX-512 BF16: RMSNorm (with the residual add before it), rotary on the stacked
+// q|k|v projection, attention over the cache, and SiLU gating.
+//
+// Each op computes in float32 and rounds to bfloat16 where Hugging Face's modules round (RMSNorm
+// rounds the normalized row before the weight, rotary rounds each product and the sum, SiLU rounds
+// before the gate's product), rounding to nearest even as torch does. Every output row is computed
+// on its own in a fixed order, whatever the other rows of the call or the number of threads.
+//
+// Attention leaves out the keys a query's additive mask hides (mask values at the mask dtype's
+// lowest, or -inf: their softmax weight is exactly zero anyway) and sums the visible keys in cache
+// order, so a query's output depends on the keys it sees and not on where they lie in the cache: a
+// tree node attends exactly as the same token does once its path is all that is cached.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+using at::BFloat16;
+
+constexpr int64_t kLanes = 16;            // float32 lanes of a register
+constexpr int64_t kElementwiseGrain = 1 << 15;  // elements below which an op stays on one thread
+constexpr int kMaxPairs = 8;                    // attention takes head_dim up to 8 x 32
+
+inline __mmask16 lanes_below(int64_t count) {
+  return count >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1);
+}
+
+// Masked loads and stores are slow on Zen 4: only a row's last, partial register takes them.
+inline __m512 load(const BFloat16* p, __mmask16 lanes) {
+  const __m256i bits = lanes == 0xFFFF ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                                       : _mm256_maskz_loadu_epi16(lanes, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// Round to nearest even as c10::BFloat16 does (NaN to its quiet NaN); the bf16 in each lane's low half.
+inline __m512i bfloat16_bits(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i bias = _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
+  return _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+}
+
+inline __m512 round_bf16(__m512 x) { return _mm512_castsi512_ps(_mm512_slli_epi32(bfloat16_bits(x), 16)); }
+
+inline void store(BFloat16* p, __m512 x, __mmask16 lanes) {
+  const __m256i bits = _mm512_cvtepi32_epi16(bfloat16_bits(x));
+  if (lanes == 0xFFFF) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bits);
+  } else {
+    _mm256_mask_storeu_epi16(p, lanes, bits);
+  }
+}
+
+// e^x to about one float32 ulp: x = n ln2 + r with |r| <= ln2 / 2, a degree-7 polynomial for e^r.
+inline __m512 exponential(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.8f)), _mm512_set1_ps(-104.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln2 in two parts: exact n * high
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f}) {
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  }
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+void check_bf16(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.is_contiguous(), name, " must be contiguous bfloat16");
+}
+
+// Rows of `x` (+ `update`, rounded, written to `sum`) normalized like Hugging Face's RMSNorm.
+void rms_norm_rows(const BFloat16* x, const BFloat16* update, const BFloat16* weight, BFloat16* sum,
+                   BFloat16* normed, int64_t width, float eps) {
+  __m512 squares = _mm512_setzero_ps();
+  for (int64_t i = 0; i < width; i += kLanes) {
+    const __mmask16 lanes = lanes_below(width - i);
+    __m512 v = load(x + i, lanes);
+    if (update != nullptr) {
+      v = round_bf16(_mm512_add_ps(v, load(update + i, lanes)));
+      store(sum + i, v, lanes);
+    }
+    squares = _mm512_fmadd_ps(v, v, squares);
+  }
+  const float inverse = 1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / static_cast<float>(width) + eps);
+  const BFloat16* source = update != nullptr ? sum : x;
+  for (int64_t i = 0; i < width; i += kLanes) {
+    const __mmask16 lanes = lanes_below(width - i);
+    const __m512 unit = round_bf16(_mm512_mul_ps(load(source + i, lanes), _mm512_set1_ps(inverse)));
+    store(normed + i, _mm512_mul_ps(unit, load(weight + i, lanes)), lanes);
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> norm(const at::Tensor& x, const c10::optional<at::Tensor>& update,
+                                        const at::Tensor& weight, double eps) {
+  check_bf16(x, "x");
+  check_bf16(weight, "weight");
+  const int64_t width = x.size(-1), rows = x.numel() / width;
+  TORCH_CHECK(weight.numel() == width, "weight has ", weight.numel(), " entries for rows of ", width);
+  at::Tensor sum;
+  if (update.has_value()) {
+    check_bf16(*update, "update");
+    TORCH_CHECK(update->sizes() == x.sizes(), "update and x differ in shape");
+    sum = at::empty_like(x);
+  }
+  at::Tensor normed = at::empty_like(x);
+  const auto* update_data = update.has_value() ? update->data_ptr<BFloat16>() : nullptr;
+  auto* sum_data = update.has_value() ? sum.data_ptr<BFloat16>() : nullptr;
+  at::parallel_for(0, rows, std::max<int64_t>(1, kElementwiseGrain / width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      rms_norm_rows(x.data_ptr<BFloat16>() + r * width, update_data ? update_data + r * width : nullptr,
+                    weight.data_ptr<BFloat16>(), sum_data ? sum_data + r * width : nullptr,
+                    normed.data_ptr<BFloat16>() + r * width, width, static_cast<float>(eps));
+    }
+  });
+  return {sum, normed};
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return std::get<1>(norm(x, c10::nullopt, weight, eps));
+}
+
+std::tuple<at::Tensor, at::Tensor> residual_rms_norm(const at::Tensor& x, const at::Tensor& update,
+                                                     const at::Tensor& weight, double eps) {
+  return norm(x, update, weight, eps);
+}
+
+// One head of `dim` values rotated by Hugging Face's rotate_half convention: the first half pairs with
+// the second, x1 * cos - x2 * sin and x2 * cos + x1 * sin, each product and sum rounded to bf16.
+void rotate_head(const BFloat16* x, const BFloat16* cos, const BFloat16* sin, BFloat16* out, int64_t dim) {
+  const int64_t half = dim / 2;
+  for (int64_t i = 0; i < half; i += kLanes) {
+    const __mmask16 lanes = lanes_below(half - i);
+    const __m512 first = load(x + i, lanes), second = load(x + half + i, lanes);
+    const __m512 first_cos = round_bf16(_mm512_mul_ps(first, load(cos + i, lanes)));
+    const __m512 second_sin = round_bf16(_mm512_mul_ps(second, load(sin + i, lanes)));
+    store(out + i, _mm512_sub_ps(first_cos, second_sin), lanes);
+    const __m512 second_cos = round_bf16(_mm512_mul_ps(second, load(cos + half + i, lanes)));
+    const __m512 first_sin = round_bf16(_mm512_mul_ps(first, load(sin + half + i, lanes)));
+    store(out + half + i, _mm512_add_ps(second_cos, first_sin), lanes);
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary_split(const at::Tensor& qkv, const at::Tensor& cos,
+                                                            const at::Tensor& sin, int64_t heads,
+                                                            int64_t kv_heads) {
+  check_bf16(qkv, "qkv");
+  check_bf16(cos, "cos");
+  check_bf16(sin, "sin");
+  const int64_t tokens = qkv.numel() / qkv.size(-1), dim = qkv.size(-1) / (heads + 2 * kv_heads);
+  TORCH_CHECK(qkv.size(-1) == dim * (heads + 2 * kv_heads) && dim % 2 == 0, "qkv width ", qkv.size(-1),
+              " is not ", heads, " + 2 x ", kv_heads, " heads of an even size");
+  TORCH_CHECK(cos.numel() == tokens * dim && sin.numel() == tokens * dim, "cos and sin must be [tokens, head_dim]");
+  at::Tensor query = at::empty({tokens, heads, dim}, qkv.options());
+  at::Tensor key = at::empty({1, kv_heads, tokens, dim}, qkv.options());
+  at::Tensor value = at::empty({1, kv_heads, tokens, dim}, qkv.options());
+  const auto* in = qkv.data_ptr<BFloat16>();
+  const int64_t row = qkv.size(-1), all_heads = heads + 2 * kv_heads;
+  const int64_t grain = std::max<int64_t>(1, kElementwiseGrain / dim);
+  at::parallel_for(0, tokens * all_heads, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item / all_heads, head = item % all_heads;
+      const BFloat16* x = in + t * row + head * dim;
+      if (head < heads) {
+        rotate_head(x, cos.data_ptr<BFloat16>() + t * dim, sin.data_ptr<BFloat16>() + t * dim,
+                    query.data_ptr<BFloat16>() + (t * heads + head) * dim, dim);
+      } else if (head < heads + kv_heads) {
+        rotate_head(x, cos.data_ptr<BFloat16>() + t * dim, sin.data_ptr<BFloat16>() + t * dim,
+                    key.data_ptr<BFloat16>() + ((head - heads) * tokens + t) * dim, dim);
+      } else {
+        std::copy(x, x + dim, value.data_ptr<BFloat16>() + ((head - heads - kv_heads) * tokens + t) * dim);
+      }
+    }
+  });
+  return {query, key, value};
+}
+
+struct Cached {
+  const BFloat16* data;
+  int64_t head_stride, row_stride;
+
+  const BFloat16* row(int64_t head, int64_t index) const { return data + head * head_stride + index * row_stride; }
+};
+
+// Sums of the lanes of 16 registers, register k's in lane k. Every sum is the same tree over lane
+// indices, (p0 + p2) + (p1 + p3) with p_j = (l_j + l_j+8) + (l_j+4 + l_j+12), so a key's score does not
+// depend on which register of a tile it took.
+inline __m512 lane_sums(__m512 (&v)[kLanes]) {
+  for (int k = 0; k < 8; ++k) {  // halves
+    v[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[k], v[k + 8], 0x44), _mm512_shuffle_f32x4(v[k], v[k + 8], 0xEE));
+  }
+  for (int k = 0; k < 4; ++k) {  // quarters
+    v[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[k], v[k + 4], 0x88), _mm512_shuffle_f32x4(v[k], v[k + 4], 0xDD));
+  }
+  for (int k = 0; k < 2; ++k) {  // pairs within quarters
+    v[k] = _mm512_add_ps(_mm512_shuffle_ps(v[k], v[k + 2], 0x44), _mm512_shuffle_ps(v[k], v[k + 2], 0xEE));
+  }
+  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(v[0], v[1], 0x88), _mm512_shuffle_ps(v[0], v[1], 0xDD));
+  const __m512i register_order = _mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15);
+  return _mm512_permutexvar_ps(register_order, sums);
+}
+
+// Softmax attention of one query row (kPairs x 32 >= dim values, the last register partial if kPartial)
+// over the visible keys of one K/V head. Scores are computed 16 keys at a time and the visible ones
+// packed in order; the weighted sum of values alternates two sets of accumulators by visible key, so the
+// latency of one chain does not bound it.
+template <int kPairs, bool kPartial>
+void attend_row(const BFloat16* query, const Cached& keys, const Cached& values, int64_t kv_head, int64_t length,
+                const float* mask, float hidden_at, float scale, int64_t dim, float* scores, int32_t* visible,
+                BFloat16* out) {
+  __mmask32 pair_lanes[kPairs];
+  for (int c = 0; c < kPairs; ++c) {
+    const int64_t left = dim - 32 * c;
+    pair_lanes[c] = left >= 32 ? __mmask32(0xFFFFFFFF) : __mmask32((1u << left) - 1);
+  }
+  // 32 bf16 values; only a partial register takes a masked load
+  auto load_pair = [&](const BFloat16* p, int c) {
+    return kPartial && c == kPairs - 1 ? _mm512_maskz_loadu_epi16(pair_lanes[c], p) : _mm512_loadu_si512(p);
+  };
+  __m512bh q[kPairs];
+  for (int c = 0; c < kPairs; ++c) q[c] = reinterpret_cast<__m512bh>(load_pair(query + 32 * c, c));
+  const __m512i lane_index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  int64_t count = 0;
+  for (int64_t tile = 0; tile < length; tile += kLanes) {
+    const int64_t keys_here = std::min(kLanes, length - tile);
+    __m512 dots[kLanes];
+    for (int t = 0; t < kLanes; ++t) {
+      dots[t] = _mm512_setzero_ps();
+      if (t >= keys_here) continue;
+      const BFloat16* key = keys.row(kv_head, tile + t);
+      for (int c = 0; c < kPairs; ++c) {
+        const __m512i pair = load_pair(key + 32 * c, c);
+        dots[t] = _mm512_dpbf16_ps(dots[t], q[c], reinterpret_cast<__m512bh>(pair));
+      }
+    }
+    const __mmask16 present = lanes_below(keys_here);
+    const __m512 bias = mask != nullptr ? _mm512_maskz_loadu_ps(present, mask + tile) : _mm512_setzero_ps();
+    const __mmask16 shown = _mm512_mask_cmp_ps_mask(present, bias, _mm512_set1_ps(hidden_at), _CMP_GT_OQ);
+    const __m512 score = _mm512_add_ps(_mm512_mul_ps(lane_sums(dots), _mm512_set1_ps(scale)), bias);
+    // compress in registers and store whole: compressing stores are microcoded and slow on Zen 4
+    _mm512_storeu_ps(scores + count, _mm512_maskz_compress_ps(shown, score));
+    const __m512i index = _mm512_add_epi32(lane_index, _mm512_set1_epi32(static_cast<int32_t>(tile)));
+    _mm512_storeu_si512(visible + count, _mm512_maskz_compress_epi32(shown, index));
+    count += __builtin_popcount(shown);
+  }
+  TORCH_CHECK(count > 0, "a query's mask hides every key");
+  __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < count; i += kLanes) {
+    top = _mm512_mask_max_ps(top, lanes_below(count - i), top, _mm512_loadu_ps(scores + i));
+  }
+  const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t i = 0; i < count; i += kLanes) {
+    const __mmask16 lanes = lanes_below(count - i);
+    const __m512 weight = exponential(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, scores + i), max));
+    _mm512_mask_storeu_ps(scores + i, lanes, weight);
+    total = _mm512_mask_add_ps(total, lanes, total, weight);
+  }
+  // 32 bf16 values at a time: a word shift and a mask make floats of the even and odd dimensions
+  // without a lane-crossing widen; the output interleaves them back.
+  __m512 even[2][kPairs], odd[2][kPairs];  // [visible key parity][32 dimensions]
+  for (int c = 0; c < kPairs; ++c) even[0][c] = even[1][c] = odd[0][c] = odd[1][c] = _mm512_setzero_ps();
+  auto accumulate = [&](int parity, int64_t i) {
+    const __m512 weight = _mm512_set1_ps(scores[i]);
+    const BFloat16* value = values.row(kv_head, visible[i]);
+    for (int c = 0; c < kPairs; ++c) {
+      const __m512i pair = load_pair(value + 32 * c, c);
+      const __m512 low = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
+      const __m512 high = _mm512_castsi512_ps(_mm512_and_si512(pair, _mm512_set1_epi32(0xFFFF0000)));
+      even[parity][c] = _mm512_fmadd_ps(weight, low, even[parity][c]);
+      odd[parity][c] = _mm512_fmadd_ps(weight, high, odd[parity][c]);
+    }
+  };
+  int64_t i = 0;
+  for (; i + 1 < count; i += 2) {
+    accumulate(0, i);
+    accumulate(1, i + 1);
+  }
+  if (i < count) accumulate(0, i);
+  const __m512 sum = _mm512_set1_ps(_mm512_reduce_add_ps(total));
+  for (int c = 0; c < kPairs; ++c) {
+    const __m512i low = bfloat16_bits(_mm512_div_ps(_mm512_add_ps(even[0][c], even[1][c]), sum));
+    const __m512i high = bfloat16_bits(_mm512_div_ps(_mm512_add_ps(odd[0][c], odd[1][c]), sum));
+    _mm512_mask_storeu_epi16(out + 32 * c, pair_lanes[c], _mm512_or_si512(low, _mm512_slli_epi32(high, 16)));
+  }
+}
+
+using RowKernel = decltype(&attend_row<1, false>);
+
+template <int kPairs = 1>
+RowKernel row_kernel(int64_t dim) {
+  if constexpr (kPairs < kMaxPairs) {
+    if (dim > 32 * kPairs) return row_kernel<kPairs + 1>(dim);
+  }
+  return dim % 32 == 0 ? &attend_row<kPairs, false> : &attend_row<kPairs, true>;
+}
+
+float hidden_value(at::ScalarType type) {
+  switch (type) {
+    case at::kBFloat16: return static_cast<float>(std::numeric_limits<c10::BFloat16>::lowest());
+    case at::kHalf: return static_cast<float>(std::numeric_limits<c10::Half>::lowest());
+    case at::kFloat: return std::numeric_limits<float>::lowest();
+    default: TORCH_CHECK(false, "the mask must be bfloat16, float16 or float32, got ", type);
+  }
+  return 0.0f;
+}
+
+// query [tokens, heads, dim]; keys, values [1, kv_heads, length, dim] (rows of dim contiguous, any head
+// and row strides, as views of a cache buffer); mask [1, 1, tokens, length] additive, or none (every key
+// visible). Returns [tokens, heads * dim]: the heads side by side, as the output projection reads them.
+at::Tensor attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
+                     const c10::optional<at::Tensor>& mask, double scale) {
+  check_bf16(query, "query");
+  TORCH_CHECK(query.dim() == 3, "query must be [tokens, heads, head_dim]");
+  const int64_t tokens = query.size(0), heads = query.size(1), dim = query.size(2);
+  for (const at::Tensor* t : {&keys, &values}) {
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->dim() == 4 && t->size(0) == 1 && t->stride(3) == 1,
+                "keys and values must be bfloat16 [1, kv_heads, length, head_dim] with contiguous rows");
+    TORCH_CHECK(t->sizes() == keys.sizes(), "keys and values differ in shape");
+  }
+  const int64_t kv_heads = keys.size(1), length = keys.size(2);
+  TORCH_CHECK(keys.size(3) == dim && dim <= 32 * kMaxPairs, "head_dim ", keys.size(3), " unsupported");
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, heads, " query heads do not share ", kv_heads, " kv heads");
+  at::Tensor mask_rows;
+  float hidden_at = -std::numeric_limits<float>::infinity();
+  if (mask.has_value()) {
+    TORCH_CHECK(mask->numel() == tokens * length && mask->size(-1) == length,
+                "the mask must be [1, 1, tokens, keys], got ", mask->sizes());
+    hidden_at = hidden_value(mask->scalar_type());
+    mask_rows = mask->reshape({tokens, length}).to(at::kFloat).contiguous();
+  }
+  at::Tensor out = at::empty({tokens, heads * dim}, query.options());
+  const Cached key_rows{keys.data_ptr<BFloat16>(), keys.stride(1), keys.stride(2)};
+  const Cached value_rows{values.data_ptr<BFloat16>(), values.stride(1), values.stride(2)};
+  const RowKernel kernel = row_kernel(dim);
+  const int64_t group = heads / kv_heads;
+  at::parallel_for(0, tokens * heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(length + kLanes);  // room for a whole register past the last key
+    std::vector<int32_t> visible(length + kLanes);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item / heads, head = item % heads;
+      const float* bias = mask.has_value() ? mask_rows.data_ptr<float>() + t * length : nullptr;
+      kernel(query.data_ptr<BFloat16>() + item * dim, key_rows, value_rows, head / group, length, bias, hidden_at,
+             static_cast<float>(scale), dim, scores.data(), visible.data(), out.data_ptr<BFloat16>() + item * dim);
+    }
+  });
+  return out;
+}
+
+// SiLU(gate) * up for the stacked gate|up projection [..., 2 x width]: [..., width].
+at::Tensor silu_gate(const at::Tensor& gate_up) {
+  check_bf16(gate_up, "gate_up");
+  const int64_t width = gate_up.size(-1) / 2, rows = gate_up.numel() / gate_up.size(-1);
+  TORCH_CHECK(gate_up.size(-1) == 2 * width, "gate_up must be two halves of equal width");
+  std::vector<int64_t> shape(gate_up.sizes().begin(), gate_up.sizes().end());
+  shape.back() = width;
+  at::Tensor out = at::empty(shape, gate_up.options());
+  const auto* in = gate_up.data_ptr<BFloat16>();
+  auto* out_data = out.data_ptr<BFloat16>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, kElementwiseGrain / width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t i = 0; i < width; i += kLanes) {
+        const __mmask16 lanes = lanes_below(width - i);
+        const __m512 gate = load(in + 2 * r * width + i, lanes);
+        const __m512 one = _mm512_set1_ps(1.0f);
+        const __m512 negated = _mm512_sub_ps(_mm512_setzero_ps(), gate);
+        const __m512 silu = round_bf16(_mm512_div_ps(gate, _mm512_add_ps(one, exponential(negated))));
+        store(out_data + r * width + i, _mm512_mul_ps(silu, load(in + (2 * r + 1) * width + i, lanes)), lanes);
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(diffdraft_decoder, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("residual_rms_norm(Tensor x, Tensor update, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("rotary_split(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads) -> (Tensor, Tensor, Tensor)");
+  m.def("attention(Tensor query, Tensor keys, Tensor values, Tensor? mask, float scale) -> Tensor");
+  m.def("silu_gate(Tensor gate_up) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(diffdraft_decoder, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("residual_rms_norm", &residual_rms_norm);
+  m.impl("rotary_split", &rotary_split);
+  m.impl("attention", &attention);
+  m.impl("silu_gate", &silu_gate);
+}

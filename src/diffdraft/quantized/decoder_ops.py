@@ -1,0 +1,152 @@
+"""The decoder layers of a Llama-family target on Q4_1 blocks, with the work between matmuls fused.
+
+Between its matmuls a layer runs some sixty small torch ops (norms, rotary, cache layout, attention and
+its transposes, gating), and on a CPU a one-token forward spends as long on their dispatch and Python
+as on the weights. ``decoder_ops.cpp`` does each step as one op: the same math in float32, rounded to
+bfloat16 where Hugging Face's modules round. The block-quantized matmul already sums in another order
+than the dense model, so this path is not bit-identical to Hugging Face's; it is deterministic and
+batch-invariant instead: every op computes a token's rows on their own, and attention sums only the
+keys a token sees, in cache order, so a tree node's hidden states are those of the same token decoded
+after its path alone. Dense targets keep :class:`~diffdraft.lean_forward.LeanForward`'s own loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from diffdraft.fused_projections import ProjectionSlice, StackedProjection
+from diffdraft.quantized.block_linear import has_block_layers
+from diffdraft.quantized.kernel_build import block_kernel
+
+if TYPE_CHECKING:
+    from diffdraft.lean_forward import Segment
+
+RMS_NORMS = {"LlamaRMSNorm", "Qwen2RMSNorm"}
+"""Norms computing Hugging Face's Llama RMSNorm: weight * bf16(x * rsqrt(mean(x^2) + eps))."""
+
+
+def decoder_ops() -> object | None:
+    """``torch.ops.diffdraft_decoder`` (built with the Q4_1 kernel), or None where that cannot run."""
+    return None if block_kernel() is None else torch.ops.diffdraft_decoder
+
+
+@dataclass
+class _Layer:
+    """What one decoder layer's fused forward reads from the model, looked up once (``nn.Module``
+    attribute lookups are slow Python, paid per layer and forward otherwise)."""
+
+    qkv: nn.Module
+    output: nn.Module
+    post_norm: tuple[torch.Tensor, float]
+    gate_up: nn.Module
+    down: nn.Module
+    next_norm: tuple[torch.Tensor, float]
+    """The next layer's input norm, or the decoder's final norm: each layer ends with it."""
+    cache_index: int
+    scaling: float
+
+
+def _norm(module: nn.Module) -> tuple[torch.Tensor, float]:
+    return module.weight, module.variance_epsilon
+
+
+class FusedDecoderLayers:
+    """The decoder layers' forward over ``[n, hidden]`` bfloat16 rows; build with :meth:`build`."""
+
+    def __init__(self, model: PreTrainedModel, layers: Sequence[nn.Module], qkv: Sequence[StackedProjection]):
+        self.ops = decoder_ops()
+        config = model.config
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        norms = [layer.input_layernorm for layer in layers[1:]] + [model.get_decoder().norm]
+        self.first_norm = _norm(layers[0].input_layernorm)
+        self.layers = [
+            _Layer(
+                stacked.linear,
+                layer.self_attn.o_proj,
+                _norm(layer.post_attention_layernorm),
+                layer.mlp.gate_proj.stacked.linear,
+                layer.mlp.down_proj,
+                _norm(next_norm),
+                layer.self_attn.layer_idx,
+                layer.self_attn.scaling,
+            )
+            for layer, stacked, next_norm in zip(layers, qkv, norms, strict=True)
+        ]
+
+    @classmethod
+    def build(
+        cls, model: PreTrainedModel, layers: Sequence[nn.Module], qkv: Sequence[StackedProjection | None]
+    ) -> FusedDecoderLayers | None:
+        """The fused layers for a bfloat16 target on block-quantized layers whose q|k|v and gate|up
+        projections are stacked (:mod:`diffdraft.fused_projections`), with SiLU gating and the Llama
+        RMSNorm (Qwen3's per-head norms keep the eager path); None for any other model."""
+        if model.dtype != torch.bfloat16 or not has_block_layers(model) or decoder_ops() is None:
+            return None
+        if getattr(model.config, "hidden_act", None) != "silu" or any(stacked is None for stacked in qkv):
+            return None
+        norms = [model.get_decoder().norm]
+        norms += [
+            norm for layer in layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)
+        ]
+        if not all(type(norm).__name__ in RMS_NORMS for norm in norms):
+            return None
+        for layer in layers:
+            gate, up = layer.mlp.gate_proj, layer.mlp.up_proj
+            if not (isinstance(gate, ProjectionSlice) and isinstance(up, ProjectionSlice)):
+                return None
+            if gate.stacked is not up.stacked or len(gate.stacked.columns) != 2:
+                return None
+        return cls(model, layers, qkv)
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        segments: Sequence[Segment],
+        wanted: set[int],
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """(hidden [n, H] after the final norm, {layer index: its output [n, H]} for ``wanted``), from
+        the embeddings [n, H] and the rotary (cos, sin), each [1, n, head_dim]."""
+        ops = self.ops
+        cos, sin = rotary[0][0], rotary[1][0]
+        normed = ops.rms_norm(hidden, *self.first_norm)
+        taps = {}
+        for index, layer in enumerate(self.layers):
+            query, key, value = ops.rotary_split(
+                layer.qkv.forward(normed), cos, sin, self.heads, self.kv_heads
+            )
+            attended = self._attend(layer, query, key, value, segments)
+            hidden, normed = ops.residual_rms_norm(hidden, layer.output.forward(attended), *layer.post_norm)
+            gated = ops.silu_gate(layer.gate_up.forward(normed))
+            hidden, normed = ops.residual_rms_norm(hidden, layer.down.forward(gated), *layer.next_norm)
+            if index in wanted:
+                taps[index] = hidden
+        return normed, taps
+
+    def _attend(
+        self,
+        layer: _Layer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        segments: Sequence[Segment],
+    ) -> torch.Tensor:
+        """Each segment's queries over its own cache, after appending its keys and values to it."""
+        if len(segments) == 1:
+            segment = segments[0]
+            keys, values = segment.cache.update(key, value, layer.cache_index)
+            return self.ops.attention(query, keys, values, segment.mask, layer.scaling)
+        outputs = []
+        offset = 0
+        for segment in segments:
+            part = slice(offset, offset + segment.length)
+            offset += segment.length
+            keys, values = segment.cache.update(key[:, :, part], value[:, :, part], layer.cache_index)
+            outputs.append(self.ops.attention(query[part], keys, values, segment.mask, layer.scaling))
+        return torch.cat(outputs)

@@ -1,0 +1,243 @@
+"""The fused decoder ops: each against a float32 reference on random inputs, and a Q4_1 target's forward
+through them batch-invariant (a tree node's outputs are its path's, decoded alone) and lossless."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from diffdraft.drafters.dflash import DFlashDrafter
+from diffdraft.engine import SpeculativeEngine
+from diffdraft.fused_projections import fuse_projections
+from diffdraft.packed_linear import pack_linear_layers
+from diffdraft.quantized.decoder_ops import decoder_ops
+from diffdraft.sampling import SamplingParams
+from diffdraft.stats import GenerationStats
+from diffdraft.stopping import StopConditions
+from diffdraft.target import TargetModel, VerifyInput
+from diffdraft.trees import ChainBuilder, DDTreeBuilder, DraftTree
+
+from conftest import needs_block_kernel, q4_1_target, tiny_drafter
+
+pytestmark = needs_block_kernel
+
+BF16 = torch.bfloat16
+ONE_ULP = 2**-7
+"""bfloat16's relative spacing: outputs rounded once from float32 are within half of it."""
+TREE = DraftTree(
+    tokens=torch.tensor([5, 11, 12, 13, 14, 15, 16]),
+    parents=torch.tensor([-1, 0, 0, 1, 2, 2, 4]),
+    depths=torch.tensor([0, 1, 1, 2, 2, 2, 3]),
+)
+
+
+def _random(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
+    return (scale * torch.randn(*shape, generator=torch.Generator().manual_seed(seed))).to(BF16)
+
+
+def _rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's LlamaRMSNorm in float64 up to its bfloat16 rounding of the normalized row."""
+    v = x.double()
+    unit = (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)).to(BF16)
+    return weight.double() * unit.double()
+
+
+@pytest.mark.parametrize("width", [576, 40])
+def test_rms_norm_and_the_residual_add_before_it(width):
+    ops = decoder_ops()
+    x, update, weight = _random(3, width, seed=0), _random(3, width, seed=1), _random(width, seed=2)
+    normed = ops.rms_norm(x, weight, 1e-5)
+    torch.testing.assert_close(normed.double(), _rms_norm_reference(x, weight, 1e-5), rtol=ONE_ULP, atol=0)
+    total, normed = ops.residual_rms_norm(x, update, weight, 1e-5)
+    assert torch.equal(total, x + update)  # Hugging Face's bf16 residual add
+    torch.testing.assert_close(
+        normed.double(), _rms_norm_reference(total, weight, 1e-5), rtol=ONE_ULP, atol=0
+    )
+
+
+@pytest.mark.parametrize("width", [1536, 24])
+def test_silu_gate(width):
+    gate_up = _random(4, 2 * width, seed=3, scale=4.0)
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    expected = F.silu(gate).to(BF16).double() * up  # SiLU rounds to bf16 before the product, as in HF
+    torch.testing.assert_close(decoder_ops().silu_gate(gate_up).double(), expected, rtol=ONE_ULP, atol=0)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 2, 16), (2, 1, 48)])
+def test_rotary_split_equals_hugging_face_rotation(heads, kv_heads, dim):
+    tokens = 5
+    qkv = _random(tokens, (heads + 2 * kv_heads) * dim, seed=4)
+    angles = 3 * torch.rand(tokens, dim // 2, generator=torch.Generator().manual_seed(5))
+    angles = torch.cat([angles, angles], dim=-1)
+    cos, sin = angles.cos().to(BF16), angles.sin().to(BF16)
+    query, key, value = decoder_ops().rotary_split(qkv, cos, sin, heads, kv_heads)
+    split = qkv.view(1, tokens, -1, dim).transpose(1, 2)
+    expected_query, expected_key = apply_rotary_pos_emb(
+        split[:, :heads], split[:, heads : heads + kv_heads], cos[None], sin[None]
+    )
+    assert torch.equal(query, expected_query[0].transpose(0, 1))
+    assert torch.equal(key, expected_key)
+    assert torch.equal(value, split[:, heads + kv_heads :])
+
+
+def _attention_reference(query, keys, values, mask, scale) -> torch.Tensor:
+    """Softmax attention in float64, query head h on K/V head h // group: [tokens, heads * dim]."""
+    tokens, heads, dim = query.shape
+    group = heads // keys.shape[1]
+    k, v = (t[0].double().repeat_interleave(group, dim=0) for t in (keys, values))
+    scores = torch.einsum("thd,hld->htl", query.double(), k) * scale
+    if mask is not None:
+        scores = scores + mask.reshape(tokens, -1).double()
+    return torch.einsum("htl,hld->thd", scores.softmax(dim=-1), v).reshape(tokens, heads * dim)
+
+
+def _cache_views(kv_heads: int, length: int, dim: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values as a cache holds them: the first ``length`` rows of larger buffers."""
+    buffer = _random(2, 1, kv_heads, length + 11, dim, seed=seed)
+    return buffer[0, :, :, :length], buffer[1, :, :, :length]
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 2, 16), (6, 6, 80), (8, 2, 128)])
+@pytest.mark.parametrize("tokens", [1, 7])
+def test_attention_under_an_additive_mask(heads, kv_heads, dim, tokens):
+    length = 37
+    keys, values = _cache_views(kv_heads, length, dim, seed=6)
+    query = _random(tokens, heads, dim, seed=7)
+    generator = torch.Generator().manual_seed(8)
+    visible = torch.rand(tokens, length, generator=generator) > 0.4
+    visible[:, -1] = True
+    bias = -torch.rand(tokens, length, generator=generator)  # finite biases count, as SDPA adds them
+    mask = bias.masked_fill(~visible, torch.finfo(torch.float32).min).to(BF16)[None, None]
+    scale = dim**-0.5
+    out = decoder_ops().attention(query, keys, values, mask, scale)
+    expected = _attention_reference(query, keys, values, mask, scale)
+    torch.testing.assert_close(out.double(), expected, rtol=ONE_ULP, atol=1e-5)
+    unmasked = decoder_ops().attention(query, keys, values, None, scale)
+    expected = _attention_reference(query, keys, values, None, scale)
+    torch.testing.assert_close(unmasked.double(), expected, rtol=ONE_ULP, atol=1e-5)
+
+
+def test_attention_depends_on_the_visible_keys_only():
+    """Hidden keys are left out, so a query over a cache with gaps attends exactly as over its visible
+    keys alone, and a row of a batch exactly as alone."""
+    heads, kv_heads, dim, length = 9, 3, 64, 300
+    keys, values = _cache_views(kv_heads, length, dim, seed=9)
+    query = _random(4, heads, dim, seed=10)
+    visible = torch.rand(4, length, generator=torch.Generator().manual_seed(11)) > 0.5
+    visible[:, 0] = True
+    for mask in (
+        torch.zeros(4, length).masked_fill(~visible, float("-inf")),
+        torch.zeros(4, length, dtype=BF16).masked_fill(~visible, torch.finfo(BF16).min),
+    ):
+        batched = decoder_ops().attention(query, keys, values, mask[None, None], 0.125)
+        for t in range(4):
+            seen = visible[t].nonzero()[:, 0]
+            alone = decoder_ops().attention(
+                query[t : t + 1], keys[:, :, seen], values[:, :, seen], None, 0.125
+            )
+            assert torch.equal(batched[t], alone[0])
+
+
+def test_a_mask_that_hides_every_key_is_refused():
+    keys, values = _cache_views(1, 5, 16, seed=12)
+    mask = torch.full((1, 1, 1, 5), float("-inf"))
+    with pytest.raises(RuntimeError, match="hides every key"):
+        decoder_ops().attention(_random(1, 2, 16, seed=13), keys, values, mask, 0.25)
+
+
+def _block_target(family: str, seed: int) -> TargetModel:
+    model, _ = q4_1_target(family, seed=seed, vocab=96)
+    fuse_projections(model)
+    return TargetModel(model)
+
+
+def test_llama_and_qwen2_block_targets_take_the_fused_path_others_do_not():
+    for family in ("llama", "qwen2"):
+        assert _block_target(family, seed=0).lean.fused is not None
+    assert _block_target("qwen3", seed=0).lean.fused is None  # per-head q/k norms: the eager path
+    unstacked, _ = q4_1_target("llama")
+    assert TargetModel(unstacked).lean.fused is None
+    dense = q4_1_target("llama")[1].to(BF16)
+    pack_linear_layers(dense)
+    fuse_projections(dense)
+    lean = TargetModel(dense).lean
+    assert all(s is not None for s in lean.stacked_qkv) and lean.fused is None  # dense: the eager path
+
+
+def _tree_logits(target: TargetModel, prompt: torch.Tensor) -> torch.Tensor:
+    cache = target.new_cache()
+    target.prefill(cache, prompt, [])
+    mask = target.attention_mask(cache, TREE.ancestor_mask())
+    return target.verify(cache, TREE.tokens, TREE.position_ids(len(prompt)), mask, []).logits.double()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_as_close_to_the_float32_model_as_the_eager_layers(family):
+    for seed in range(2):
+        model, dense = q4_1_target(family, seed=seed, vocab=96)
+        fuse_projections(model)
+        target = TargetModel(model)
+        prompt = torch.randint(1, 95, (13,), generator=torch.Generator().manual_seed(seed))
+        exact = _tree_logits(TargetModel(dense), prompt)
+        fused_error = (_tree_logits(target, prompt) - exact).abs().max()
+        target.lean.fused = None
+        eager_error = (_tree_logits(target, prompt) - exact).abs().max()
+        assert fused_error < 1.5 * eager_error
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_tree_nodes_get_the_outputs_of_their_path_decoded_token_by_token(family):
+    target = _block_target(family, seed=1)
+    prompt = torch.randint(1, 95, (13,), generator=torch.Generator().manual_seed(1))
+    start, layer_ids = len(prompt), [0, 2, 3]
+    cache = target.new_cache()
+    target.prefill(cache, prompt, [])
+    mask = target.attention_mask(cache, TREE.ancestor_mask())
+    tree = target.verify(cache, TREE.tokens, TREE.position_ids(start), mask, layer_ids)
+    for path in ([0, 1, 3], [0, 2, 4, 6], [0, 2, 5]):
+        cache = target.new_cache()
+        target.prefill(cache, prompt, [])
+        for depth, node in enumerate(path):
+            alone = target.verify(
+                cache, TREE.tokens[node : node + 1], torch.tensor([start + depth]), None, layer_ids
+            )
+            assert torch.equal(alone.hidden[0], tree.hidden[node])
+            assert torch.equal(alone.logits[0], tree.logits[node])
+
+
+def test_packed_sequences_get_their_own_forwards_outputs():
+    target = _block_target("llama", seed=2)
+    prompts = [torch.randint(1, 95, (n,), generator=torch.Generator().manual_seed(n)) for n in (6, 11)]
+    inputs, alone = [], []
+    for prompt in prompts:
+        for outputs in (inputs, alone):
+            cache = target.new_cache()
+            target.prefill(cache, prompt, [])
+            mask = target.attention_mask(cache, TREE.ancestor_mask())
+            outputs.append(VerifyInput(cache, TREE.tokens, TREE.position_ids(len(prompt)), mask))
+    packed = target.verify_batch(inputs, [1, 3])
+    for one, together in zip(alone, packed, strict=True):
+        expected = target.verify(one.cache, one.token_ids, one.position_ids, one.mask, [1, 3])
+        assert torch.equal(together.logits, expected.logits) and torch.equal(together.hidden, expected.hidden)
+    for one, together in zip(alone, inputs, strict=True):
+        for a, b in zip(one.cache.layers, together.cache.layers, strict=True):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def _generate(target: TargetModel, drafter, builder, prompt: list[int]) -> list[int]:
+    config = target.model.config
+    stop = StopConditions([config.eos_token_id], 24, config.max_position_embeddings, len(prompt))
+    engine = SpeculativeEngine(target, drafter, builder)
+    return [t for chunk in engine.run(prompt, stop, SamplingParams(), GenerationStats()) for t in chunk]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("builder", [ChainBuilder(), DDTreeBuilder(12)], ids=["chain", "ddtree"])
+def test_speculative_greedy_tokens_are_plain_decodings_exactly(family, builder):
+    for seed in range(3):
+        target = _block_target(family, seed=seed)
+        prompt = torch.randint(1, 95, (5 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
+        drafter = DFlashDrafter(tiny_drafter(target.model, seed, block_size=5), target)
+        assert _generate(target, drafter, builder, prompt) == _generate(target, None, ChainBuilder(), prompt)
