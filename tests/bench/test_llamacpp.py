@@ -37,17 +37,29 @@ class StandInLlama:
         self.model_path, self.draft, self.options = model_path, draft_model, options
         self.n_tokens = 0
         self.seed: int | None = None
+        self.cached: list[int] = []
+        self.prefills: list[int] = []
+        """Prompt tokens each generation evaluated: like the binding, a prompt whose prefix is still
+        cached from the previous generation is evaluated from where they differ unless reset."""
 
     def eval(self, tokens: list[int]) -> None:
         self.n_tokens += len(tokens)
+
+    def reset(self) -> None:
+        self.n_tokens = 0
 
     def set_seed(self, seed: int) -> None:
         self.seed = seed
 
     def generate(self, tokens: list[int], reset: bool, **sampling):
         self.sampling = sampling
-        self.n_tokens = 0
-        self.eval(list(tokens))
+        reused = 0
+        if reset and self.n_tokens > 0:
+            while reused < min(len(tokens) - 1, len(self.cached)) and self.cached[reused] == tokens[reused]:
+                reused += 1
+        self.cached, self.n_tokens = list(tokens), reused
+        self.prefills.append(len(tokens) - reused)
+        self.eval(list(tokens[reused:]))
         last = successor(tokens[-1])
         yield last
         while True:
@@ -93,6 +105,14 @@ def test_plain_decoding_is_one_token_a_round(binding, tmp_path) -> None:
     assert sum(done.stages.values()) == pytest.approx(done.seconds)
     assert runner.llm.sampling["temp"] == 0 and runner.llm.seed is None
     assert runner.dtype is None  # never compared token for token with our AR
+
+
+def test_every_generation_prefills_its_whole_prompt(binding, tmp_path) -> None:
+    """As ours do: a prompt still cached from the last generation (a repeat) must not speed the row up."""
+    runner = LlamaCppRunner(MethodSpec("llama.cpp"), tmp_path / "m.gguf", end_token_ids=[1000])
+    for _ in range(2):
+        runner.generate(Request([5, 6, 7, 8], max_new_tokens=3))
+    assert runner.llm.prefills == [4, 4]
 
 
 def test_prompt_lookup_rounds_and_rolled_back_drafts(binding, tmp_path) -> None:

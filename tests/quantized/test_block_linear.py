@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType, quants
 from torch import nn
 
 from diffdraft.fused_projections import ProjectionSlice, fuse_projections
-from diffdraft.quantized.block_linear import BlockQuantizedLinear, BlockWeight
+from diffdraft.quantized.block_linear import DENSE_ROWS, BlockQuantizedLinear, BlockWeight
 
 from conftest import needs_block_kernel, q4_1_blocks, q4_1_target
 
@@ -95,3 +95,14 @@ def test_siblings_of_different_kinds_are_not_stacked():
     mlp.up_proj = nn.Linear(64, 128, bias=False).to(torch.bfloat16)
     fuse_projections(model)
     assert isinstance(mlp.gate_proj, BlockQuantizedLinear)
+
+
+@needs_block_kernel
+def test_a_prefill_sized_call_runs_on_a_dense_copy_of_the_same_weights():
+    blocks = q4_1_blocks(_weight(48, 64))
+    layer = BlockQuantizedLinear(blocks)
+    x = torch.randn(DENSE_ROWS, 64).to(torch.bfloat16)
+    out = layer(x)
+    assert layer._dense and torch.equal(layer._dense[0].weight, blocks.dequantize().to(torch.bfloat16))
+    torch.testing.assert_close(out[:5].float(), layer(x[:5]).float(), rtol=2**-7, atol=1e-3)
+    assert set(layer.state_dict()) == {"weight"}

@@ -73,6 +73,9 @@ class LlamaCppRunner:
     def generate(self, request: Request) -> Completion:
         """Greedy at temperature 0; otherwise llama.cpp's sampler with the request's T, top-p, top-k, seed."""
         self._calls = []
+        # The binding reuses the cached prefix of the last generation's tokens: a repeat of the same
+        # prompt would skip its prefill. Ours prefill every request, and so must this row.
+        self.llm.reset()
         self.llm.eval = self._timed_eval  # the binding's generate loop calls self.eval
         tokens_after_call: list[int] = []
         token_ids: list[int] = []

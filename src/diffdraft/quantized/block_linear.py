@@ -7,6 +7,12 @@ same model as the dense bf16 one; only the order of the float32 sums differs. Ea
 chain of sums, so a token's outputs do not depend on how many tokens share the call. Inference only,
 bf16 only. (Q8_0 blocks, as GGUFs store the embedding, do not pay: dequantizing 8-bit codes costs
 more than oneDNN spends streaming the dense bf16 weight.)
+
+Many rows at once (a prompt's prefill) turn the kernel compute-bound: it dequantizes each block once
+per 16 rows. There oneDNN's blocked GEMM on the dense weight is several times faster, so calls of
+``DENSE_ROWS`` rows or more take a dense copy made on the first such call (memory, not bandwidth:
+decoding never reads it). Those rows round differently from the kernel's, which costs nothing to
+losslessness: every method prefills its prompt the same way, and verifications stay far below.
 """
 
 from __future__ import annotations
@@ -16,12 +22,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from diffdraft.packed_linear import InferenceLinear
+from diffdraft.packed_linear import InferenceLinear, PackedLinear
 from diffdraft.quantized.kernel_build import block_kernel
 
 FORMAT = "Q4_1"
 BLOCK = 32
 """Inputs per block."""
+DENSE_ROWS = 128
+"""Rows from which a call runs on the dense copy (see the module docstring)."""
 BLOCK_BYTES = 20
 """GGUF bytes per Q4_1 block: float16 scale, float16 offset, 16 bytes of 4-bit codes."""
 
@@ -92,6 +100,7 @@ class BlockQuantizedLinear(InferenceLinear):
         self.blocks = weight
         self.in_features, self.out_features = weight.in_features, weight.out_features
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
+        self._dense: list[PackedLinear] = []  # a list, so the copy is no submodule (nor in state_dict)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -100,6 +109,10 @@ class BlockQuantizedLinear(InferenceLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.bfloat16:
             raise TypeError(f"Q4_1 layers compute in bfloat16; got {x.dtype} inputs")
+        if x.numel() >= DENSE_ROWS * self.in_features:
+            if not self._dense:
+                self._dense.append(PackedLinear(self.weight, self.bias))
+            return self._dense[0](x)
         return self._matmul(x, self.blocks.codes, self.blocks.scales, self.blocks.offsets, self.bias)
 
     @classmethod
