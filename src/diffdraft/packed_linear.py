@@ -44,6 +44,11 @@ class InferenceLinear(nn.Module):
         """One layer whose outputs are the siblings' side by side, each column bit-identical to its own."""
         raise NotImplementedError
 
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        """The plain weight, as ``nn.Linear`` saves it (rebuilt from the kernel's layout)."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "weight"] = self.weight
+
     @staticmethod
     def stacked_bias(siblings: list[InferenceLinear]) -> torch.Tensor | None:
         return None if siblings[0].bias is None else torch.cat([s.bias.detach() for s in siblings])
@@ -72,10 +77,6 @@ class PackedLinear(InferenceLinear):
     def stacked(cls, siblings: list[PackedLinear]) -> PackedLinear:
         """The same oneDNN kernel over the stacked weight: each column reduces its input as before."""
         return cls(torch.cat([sibling.weight for sibling in siblings]), cls.stacked_bias(siblings))
-
-    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-        destination[prefix + "weight"] = self.weight
 
     def extra_repr(self) -> str:
         return (

@@ -46,7 +46,7 @@ def test_the_report_shows_every_method_and_explains_divergences(tmp_path):
         "acceptance_histograms.png", "budget_sweep.png", "report.md", "results.json", "stage_times.png",
     ]  # fmt: skip
     report = (tmp_path / "report.md").read_text()
-    assert "| ddtree:8 | 20.0 | 2.00x |" in report
+    assert "| ddtree:8 | 20.0 | 20.0 | 2.00x |" in report  # tok/s, decode tok/s (no prefill here), speedup
     assert "CPU busy with other work 50% before the run, n/a after" in report and "**Warning" in report
     assert "0/1 identical, 1 near-tie" in report and "**FAIL: 1 unexplained**" in report
     assert "| set | s | 0 | ddtree:8 | 1 | 4 |" in report and "| 0.010 | 0.010 | near-tie |" in report

@@ -18,9 +18,10 @@ def record(
     sizes: int = 1,
     draft: float = 0.0,
     engine: str = "diffdraft",
+    prefill: float = 0.0,
 ):
     tokens = list(range(1 + sum(lengths)))
-    stages = dict.fromkeys(STAGE_NAMES, 0.0) | {"draft": draft}
+    stages = dict.fromkeys(STAGE_NAMES, 0.0) | {"draft": draft, "prefill": prefill}
     done = Completion(
         tokens,
         seconds,
@@ -105,6 +106,13 @@ def test_every_tree_family_run_with_an_auto_budget_is_held_against_its_own_sweep
     found = {c.name: c for c in checks(summarize(records, CURVE, "float32"))}
     assert found["deer-tree:auto / best swept"].value == pytest.approx(0.5)
     assert "ddtree:auto / best swept" not in found  # nothing swept to hold it against
+
+
+def test_the_decode_rate_leaves_the_prefills_out():
+    records = [record("ar", r, 1.0, [1] * 9, prefill=0.5) for r in range(2)]  # 10 tokens a second each
+    [summary] = summarize(records, CURVE, "bfloat16")
+    assert summary.tokens_per_second.mean == pytest.approx(10.0)
+    assert summary.decode_tokens_per_second == pytest.approx(20.0)
 
 
 def test_positions_a_round_did_not_draft_do_not_count_against_it():

@@ -72,6 +72,13 @@ class MethodSummary:
     ngram_lookup_us: float | None = None
     """Median microseconds of one lookup: the generations' medians, weighted by their lookups."""
 
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Generated tokens over the time after each prompt's prefill: the decoding rate alone (engines
+        prefill at very different speeds, and tokens/s counts the prefill in)."""
+        decoding = self.seconds - self.prefill_ms * self.generations / 1e3
+        return self.tokens / decoding if decoding > 0 else float("nan")
+
 
 @dataclass
 class Check:

@@ -119,10 +119,6 @@ class BlockQuantizedLinear(InferenceLinear):
     def stacked(cls, siblings: list[BlockQuantizedLinear]) -> BlockQuantizedLinear:
         return cls(BlockWeight.stack([sibling.blocks for sibling in siblings]), cls.stacked_bias(siblings))
 
-    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-        destination[prefix + "weight"] = self.weight
-
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
