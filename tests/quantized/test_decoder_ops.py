@@ -12,6 +12,7 @@ from diffdraft.drafters.dflash import DFlashDrafter
 from diffdraft.engine import SpeculativeEngine
 from diffdraft.fused_projections import fuse_projections
 from diffdraft.packed_linear import pack_linear_layers
+from diffdraft.quantized import decoder_ops as decoder_ops_module
 from diffdraft.quantized.decoder_ops import decoder_ops
 from diffdraft.sampling import SamplingParams
 from diffdraft.stats import GenerationStats
@@ -164,6 +165,11 @@ def test_llama_and_qwen2_block_targets_take_the_fused_path_others_do_not():
     fuse_projections(dense)
     lean = TargetModel(dense).lean
     assert all(s is not None for s in lean.stacked_qkv) and lean.fused is None  # dense: the eager path
+
+
+def test_heads_wider_than_the_attention_op_takes_keep_the_eager_path(monkeypatch):
+    monkeypatch.setattr(decoder_ops_module, "MAX_HEAD_DIM", 8)  # the tiny target's heads are 16 wide
+    assert _block_target("llama", seed=0).lean.fused is None
 
 
 def _tree_logits(target: TargetModel, prompt: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,8 @@ from diffdraft.quantized.kernel_build import block_kernel
 if TYPE_CHECKING:
     from diffdraft.lean_forward import Segment
 
+MAX_HEAD_DIM = 256
+"""The attention op's widest head (``kMaxPairs`` pairs of 32 lanes in decoder_ops.cpp)."""
 RMS_NORMS = {"LlamaRMSNorm", "Qwen2RMSNorm"}
 """Norms computing Hugging Face's Llama RMSNorm: weight * bf16(x * rsqrt(mean(x^2) + eps))."""
 
@@ -89,6 +91,8 @@ class FusedDecoderLayers:
         if model.dtype != torch.bfloat16 or not has_block_layers(model) or decoder_ops() is None:
             return None
         if getattr(model.config, "hidden_act", None) != "silu" or any(stacked is None for stacked in qkv):
+            return None
+        if any(layer.self_attn.head_dim > MAX_HEAD_DIM or layer.self_attn.head_dim % 2 for layer in layers):
             return None
         norms = [model.get_decoder().norm]
         norms += [
