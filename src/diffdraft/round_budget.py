@@ -144,6 +144,11 @@ class RoundBudgetPlanner:
         self._batch_scales: deque[tuple[int, float]] = deque(maxlen=timed_rounds)
         """(sequences, measured / batch curve seconds) of finished sequences' shared forwards."""
 
+    def prepare_batches(self) -> None:
+        """Measure (or read from the cache) the batch curve now, so a server does not stall its first
+        shared round on it."""
+        _ = self.batch_cost
+
     @property
     def batch_cost(self) -> BatchCostCurve | None:
         if callable(self._batch_cost) and not isinstance(self._batch_cost, BatchCostCurve):

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from types import SimpleNamespace
 
 import pytest
 
 import diffdraft
 from diffdraft import GenerationRequest
+from diffdraft.auto_budget import AutoBudgetBuilder
+from diffdraft.budget import BudgetPlanner, VerifyCostCurve
 from diffdraft.drafters.checkpoint import save_draft_model
 from diffdraft.serve.scheduler import QueueFullError, RequestCancelledError, Scheduler, SchedulerClosedError
 
@@ -110,3 +113,14 @@ def test_closing_ends_unfinished_requests_with_a_clear_error(generator):
         list(handle)
     with pytest.raises(SchedulerClosedError, match="shutting down"):
         scheduler.submit(REQUESTS[0])
+
+
+def test_a_batching_scheduler_measures_the_batch_cost_before_serving():
+    loads = []
+    curve = VerifyCostCurve(sizes=[1, 64], contexts=[100], seconds=[[0.01, 0.02]])
+    builder = AutoBudgetBuilder(BudgetPlanner(curve), batch_cost=lambda: loads.append(1))
+    stand_in = SimpleNamespace(engine=SimpleNamespace(builder=builder))
+    Scheduler(stand_in, max_batch_size=1)
+    assert not loads  # one sequence at a time never shares a forward
+    Scheduler(stand_in, max_batch_size=4)
+    assert loads == [1]

@@ -14,6 +14,7 @@ import threading
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
 
+from diffdraft.auto_budget import AutoBudgetBuilder
 from diffdraft.batching import BatchEngine
 from diffdraft.engine import SequenceRun
 from diffdraft.errors import DiffdraftError
@@ -96,6 +97,9 @@ class Scheduler:
                 f"need max_batch_size >= 1 and max_queue >= 0, got {max_batch_size}, {max_queue}"
             )
         self.generator = generator
+        builder = generator.engine.builder
+        if max_batch_size > 1 and isinstance(builder, AutoBudgetBuilder):
+            builder.rounds.prepare_batches()
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
         self._batch = BatchEngine(generator.engine)
