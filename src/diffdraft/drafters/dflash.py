@@ -36,22 +36,35 @@ class DFlashDrafter(ForksByCopy):
         self.target_layer_ids = list(model.target_layer_ids)
         self.max_depth = model.block_size - 1
         self._context_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._pending: list[tuple[torch.Tensor, int]] = []
+        """Committed tokens' target states not yet projected into the context, with their positions."""
         self._device = target.device
 
     def reset(self) -> None:
         self._context_kv = None
+        self._pending = []
+
+    def extend_context(self, hidden: torch.Tensor | None, start: int) -> None:
+        """Keep the committed tokens' states; they are projected when this sequence next drafts, all
+        at once, so a round that does not draft (budget 0) costs the drafter nothing."""
+        self._pending = [*self._pending, (hidden, start)]
 
     @torch.inference_mode()
-    def extend_context(self, hidden: torch.Tensor | None, start: int) -> None:
-        positions = torch.arange(start, start + hidden.shape[0], device=self._device)[None]
-        new = self.model.context_kv(hidden[None], positions)
-        if self._context_kv is None:
-            self._context_kv = new
-        else:
-            self._context_kv = [
-                (torch.cat([k0, k1], dim=2), torch.cat([v0, v1], dim=2))
-                for (k0, v0), (k1, v1) in zip(self._context_kv, new, strict=True)
-            ]
+    def _context(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The context keys/values of every draft layer, the pending states projected first."""
+        if self._pending:
+            hidden = torch.cat([states for states, _ in self._pending])
+            positions = torch.cat(
+                [torch.arange(start, start + states.shape[0]) for states, start in self._pending]
+            ).to(self._device)[None]
+            new = self.model.context_kv(hidden[None], positions)
+            if self._context_kv is not None:
+                new = [
+                    (torch.cat([k0, k1], dim=2), torch.cat([v0, v1], dim=2))
+                    for (k0, v0), (k1, v1) in zip(self._context_kv, new, strict=True)
+                ]
+            self._context_kv, self._pending = new, []
+        return self._context_kv
 
     @torch.inference_mode()
     def propose(self, token_ids: torch.Tensor, depth: int) -> Proposal:
@@ -59,7 +72,7 @@ class DFlashDrafter(ForksByCopy):
         block = torch.cat([root, torch.full((depth,), self.model.mask_token_id, device=self._device)])
         start = token_ids.shape[0] - 1
         positions = torch.arange(start, start + depth + 1, device=self._device)[None]
-        hidden = self.model(self.embed(block[None]), positions, self._context_kv)
+        hidden = self.model(self.embed(block[None]), positions, self._context())
         return self._proposal(self.head(hidden[0, 1:]).float().log_softmax(-1))
 
     @torch.inference_mode()
@@ -73,7 +86,8 @@ class DFlashDrafter(ForksByCopy):
         attention kernel's rounding: a masked attention sums in another order than an unmasked one).
         """
         width = max(depths) + 1
-        lengths = [fork._context_kv[0][0].shape[2] for fork in forks]
+        contexts = [fork._context() for fork in forks]
+        lengths = [context[0][0].shape[2] for context in contexts]
         longest = max(lengths)
         blocks = torch.full((len(forks), width), self.model.mask_token_id, device=self._device)
         positions = torch.empty((len(forks), width), dtype=torch.long, device=self._device)
@@ -87,7 +101,7 @@ class DFlashDrafter(ForksByCopy):
         mask = torch.zeros(visible.shape, dtype=dtype, device=self._device)
         mask.masked_fill_(~visible, torch.finfo(dtype).min)
         context_kv = [
-            tuple(_padded([fork._context_kv[layer][part] for fork in forks], longest) for part in (0, 1))
+            tuple(_padded([context[layer][part] for context in contexts], longest) for part in (0, 1))
             for layer in range(len(self.model.layers))
         ]
         hidden = self.model(self.embed(blocks), positions, context_kv, mask)
