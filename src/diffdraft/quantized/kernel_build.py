@@ -2,7 +2,7 @@
 once per machine into one library and load it into torch.
 
 The kernel needs AVX-512 with the bfloat16 dot product and a C++ compiler; it is compiled against the
-installed torch on first use (about 10 s) into the diffdraft cache, keyed by the source, torch version
+installed torch on first use (about 20 s) into the diffdraft cache, keyed by the source, torch version
 and compiler flags, so later processes just load it. Where it cannot run, callers keep dense weights.
 """
 
@@ -86,7 +86,7 @@ def _compile(library: Path) -> None:
         built = tmp / library.name
         linked = [*libraries, "-lc10", "-ltorch_cpu"]
         command = [compiler, *FLAGS, abi, *includes, *map(str, _sources()), *linked, "-o", str(built)]
-        print("diffdraft: compiling the quantized CPU kernel (once, ~10 s) ...", file=sys.stderr)
+        print("diffdraft: compiling the quantized CPU kernel (once, ~20 s) ...", file=sys.stderr)
         subprocess.run(command, check=True, capture_output=True, text=True)
         os.replace(built, library)
     finally:
