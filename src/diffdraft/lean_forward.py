@@ -14,6 +14,7 @@ from Hugging Face's in rounding, run their layers through fused CPU ops instead
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -98,10 +99,11 @@ class LeanForward:
         positions = position_ids[None]
         rotary = self.decoder.rotary_emb(hidden, positions)
         wanted = set(layer_ids)
+        rows = segment_rows(segments)
         if self.fused is not None:
-            hidden, taps = self.fused(hidden[0], rotary, segments, wanted)
+            hidden, taps = self.fused(hidden[0], rotary, segments, rows, wanted)
         else:
-            hidden, taps = self._layers(hidden, rotary, positions, segments, wanted)
+            hidden, taps = self._layers(hidden, rotary, positions, segments, rows, wanted)
         last = len(self.layers) - 1
         if last in wanted:  # Hugging Face reports the last layer's output after the final norm
             taps[last] = hidden
@@ -119,6 +121,7 @@ class LeanForward:
         rotary: tuple[torch.Tensor, torch.Tensor],
         positions: torch.Tensor,
         segments: list[Segment],
+        rows: list[slice],
         wanted: set[int],
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """The decoder layers through the model's own modules, in Hugging Face's order: (hidden [n, H]
@@ -131,7 +134,7 @@ class LeanForward:
             residual = hidden
             normed = layer.input_layernorm.forward(hidden)
             hidden = residual + _attention(
-                layer.self_attn, stacked, normed, rotary, positions, segments, attend
+                layer.self_attn, stacked, normed, rotary, positions, segments, rows, attend
             )
             residual = hidden
             mlp = layer.mlp
@@ -141,6 +144,14 @@ class LeanForward:
             if index in wanted:
                 taps[index] = hidden[0]
         return self.decoder.norm.forward(hidden)[0], taps
+
+
+def segment_rows(segments: list[Segment]) -> list[slice]:
+    """Each segment's tokens among the packed forward's rows (all of them for a single segment)."""
+    if len(segments) == 1:
+        return [slice(None)]
+    edges = list(itertools.accumulate((segment.length for segment in segments), initial=0))
+    return [slice(a, b) for a, b in itertools.pairwise(edges)]
 
 
 def _stacked_qkv(attention: nn.Module) -> StackedProjection | None:
@@ -159,6 +170,7 @@ def _attention(
     rotary: tuple[torch.Tensor, torch.Tensor],
     positions: torch.Tensor,
     segments: list[Segment],
+    rows: list[slice],
     attend,
 ) -> torch.Tensor:
     """``attention.forward`` of the Llama family, minus its keyword plumbing, per segment."""
@@ -184,12 +196,7 @@ def _attention(
         query, key = apply_rotary_pos_emb(query, key, *rotary)
     extra = {"sliding_window": None} if hasattr(attention, "sliding_window") else {}  # Qwen2/3 pass it
     outputs = []
-    offset = 0
-    for segment in segments:
-        part = slice(offset, offset + segment.length)
-        if len(segments) == 1:
-            part = slice(None)
-        offset += segment.length
+    for segment, part in zip(segments, rows, strict=True):
         keys, values = segment.cache.update(key[:, :, part], value[:, :, part], attention.layer_idx)
         out, _ = attend(
             attention,

@@ -113,10 +113,12 @@ class FusedDecoderLayers:
         hidden: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor],
         segments: Sequence[Segment],
+        rows: Sequence[slice],
         wanted: set[int],
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """(hidden [n, H] after the final norm, {layer index: its output [n, H]} for ``wanted``), from
-        the embeddings [n, H] and the rotary (cos, sin), each [1, n, head_dim]."""
+        the embeddings [n, H] and the rotary (cos, sin), each [1, n, head_dim]; ``rows``: each
+        segment's tokens among the n."""
         ops = self.ops
         cos, sin = rotary[0][0], rotary[1][0]
         normed = ops.rms_norm(hidden, *self.first_norm)
@@ -125,7 +127,7 @@ class FusedDecoderLayers:
             query, key, value = ops.rotary_split(
                 layer.qkv.forward(normed), cos, sin, self.heads, self.kv_heads
             )
-            attended = self._attend(layer, query, key, value, segments)
+            attended = self._attend(layer, query, key, value, segments, rows)
             hidden, normed = ops.residual_rms_norm(hidden, layer.output.forward(attended), *layer.post_norm)
             gated = ops.silu_gate(layer.gate_up.forward(normed))
             hidden, normed = ops.residual_rms_norm(hidden, layer.down.forward(gated), *layer.next_norm)
@@ -140,17 +142,11 @@ class FusedDecoderLayers:
         key: torch.Tensor,
         value: torch.Tensor,
         segments: Sequence[Segment],
+        rows: Sequence[slice],
     ) -> torch.Tensor:
         """Each segment's queries over its own cache, after appending its keys and values to it."""
-        if len(segments) == 1:
-            segment = segments[0]
-            keys, values = segment.cache.update(key, value, layer.cache_index)
-            return self.ops.attention(query, keys, values, segment.mask, layer.scaling)
         outputs = []
-        offset = 0
-        for segment in segments:
-            part = slice(offset, offset + segment.length)
-            offset += segment.length
+        for segment, part in zip(segments, rows, strict=True):
             keys, values = segment.cache.update(key[:, :, part], value[:, :, part], layer.cache_index)
             outputs.append(self.ops.attention(query[part], keys, values, segment.mask, layer.scaling))
-        return torch.cat(outputs)
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
