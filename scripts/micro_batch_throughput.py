@@ -20,10 +20,14 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from diffdraft.drafters.checkpoint import load_draft_model
+from diffdraft.drafters.dart_model import DART
+from diffdraft.drafters.deer_model import DEER
+from diffdraft.drafters.dflash_model import DFLARE
 from diffdraft.loading import load_target
 from diffdraft.target import TargetModel
+from diffdraft.train.config import TrainConfig
 from diffdraft.train.dataset import TrainingSample, load_responses
-from diffdraft.train.trainer import DART, DEER, DFLARE, TrainConfig, Trainer
+from diffdraft.train.trainer import Trainer
 
 DEFAULT_DRAFTER = Path(__file__).resolve().parents[1] / "src/diffdraft/default_drafter"
 

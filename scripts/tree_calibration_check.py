@@ -25,6 +25,8 @@ import torch
 
 from diffdraft.bench.datasets import load_samples
 from diffdraft.chat import encode_chat
+from diffdraft.drafters.base import Drafter
+from diffdraft.drafters.checkpoint import load_draft_model
 from diffdraft.drafters.families import make_drafter
 from diffdraft.engine import SpeculativeEngine
 from diffdraft.loading import load_target
@@ -76,13 +78,15 @@ class RecordingBuilder:
 
 
 @torch.inference_mode()
-def record(engine: SpeculativeEngine, tokenizer, dataset: str, samples: int, new_tokens: int) -> list[Rounds]:
+def record(
+    target: TargetModel, drafter: Drafter, tokenizer, dataset: str, samples: int, new_tokens: int
+) -> list[Rounds]:
     recorded = []
     for sample in progress_bar(load_samples(dataset, samples), desc=f"record {dataset}", unit="prompt"):
         prompt = encode_chat(tokenizer, sample.messages)
-        builder = RecordingBuilder(new_tokens, engine.drafter.max_depth)
-        engine.builder = builder
-        stop = StopConditions([], new_tokens, engine.target.max_context, len(prompt))
+        builder = RecordingBuilder(new_tokens, drafter.max_depth)
+        engine = SpeculativeEngine(target, drafter, builder)
+        stop = StopConditions([], new_tokens, target.max_context, len(prompt))
         tokens = [t for chunk in engine.run(prompt, stop, SamplingParams(), GenerationStats()) for t in chunk]
         n = builder.count
         recorded.append(Rounds(tokens, builder.values[:n], builder.indices[:n], builder.log_normalizers[:n]))
@@ -175,11 +179,10 @@ def main() -> None:
     args = parser.parse_args()
     loaded = load_target(args.target, dtype=args.dtype, optimize=True)
     target = TargetModel(loaded.model)
-    drafter = make_drafter(args.drafter, target)
-    engine = SpeculativeEngine(target, drafter, RecordingBuilder(0, drafter.max_depth))
+    drafter = make_drafter(load_draft_model(args.drafter), target)
     results = {"command": vars(args) | {"out": str(args.out)}, "datasets": {}}
     for dataset in args.datasets.split(","):
-        recorded = record(engine, loaded.tokenizer, dataset, args.samples, args.max_new_tokens)
+        recorded = record(target, drafter, loaded.tokenizer, dataset, args.samples, args.max_new_tokens)
         rows = {"rounds": sum(len(r.values) for r in recorded)}
         for budget in args.budgets:
             rows[f"ddtree-{budget}"] = fit(recorded, drafter.max_depth, budget)

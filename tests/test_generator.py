@@ -12,6 +12,7 @@ from diffdraft import budget
 from diffdraft.auto_budget import AutoBudgetBuilder
 from diffdraft.drafters.checkpoint import save_draft_model
 from diffdraft.drafters.deer_model import deer_from_causal_lm
+from diffdraft.method_table import METHODS
 from diffdraft.ngram.trie import tokenizer_fingerprint
 
 from conftest import hf_greedy, make_checkpoint, save_tiny_drafter, tiny_dart, tiny_drafter
@@ -457,7 +458,6 @@ def test_a_batch_on_the_default_target_gives_every_request_its_alone_tokens():
 def test_without_a_budget_ddtree_methods_plan_it_and_dart_takes_its_default_size(
     checkpoint, drafter_dir, dart_and_trie, monkeypatch, tmp_path, capsys
 ):
-    from diffdraft.generator import DART_TREE_SIZE
 
     monkeypatch.setenv("DIFFDRAFT_CACHE", str(tmp_path))
     monkeypatch.setattr(budget, "DEFAULT_SIZES", (1, 4, 8))
@@ -467,4 +467,4 @@ def test_without_a_budget_ddtree_methods_plan_it_and_dart_takes_its_default_size
     assert "measuring this machine's verification cost" in capsys.readouterr().err  # said, not silent
     drafter, trie = dart_and_trie
     dart = diffdraft.load(checkpoint, drafter=drafter, method="dart", ngram=trie)
-    assert dart.engine.builder.settings.tree_size == DART_TREE_SIZE
+    assert dart.engine.builder.settings.tree_size == METHODS["dart"].default_budget == 32

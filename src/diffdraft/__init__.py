@@ -2,7 +2,6 @@
 
 from diffdraft.errors import CheckpointError, DiffdraftError, IncompatibleDrafterError, InvalidRequestError
 from diffdraft.generator import (
-    METHODS,
     GenerationChunk,
     GenerationRequest,
     GenerationResult,
@@ -10,6 +9,7 @@ from diffdraft.generator import (
     load,
 )
 from diffdraft.logprobs import TokenLogprob
+from diffdraft.method_table import METHODS
 from diffdraft.sampling import SamplingParams
 from diffdraft.stats import GenerationStats
 

@@ -12,13 +12,11 @@ from diffdraft.bench.cli import add_bench_parser, run_bench
 from diffdraft.drafters.deer_cli import add_deer_parser, run_deer
 from diffdraft.errors import DiffdraftError, InvalidRequestError
 from diffdraft.export.cli import add_export_parser, run_export
-from diffdraft.generator import METHODS, SpeculativeGenerator, load
+from diffdraft.generator import SpeculativeGenerator, load
+from diffdraft.method_table import METHODS, TreeRule
 from diffdraft.ngram.cli import add_ngram_parser, run_ngram
 from diffdraft.serve.cli import add_serve_load_parser, add_serve_parser, run_serve, run_serve_load
 from diffdraft.train.cli import add_train_parser, run_train
-
-SHIPPED_DRAFTERS = {"dart": "default-dart", "deer": "default-deer", "deer-tree": "default-deer"}
-"""The drafter a method gets with --target default and no --drafter (others: 'default', DFlare)."""
 
 
 def budget_argument(value: str) -> int | str:
@@ -68,10 +66,11 @@ def load_generator(args: argparse.Namespace) -> SpeculativeGenerator:
     """Load what :func:`add_model_arguments`' options name; without --drafter / --ngram, --target
     default gets the method's shipped drafter and trie, any other target none."""
     drafter, ngram = args.drafter, args.ngram
+    method = METHODS[args.method]
     if drafter is None:
-        drafter = SHIPPED_DRAFTERS.get(args.method, "default") if args.target == "default" else "none"
+        drafter = method.shipped_drafter if args.target == "default" else "none"
     if ngram is None:
-        ngram = "default" if args.target == "default" and args.method == "dart" else "none"
+        ngram = "default" if args.target == "default" and method.tree is TreeRule.DART else "none"
     return load(args.target, drafter, args.method, args.budget, args.dtype, args.device, ngram)
 
 

@@ -22,15 +22,15 @@ from diffdraft.budget import BudgetPlanner, load_or_measure
 from diffdraft.chat import encode_chat, encode_prompt
 from diffdraft.detokenize import INCOMPLETE, IncrementalDecoder
 from diffdraft.drafters.base import Drafter
-from diffdraft.drafters.checkpoint import DraftModel
-from diffdraft.drafters.deer import DEERDrafter
-from diffdraft.drafters.families import make_drafter
+from diffdraft.drafters.checkpoint import load_draft_model
+from diffdraft.drafters.families import FAMILIES, DraftModel, family_of, make_drafter
 from diffdraft.drafters.lookup_boost import LookupBoostedDrafter
 from diffdraft.drafters.prompt_lookup import PromptLookupDrafter
 from diffdraft.engine import SequenceRun, SpeculativeEngine
 from diffdraft.errors import InvalidRequestError
 from diffdraft.loading import LoadedModel, end_token_ids, load_target
 from diffdraft.logprobs import MAX_TOP_LOGPROBS, LogprobRecorder, TokenLogprob
+from diffdraft.method_table import Drafting, Method, TreeRule, auto_budget_methods, method_named
 from diffdraft.ngram.shipped import load_ngram
 from diffdraft.sampling import SamplingParams
 from diffdraft.stats import GenerationStats
@@ -39,17 +39,8 @@ from diffdraft.target import TargetModel
 from diffdraft.trees import ChainBuilder, DDTreeBuilder, TreeBuilder
 from diffdraft.trees.dart import DartTreeBuilder, DartTreeSettings
 
-METHODS = ("ar", "pld", "chain", "ddtree", "chain+pld", "ddtree+pld", "dart", "deer", "deer-tree")
-"""ar: plain decoding; pld: prompt lookup chain; chain: drafter argmax/sampled chain; ddtree: optimal
-tree; ``+pld``: the drafter's proposal boosted by prompt lookup's copied continuation (lookup_boost.py);
-dart: DART's N-gram-pruned beam tree (trees/dart.py). Any drafter checkpoint serves any of these.
-deer / deer-tree: DEER's decoding (a chain verified by rejection sampling, its Eq. 5-6) and DDTree
-over a DEER drafter; they name the drafter family too, so they take DEER drafters only."""
-DEER_METHODS = ("deer", "deer-tree")
 SEED_RANGE = (-(2**63), 2**64)
 """What a torch random generator accepts as a seed."""
-DDTREE_METHODS = ("ddtree", "ddtree+pld", "deer-tree")
-"""Methods whose tree is DDTree's (and so take a node budget, 'auto' included)."""
 
 
 @dataclass
@@ -157,57 +148,51 @@ class PreparedRequest:
         )
 
 
-def _check_method(method: str) -> None:
-    if method not in METHODS:
-        raise InvalidRequestError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
-
-
 def _make_drafter(
-    method: str, drafter: str | os.PathLike | DraftModel | None, target: TargetModel, tokenizer
+    method: Method, drafter: str | os.PathLike | DraftModel | None, target: TargetModel, tokenizer
 ) -> Drafter | None:
     """``tokenizer``: the target's, so a drafter that reads token ids only (DEER) is checked against it."""
-    if method == "ar":
+    if method.drafting is Drafting.NONE:
         return None
-    if method == "pld":
+    if method.drafting is Drafting.LOOKUP:
         return PromptLookupDrafter()
     if drafter is None or drafter == "none":
+        *most, last = (family.name for family in FAMILIES.values())
+        families = f"{', '.join(most)} or {last}" if most else last
         raise InvalidRequestError(
-            f"method {method!r} needs a drafter: pass a DFlash/DFlare, DART or DEER checkpoint directory "
+            f"method {method.name!r} needs a drafter: pass a {families} checkpoint directory "
             "(--drafter PATH), or use --method ar or pld, which need none"
         )
-    made = make_drafter(drafter, target, tokenizer)
-    if method in DEER_METHODS and not isinstance(made, DEERDrafter):
+    model = load_draft_model(drafter) if isinstance(drafter, (str, os.PathLike)) else drafter
+    made = make_drafter(model, target, tokenizer)
+    if method.family is not None and family_of(model).key != method.family:
+        required = FAMILIES[method.family]
         raise InvalidRequestError(
-            f"method {method!r} needs a DEER drafter (diffdraft deer init / train fit --variant deer); "
-            f"{_drafter_name(drafter)} is a {made.model.variant} drafter: use --method chain or ddtree for it"
+            f"method {method.name!r} needs a {required.name} drafter ({required.made_by}); "
+            f"{_drafter_name(drafter)} is a {model.variant} drafter: use --method chain or ddtree for it"
         )
-    return LookupBoostedDrafter(made) if method.endswith("+pld") else made
+    return LookupBoostedDrafter(made) if method.lookup_boost else made
 
 
 def _drafter_name(drafter: str | os.PathLike | DraftModel) -> str:
     return str(drafter) if isinstance(drafter, (str, os.PathLike)) else "the given drafter"
 
 
-DART_TREE_SIZE = 32
-"""dart's tree size when none is given (its paper's 59 verifies too many tokens to pay on a CPU)."""
-
-
 def _make_builder(
-    method: str, budget: int | str | None, target: TargetModel, ngram, tokenizer
+    method: Method, budget: int | str | None, target: TargetModel, ngram, tokenizer
 ) -> TreeBuilder:
-    """``budget`` None: dart's :data:`DART_TREE_SIZE`, and for the DDTree methods "auto" (the best
-    fixed budget depends on the machine: 8 nodes ran fastest on a 2-core CPU where 32 ran slower
-    than plain AR)."""
+    """``budget`` None: the method's default (for the DDTree methods "auto": the best fixed budget
+    depends on the machine, 8 nodes ran fastest on a 2-core CPU where 32 ran slower than plain AR)."""
     if budget is None:
-        budget = DART_TREE_SIZE if method == "dart" else "auto"
-    if method == "dart":
+        budget = method.default_budget
+    if method.tree is TreeRule.DART:
         if budget == "auto":
             raise InvalidRequestError(
-                f"budget 'auto' applies to {', '.join(DDTREE_METHODS)}; give dart a tree size, "
-                "e.g. --budget 59"
+                f"budget 'auto' applies to {', '.join(auto_budget_methods())}; "
+                f"give {method.name} a tree size, e.g. --budget 59"
             )
         return DartTreeBuilder(DartTreeSettings(tree_size=budget), load_ngram(ngram, tokenizer))
-    if method not in DDTREE_METHODS:
+    if method.tree is TreeRule.CHAIN:
         return ChainBuilder()
     if budget == "auto":
         planner = BudgetPlanner(load_or_measure(target, progress=True))
@@ -233,14 +218,14 @@ class SpeculativeGenerator:
         caller, used instead of the one ``method``, ``budget`` and ``ngram`` make (the benchmark's
         auto budget plans over its own cost curve, its dart tree times each trie lookup); an auto
         budget given here learns from every finished request like the one made here."""
-        _check_method(method)
+        row = method_named(method)
         self.loaded = target
         self.tokenizer = target.tokenizer
         self.target = TargetModel(target.model)
         self.method = method
-        self.drafter: Drafter | None = _make_drafter(method, drafter, self.target, self.tokenizer)
+        self.drafter: Drafter | None = _make_drafter(row, drafter, self.target, self.tokenizer)
         if builder is None:
-            builder = _make_builder(method, budget, self.target, ngram, self.tokenizer)
+            builder = _make_builder(row, budget, self.target, ngram, self.tokenizer)
         self.engine = SpeculativeEngine(self.target, self.drafter, builder)
         self._auto_budget = builder if isinstance(builder, AutoBudgetBuilder) else None
         self.end_token_ids = end_token_ids(target.model, target.tokenizer)
@@ -378,12 +363,12 @@ def load(
     ``budget="auto"`` (the default for ddtree, ddtree+pld and deer-tree) picks the DDTree budget from
     this machine's measured verification cost (measured once per model shape and device, about a
     minute on a 2-core CPU, then cached); for ``method="dart"`` the budget is the tree size (default
-    :data:`DART_TREE_SIZE`) and ``ngram`` the
-    N-gram trie directory (``"default"``: the one shipped for the default target; None: no N-gram
-    term). ``method="deer"`` / ``"deer-tree"`` need a DEER drafter (e.g. ``"default-deer"``).
+    32, its row of :data:`~diffdraft.method_table.METHODS`) and ``ngram`` the N-gram trie directory
+    (``"default"``: the one shipped for the default target; None: no N-gram term).
+    ``method="deer"`` / ``"deer-tree"`` need a DEER drafter (e.g. ``"default-deer"``).
     On CPU the target runs diffdraft's inference kernels (same outputs, faster), so the loaded
     models are for inference only.
     """
-    _check_method(method)  # before the (slow) model load
+    method_named(method)  # before the (slow) model load
     loaded = load_target(target, dtype=dtype, device=device, optimize=True)
     return SpeculativeGenerator(loaded, method, drafter, budget, ngram)

@@ -246,7 +246,7 @@ def test_a_deer_drafter_of_another_vocabulary_or_tokenizer_is_refused(tmp_path):
         DEERDrafter(other_vocab, TargetModel(target))
     save_draft_model(other_vocab, tmp_path / "other-vocab")
     with pytest.raises(IncompatibleDrafterError, match="vocab size 80"):
-        make_drafter(tmp_path / "other-vocab", TargetModel(target), tokenizer)
+        make_drafter(load_draft_model(tmp_path / "other-vocab"), TargetModel(target), tokenizer)
 
     changed = copy.deepcopy(tokenizer)
     changed.add_tokens(["<extra>"])  # same model vocabulary size, other token ids

@@ -48,12 +48,14 @@ from diffdraft.bench.runner_api import (
 )
 from diffdraft.budget import BudgetPlanner, VerifyCostCurve, load_or_measure
 from diffdraft.default_model import default_gguf_path
-from diffdraft.drafters.checkpoint import DraftModel, load_draft_model, resolve_drafter_path
-from diffdraft.drafters.dart_model import DARTDraftModel
-from diffdraft.drafters.deer_model import DEERDraftModel
+from diffdraft.drafters.checkpoint import load_draft_model, resolve_drafter_path
+from diffdraft.drafters.dart_model import DART
+from diffdraft.drafters.deer_model import DEER
+from diffdraft.drafters.families import FAMILIES, DraftModel, family_of
 from diffdraft.errors import CheckpointError, InvalidRequestError
-from diffdraft.generator import DDTREE_METHODS, SpeculativeGenerator
+from diffdraft.generator import SpeculativeGenerator
 from diffdraft.loading import DTYPES, LoadedModel, end_token_ids, load_target
+from diffdraft.method_table import METHODS, TreeRule
 from diffdraft.ngram import NgramTrie
 from diffdraft.ngram.shipped import load_ngram
 from diffdraft.stats import STAGES
@@ -64,7 +66,11 @@ REFERENCE = "ar"
 """The method every other is timed and checked against."""
 DART_PAPER_TREE_SIZE = 59
 """The DART paper's tree size: what the dart methods of the benchmark run when given no argument (the
-generator's own default, :data:`diffdraft.generator.DART_TREE_SIZE`, is smaller to pay on a CPU)."""
+generator's own default, the dart row of :data:`diffdraft.method_table.METHODS`, is smaller to pay on
+a CPU)."""
+FAMILY_DRAFTER_OPTIONS = {DART: ("--dart-drafter", "default-dart"), DEER: ("--deer-drafter", "default-deer")}
+"""The option naming a family's own drafter, whose methods run beside ``--drafter``'s (any family's),
+and the drafter shipped for the default target."""
 
 
 class BenchModels:
@@ -90,8 +96,7 @@ class BenchModels:
         (or ``"default-deer"``)."""
         self.target_spec = target
         self.drafter_path = drafter
-        self.dart_drafter_path = dart_drafter
-        self.deer_drafter_path = deer_drafter
+        self.family_drafter_paths = {DART: dart_drafter, DEER: deer_drafter}
         self.ngram_spec = ngram
         self.assistant_path = assistant
         self.cost_cache = cost_cache
@@ -129,37 +134,27 @@ class BenchModels:
             raise MethodUnavailable("this method needs a drafter checkpoint: pass --drafter PATH")
         return self._draft_model("drafter", self.drafter_path, dtype)
 
-    def dart_model(self, dtype: str | None = None) -> DARTDraftModel:
-        """The DART drafter, one per dtype like :meth:`draft_model`."""
-        if self.dart_drafter_path is None:
-            raise MethodUnavailable(
-                "this method needs a DART drafter checkpoint: pass --dart-drafter PATH|default-dart"
-            )
-        model = self._draft_model("dart", self.dart_drafter_path, dtype)
-        if not isinstance(model, DARTDraftModel):
-            raise InvalidRequestError(
-                f"--dart-drafter {self.dart_drafter_path} is a DFlash/DFlare checkpoint, not a DART one; "
-                "pass it as --drafter"
-            )
-        return model
-
-    def deer_model(self, dtype: str | None = None) -> DEERDraftModel:
-        """The DEER drafter, one per dtype like :meth:`draft_model`; a shipped one this installation
-        lacks makes its methods unavailable (skipped in a default run), like a drafter not given."""
-        path = self.deer_drafter_path
+    def family_model(self, family: str, dtype: str | None = None) -> DraftModel:
+        """The drafter of ``family``'s own option (:data:`FAMILY_DRAFTER_OPTIONS`), one per dtype like
+        :meth:`draft_model`; a shipped one this installation lacks makes its methods unavailable
+        (skipped in a default run), like a drafter not given."""
+        option, shipped = FAMILY_DRAFTER_OPTIONS[family]
+        name = FAMILIES[family].name
+        path = self.family_drafter_paths[family]
         if path is None:
             raise MethodUnavailable(
-                "this method needs a DEER drafter checkpoint: pass --deer-drafter PATH|default-deer"
+                f"this method needs a {name} drafter checkpoint: pass {option} PATH|{shipped}"
             )
         try:
             resolve_drafter_path(path)
         except CheckpointError as error:
             raise MethodUnavailable(str(error)) from error
-        model = self._draft_model("deer", path, dtype)
-        if not isinstance(model, DEERDraftModel):
+        model = self._draft_model(family, path, dtype)
+        given = family_of(model).key
+        if given != family:
+            other = FAMILY_DRAFTER_OPTIONS[given][0] if given in FAMILY_DRAFTER_OPTIONS else "--drafter"
             raise InvalidRequestError(
-                f"--deer-drafter {path} is a {model.variant} checkpoint, not a DEER one; pass it as "
-                f"{'--dart-drafter' if isinstance(model, DARTDraftModel) else '--drafter'}"
+                f"{option} {path} is a {model.variant} checkpoint, not a {name} one; pass it as {other}"
             )
         return model
 
@@ -261,13 +256,13 @@ class OursRunner:
         builder = None
         self.lookups: TimedNgram | None = None
         if ngram is not None:
-            if method != "dart":
+            if METHODS[method].tree is not TreeRule.DART:
                 raise InvalidRequestError(f"{spec.label}: only the dart tree takes an N-gram trie")
             self.lookups = TimedNgram(ngram)
             builder = DartTreeBuilder(DartTreeSettings(tree_size=budget), self.lookups)
         self.auto: AutoBudgetBuilder | None = None
         if spec.arg == "auto":
-            if method not in DDTREE_METHODS:
+            if not METHODS[method].auto_budget:
                 raise InvalidRequestError(f"{spec.label}: only DDTree methods take an auto budget")
             builder = self.auto = AutoBudgetBuilder(BudgetPlanner(models.cost_curve()), initial_budget=budget)
         self.generator = SpeculativeGenerator(loaded, method, drafter=drafter, budget=budget, builder=builder)
@@ -397,7 +392,7 @@ def _dart(method: str, ngram: bool, main_drafter: bool = False) -> MethodFactory
 
     def factory(models: BenchModels, spec: MethodSpec) -> MethodRunner:
         # unavailable without the drafter: checked before any trie is built
-        drafter = models.draft_model(spec.dtype) if main_drafter else models.dart_model(spec.dtype)
+        drafter = models.draft_model(spec.dtype) if main_drafter else models.family_model(DART, spec.dtype)
         trie = models.ngram() if ngram else None
         return OursRunner(
             models,
@@ -412,9 +407,11 @@ def _dart(method: str, ngram: bool, main_drafter: bool = False) -> MethodFactory
     return factory
 
 
-def _deer(models: BenchModels, spec: MethodSpec) -> MethodRunner:
-    """A method of the DEER drafter (``--deer-drafter``); the generator's method of the same name."""
-    return OursRunner(models, spec, True, drafter=models.deer_model(spec.dtype))
+def _family_recipe(models: BenchModels, spec: MethodSpec) -> MethodRunner:
+    """The generator's method of the same name, the recipe of one family, with that family's own
+    drafter (e.g. ``deer`` with ``--deer-drafter``'s)."""
+    drafter = models.family_model(METHODS[spec.name].family, spec.dtype)
+    return OursRunner(models, spec, True, drafter=drafter)
 
 
 def _llama_cpp(lookup: bool) -> MethodFactory:
@@ -465,5 +462,5 @@ register("dart", _dart("dart", ngram=True), default_args=(str(DART_PAPER_TREE_SI
 register("dart-no-ngram", _dart("dart", ngram=False), default_args=(str(DART_PAPER_TREE_SIZE),))
 register("ddtree-dart", _dart("ddtree", ngram=False), default_args=(str(DART_PAPER_TREE_SIZE),))
 register("dart-tree", _dart("dart", ngram=True, main_drafter=True), default_args=(str(DART_PAPER_TREE_SIZE),))
-register("deer", _deer)
-register("deer-tree", _deer, default_args=("32",))
+register("deer", _family_recipe)
+register("deer-tree", _family_recipe, default_args=("32",))

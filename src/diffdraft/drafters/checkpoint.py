@@ -6,7 +6,8 @@ A checkpoint is a directory with ``config.json`` and ``model.safetensors`` (or i
 ``num_target_layers`` and ``dflash_config`` (``variant`` names DFlare when used); official
 checkpoints load unchanged. DART: a Llama config plus ``draft_length`` and ``draft_vocab_size``
 (see :mod:`diffdraft.drafters.dart_model`). DEER: the base LM's config with ``architectures:
-["DEERDraftModel"]`` and ``deer_config`` (see :mod:`diffdraft.drafters.deer_model`).
+["DEERDraftModel"]`` and ``deer_config`` (see :mod:`diffdraft.drafters.deer_model`). Which family a
+config is, and how it is read, each family's record says (:mod:`diffdraft.drafters.families`).
 """
 
 from __future__ import annotations
@@ -18,14 +19,10 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
-from transformers import LlamaConfig, PretrainedConfig, Qwen3Config
+from transformers import PretrainedConfig
 
-from diffdraft.drafters.dart_model import DARTDraftModel, is_dart_config
-from diffdraft.drafters.deer_model import DEERDraftModel, deer_config_from, is_deer_config
-from diffdraft.drafters.dflash_model import DFlashDraftModel, draft_setting
+from diffdraft.drafters.families import DrafterFamily, DraftModel, family_of_config
 from diffdraft.errors import CheckpointError
-
-DraftModel = DFlashDraftModel | DARTDraftModel | DEERDraftModel
 
 DEFAULT_DRAFTER_DIR = Path(__file__).resolve().parent.parent / "default_drafter"
 """The drafter shipped for the embedded default target (SmolLM2-135M-Instruct); see its README."""
@@ -57,7 +54,8 @@ def resolve_drafter_path(spec: str | os.PathLike) -> Path:
     return shipped
 
 
-def read_draft_config(path: Path) -> PretrainedConfig:
+def read_draft_config(path: Path) -> tuple[DrafterFamily, PretrainedConfig]:
+    """The family a checkpoint's ``config.json`` says it is, and the config read the family's way."""
     config_file = path / "config.json"
     if not path.is_dir():
         raise CheckpointError(f"drafter checkpoint {path} does not exist or is not a directory")
@@ -71,20 +69,11 @@ def read_draft_config(path: Path) -> PretrainedConfig:
         raise CheckpointError(
             f"{config_file} is not valid JSON ({err}); re-export or re-download it"
         ) from err
-    dart, deer = is_dart_config(raw), is_deer_config(raw)
+    family = family_of_config(raw)
     try:
-        config = deer_config_from(raw) if deer else LlamaConfig(**raw) if dart else Qwen3Config(**raw)
+        return family, family.read_config(raw)
     except Exception as err:  # transformers raises several validation error types
         raise CheckpointError(f"{config_file} is not a consistent drafter config: {err}") from err
-    if dart or deer:
-        return config
-    for key in ("mask_token_id", "target_layer_ids"):
-        if draft_setting(config, key) is None:
-            raise CheckpointError(
-                f"{config_file} lacks dflash_config.{key}; DFlash drafters must record it "
-                "(target_layer_ids count DFlash-style: id i = output of target layer i)"
-            )
-    return config
 
 
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -108,16 +97,9 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
 def load_draft_model(path: str | os.PathLike) -> DraftModel:
     """Build the draft network from a checkpoint directory (or a shipped name), checking every weight."""
     path = resolve_drafter_path(path)
-    config = read_draft_config(path)
-    family = (
-        DEERDraftModel
-        if getattr(config, "deer_config", None)
-        else DARTDraftModel
-        if isinstance(config, LlamaConfig)
-        else DFlashDraftModel
-    )
+    family, config = read_draft_config(path)
     try:
-        model = family(config)
+        model = family.model(config)
     except ValueError as err:
         raise CheckpointError(f"drafter checkpoint {path} has an unusable config: {err}") from err
     weights = {k: v for k, v in _read_weights(path).items() if k not in IGNORED_WEIGHTS}

@@ -46,6 +46,11 @@ def is_dart_config(raw: dict) -> bool:
     return ARCHITECTURE in (raw.get("architectures") or []) or "draft_length" in raw
 
 
+def dart_config_from(raw: dict) -> LlamaConfig:
+    """The config of a DART ``config.json`` (released ones are plain Llama configs plus DART's keys)."""
+    return LlamaConfig(**raw)
+
+
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding for x [b, heads, n, d] with cos/sin [b, n, d]."""
     return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)

@@ -43,6 +43,19 @@ def draft_setting(config: Qwen3Config, name: str, default: object = None) -> obj
     return nested.get(name, getattr(config, name, default))
 
 
+def dflash_config_from(raw: dict) -> Qwen3Config:
+    """The config of a DFlash / DFlare ``config.json``; raises ValueError when it lacks a setting
+    the drafter cannot do without (a wrong layer id raises no error later, it only lowers acceptance)."""
+    config = Qwen3Config(**raw)
+    for key in ("mask_token_id", "target_layer_ids"):
+        if draft_setting(config, key) is None:
+            raise ValueError(
+                f"it lacks dflash_config.{key}; DFlash drafters must record it "
+                "(target_layer_ids count DFlash-style: id i = output of target layer i)"
+            )
+    return config
+
+
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding for x [b, heads, n, d] with cos/sin [b, n, d]."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)

@@ -22,10 +22,8 @@ from pathlib import Path
 
 import torch
 
-from diffdraft.drafters.checkpoint import DraftModel
-from diffdraft.drafters.dart_model import DARTDraftModel
-from diffdraft.drafters.deer_model import DEERDraftModel
 from diffdraft.drafters.dflash_model import DFLARE, DFlashDraftModel
+from diffdraft.drafters.families import DFLASH_FAMILY, DraftModel, family_of
 from diffdraft.errors import ExportError
 from diffdraft.loading import LoadedModel
 
@@ -68,10 +66,10 @@ def capture_point(layer_id: int) -> int:
 
 def check_family(model: DraftModel, engine: str) -> DFlashDraftModel:
     """Refuse the drafters no DFlash serving path can run: other families, and DFlare."""
-    if isinstance(model, DARTDraftModel | DEERDraftModel):
-        family = "DART" if isinstance(model, DARTDraftModel) else "DEER"
+    family = family_of(model)
+    if family is not DFLASH_FAMILY:
         raise ExportError(
-            f"this is a {family} drafter; {engine}'s DFlash support runs DFlash drafters only: export a "
+            f"this is a {family.name} drafter; {engine}'s DFlash support runs DFlash drafters only: export a "
             "drafter trained with diffdraft train fit --variant dflash"
         )
     if model.variant == DFLARE:

@@ -20,19 +20,19 @@ from torch import distributed as dist
 
 from diffdraft.bench.datasets import sharegpt_held_out
 from diffdraft.drafters.checkpoint import load_draft_model
-from diffdraft.drafters.deer import check_tokenizer
-from diffdraft.drafters.deer_model import DEER, DEERDraftModel
-from diffdraft.drafters.dflash_model import DFLASH
+from diffdraft.drafters.families import family_of, variants
 from diffdraft.errors import InvalidRequestError
 from diffdraft.loading import default_device, end_token_ids, fastest_dtype, load_target
 from diffdraft.ngram.shipped import load_ngram
 from diffdraft.ngram.trie import tokenizer_fingerprint
 from diffdraft.target import TargetModel
+from diffdraft.train.config import COMPUTE_DTYPES, INIT_LAYERS, LABELS, TrainConfig
 from diffdraft.train.dataset import load_responses
 from diffdraft.train.draft_vocab import coverage
 from diffdraft.train.evaluate import DartTrees, evaluate_drafter
 from diffdraft.train.features import capture_features
 from diffdraft.train.mask_token import pick_mask_token, refuse_mask_in_data
+from diffdraft.train.objectives import recipe_for, recipe_for_variant
 from diffdraft.train.plots import plot_learning_curve, plot_training_curves
 from diffdraft.train.prompts import (
     SHAREGPT,
@@ -51,17 +51,7 @@ from diffdraft.train.regenerate import (
     regenerate,
 )
 from diffdraft.train.source_replies import write_source_replies
-from diffdraft.train.trainer import (
-    COMPUTE_DTYPES,
-    DART,
-    INIT_LAYERS,
-    LABELS,
-    VARIANTS,
-    TrainConfig,
-    Trainer,
-    saved_checkpoints,
-    tokens_seen_at,
-)
+from diffdraft.train.trainer import Trainer, saved_checkpoints, tokens_seen_at
 
 
 def load_config(path: str | Path) -> dict:
@@ -272,8 +262,8 @@ def _add_fit_parser(steps: argparse._SubParsersAction) -> None:
             fit.add_argument(flag, type=type(value), default=value, help="default: %(default)s")
     fit.add_argument(
         "--variant",
-        choices=VARIANTS,
-        default=DFLASH,
+        choices=variants(),
+        default=defaults.variant,
         help="dflash / dflare: block-diffusion drafters; dart: DART's one-layer shifted-logits drafter "
         "(--draft-length masks, annealed KL); deer: DEER's standalone diffusion LM (--num-layers of the "
         "target's first layers unless --init-drafter, e.g. from `diffdraft deer init`; --stage 1|2); "
@@ -503,16 +493,18 @@ def _run_fit(args: argparse.Namespace) -> None:
         config = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
         config.tokenizer_fingerprint = tokenizer_fingerprint(loaded.tokenizer)
         initial = load_draft_model(args.init_drafter) if args.init_drafter else None
-        if isinstance(initial, DEERDraftModel):
+        recipe = recipe_for_variant(config.variant) if initial is None else recipe_for(initial)
+        check_tokenizer = None if initial is None else family_of(initial).check_tokenizer
+        if check_tokenizer is not None:
             check_tokenizer(initial, loaded.tokenizer)  # equal vocab sizes can still mean other text
         mask = None
         if initial is not None:
             config.mask_token_id = getattr(initial, "mask_token_id", None)  # DART drafters have none
-        elif config.mask_token_id is None and config.variant != DART:
+        elif config.mask_token_id is None and recipe.needs_mask_token:
             embedding = loaded.model.get_input_embeddings().weight
             mask = pick_mask_token(loaded.tokenizer, end_token_ids(loaded.model, loaded.tokenizer), embedding)
             config.mask_token_id = mask.token_id
-        if isinstance(initial, DEERDraftModel) or (initial is None and config.variant == DEER):
+        if recipe.reads_mask_as_text:
             refuse_mask_in_data(train, config.mask_token_id)
         trainer = Trainer(
             config, TargetModel(loaded.model), train, feature_cache=args.feature_cache, drafter=initial

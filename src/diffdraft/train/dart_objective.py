@@ -15,7 +15,9 @@ import torch
 from torch import nn
 
 from diffdraft.drafters.dart_model import DARTDraftModel, make_dart_config
+from diffdraft.target import TargetModel
 from diffdraft.train.batch import TrainingBatch, pad_right, pad_square_masks
+from diffdraft.train.config import TrainConfig
 from diffdraft.train.loss import draft_loss
 from diffdraft.train.objective import head_rows
 
@@ -125,25 +127,21 @@ class _RowLayout:
 
 
 def new_dart_drafter(
-    target_model: nn.Module,
-    draft_length: int,
-    target_layer_ids: list[int] | None,
-    draft_vocab: torch.Tensor | None,
-    intermediate_size: int | None = None,
+    config: TrainConfig, target: TargetModel, draft_vocab: torch.Tensor | None
 ) -> DARTDraftModel:
     """A fresh DART drafter whose own LM head starts as the target's rows for its draft vocabulary
     (the paper trains the head; starting from the target's is a head start, not a constraint)."""
-    config = make_dart_config(
-        target_model.config,
-        draft_length=draft_length,
-        target_layer_ids=target_layer_ids,
+    dart_config = make_dart_config(
+        target.model.config,
+        draft_length=config.draft_length,
+        target_layer_ids=config.target_layer_ids,
         draft_vocab_size=0 if draft_vocab is None else draft_vocab.shape[0],
-        intermediate_size=intermediate_size,
+        intermediate_size=config.intermediate_size,
     )
-    model = DARTDraftModel(config)
+    model = DARTDraftModel(dart_config)
     if draft_vocab is not None:
         model.set_draft_vocab(draft_vocab)
-    head = target_model.get_output_embeddings().weight.detach().float()
+    head = target.model.get_output_embeddings().weight.detach().float()
     with torch.no_grad():
         model.lm_head.weight.copy_(head[model.draft_vocab.to(head.device)].cpu())
     return model

@@ -29,8 +29,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from diffdraft.drafters.deer_model import DEERDraftModel
+from diffdraft.drafters.deer_model import DEERDraftModel, deer_from_causal_lm
+from diffdraft.target import TargetModel
 from diffdraft.train.batch import TrainingBatch, pad_right, pad_square_masks
+from diffdraft.train.config import TrainConfig
 from diffdraft.train.loss import mean_of_sequences, position_counts, position_hits, row_losses, target_rows
 
 
@@ -196,3 +198,19 @@ def _visibility(n: int, anchors: torch.Tensor, rows: _BlockRows) -> torch.Tensor
     block_sees_prefix = prefix[None, :] <= rows.owners[:, None]
     block_sees_block = rows.group[:, None] == rows.group[None, :]
     return torch.cat([sees_prefix, torch.cat([block_sees_prefix, block_sees_block], dim=1)], dim=0)
+
+
+def new_deer_drafter(
+    config: TrainConfig, target: TargetModel, draft_vocab: torch.Tensor | None
+) -> DEERDraftModel:
+    """A DEER drafter cut from the training target's first ``config.num_layers`` layers, embedding
+    and head (``diffdraft deer init``'s recipe). Its own head scores the whole vocabulary, so
+    ``draft_vocab`` is not used."""
+    return deer_from_causal_lm(
+        target.model,
+        config.num_layers,
+        config.block_size,
+        config.mask_token_id,
+        config.tokenizer_fingerprint,
+        f"first {config.num_layers} layers of the training target",
+    )

@@ -11,8 +11,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from diffdraft.drafters.checkpoint import DraftModel
-from diffdraft.drafters.families import make_drafter
+from diffdraft.drafters.families import DraftModel, make_drafter
 from diffdraft.engine import SpeculativeEngine
 from diffdraft.ngram import NgramTrie
 from diffdraft.progress import progress_bar

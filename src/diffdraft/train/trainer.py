@@ -28,116 +28,22 @@ from torch import distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from diffdraft.atomic_write import write_text_atomically
-from diffdraft.drafters.checkpoint import DraftModel, load_draft_model, save_draft_model
-from diffdraft.drafters.dart_model import DART
-from diffdraft.drafters.deer_model import DEER, deer_from_causal_lm
-from diffdraft.drafters.dflash_model import DFLARE, DFLASH, DFlashDraftModel, make_draft_config
-from diffdraft.drafters.families import check_compatible
+from diffdraft.drafters.checkpoint import load_draft_model, save_draft_model
+from diffdraft.drafters.families import DraftModel, check_compatible
 from diffdraft.errors import InvalidRequestError, TrainingDivergedError
 from diffdraft.progress import progress_bar
 from diffdraft.target import TargetModel
 from diffdraft.train.batch import TrainingBatch, pad_right
 from diffdraft.train.blocks import sample_anchors
-from diffdraft.train.dart_objective import new_dart_drafter
+from diffdraft.train.config import COMPUTE_DTYPES, TrainConfig
 from diffdraft.train.dataset import TrainingSample
 from diffdraft.train.draft_vocab import frequent_tokens
 from diffdraft.train.features import CachedFeatures, OnlineFeatures
 from diffdraft.train.loss import gamma_at
-from diffdraft.train.objectives import make_objective
-from diffdraft.train.target_init import copy_target_layers
+from diffdraft.train.objectives import make_objective, recipe_for, recipe_for_variant
 
 STATE_FILE = "training_state.pt"
 METRICS_FILE = "metrics.jsonl"
-COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-LABELS = ["target", "tokens"]
-INIT_LAYERS = ["random", "target"]
-VARIANTS = [DFLASH, DFLARE, DART, DEER]
-GAMMA_0 = {DFLASH: 4.5, DFLARE: 4.5, DART: 0.6, DEER: 1.01}
-"""Each paper's position weighting: DFlare's exp(-(k-1)/gamma) with gamma rising 1 per epoch from
-4.5; DART's gamma ** (t-1) with gamma fixed at 0.6 (its Table 4); DEER's stage-2 alpha ** (R-i),
-alpha fixed at 1.01 (its Fig. 6: 1.05 diverged)."""
-FIXED_GAMMA = {DART, DEER}
-
-
-@dataclass
-class TrainConfig:
-    output_dir: str
-    variant: str = DFLASH
-    num_layers: int = 2
-    block_size: int = 16
-    draft_length: int = 7
-    """DART only: mask rows after the prefix, so one forward drafts draft_length + 1 positions."""
-    target_layer_ids: list[int] | None = None
-    mask_token_id: int | None = None
-    intermediate_size: int | None = None
-    draft_vocab_size: int = 0
-    """0 = score the whole target vocabulary (as the papers); K = only the K most frequent response tokens."""
-    max_length: int = 1024
-    anchors_per_sequence: int = 0
-    """0 = one anchor per 6 sequence tokens, the paper's 512 anchors per 3072 tokens."""
-    batch_size: int = 8
-    epochs: int = 2
-    max_steps: int = 0
-    """0 = train ``epochs`` full epochs; N = exactly N optimizer steps (schedules span N steps)."""
-    learning_rate: float = 6e-4
-    warmup_ratio: float = 0.04
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    gamma_0: float | None = None
-    """None = the drafter's paper value (GAMMA_0; a drafter given to fine-tune decides its variant)."""
-    gamma_max: float | None = None
-    """None = DFlash/DFlare: gamma_0 + epochs trained - 1 (the paper raises gamma by 1 per epoch);
-    DART: gamma_0 (fixed)."""
-    micro_batch_size: int = 1
-    """Sequences per forward: each process's share of a step runs in micro-batches of this many,
-    padded to the longest (one target and one drafter forward each). The loss and the weights come
-    out the same; on a GPU, where one sequence leaves most of it idle, 8-32 trains several times
-    faster. Every drafter family (DFlare, DART, DEER) runs its micro-batch as one forward."""
-    save_every: int = 200
-    max_minutes: float = 0.0
-    """Stop this process after about this many minutes of training (0: no limit), at a checkpoint:
-    a lent GPU's lease ends at a fixed time, and a later run resumes from it where it stopped. The
-    schedules still span the whole run, and final/ is written only when it is complete."""
-    save_every_minutes: float = 0.0
-    """Also checkpoint whenever this many minutes passed since the last checkpoint (0: by steps only),
-    so a run whose speed is not known yet still leaves a recent one."""
-    seed: int = 0
-    compute_dtype: str = "float32"
-    """"bfloat16" = mixed precision: the drafter's matmuls run in bfloat16 under autocast while its
-    weights, gradients and optimizer state stay float32 (faster on GPUs and on CPUs with bf16 units)."""
-    labels: str = "target"
-    """"target" = distil the target: KL to its own next-token distribution at every position, from
-    the forward that yields the taps; "tokens" = cross-entropy on the training text's tokens."""
-    init_layers: str = "random"
-    """"target" = draft layers start as copies of the target's last layers; "random" = fresh."""
-    stage: int = 1
-    """DEER only: 1 = continuation distillation (noised blocks, Eq. 1-2); 2 = Scribe refinement
-    (the last R ~ U(1, max_suffix) tokens masked, weights alpha ** (R - i), Eq. 3-4)."""
-    max_suffix: int = 96
-    """DEER stage 2 only: the largest R (the paper's 96)."""
-    tokenizer_fingerprint: str | None = None
-    """DEER only: recorded in a new drafter, so a target with another tokenizer refuses it."""
-
-    def __post_init__(self) -> None:
-        for name, allowed in (
-            ("variant", VARIANTS),
-            ("compute_dtype", sorted(COMPUTE_DTYPES)),
-            ("labels", LABELS),
-            ("init_layers", INIT_LAYERS),
-        ):
-            if getattr(self, name) not in allowed:
-                raise InvalidRequestError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        if self.stage not in (1, 2):
-            raise InvalidRequestError(
-                f"stage must be 1 (continuation distillation) or 2 (Scribe refinement), got {self.stage}"
-            )
-        if self.micro_batch_size < 1:
-            raise InvalidRequestError(f"micro_batch_size must be at least 1, got {self.micro_batch_size}")
-        if self.max_suffix < 1:
-            raise InvalidRequestError(f"max_suffix must be at least 1, got {self.max_suffix}")
-
-    def anchors_for(self, length: int) -> int:
-        return self.anchors_per_sequence or max(1, length // 6)
 
 
 @dataclass
@@ -272,43 +178,10 @@ class Trainer:
             else None
         )
         torch.manual_seed(c.seed)
-        if c.variant == DART:
-            return new_dart_drafter(
-                self.target.model, c.draft_length, c.target_layer_ids, vocab, c.intermediate_size
-            )
-        if c.mask_token_id is None:
+        recipe = recipe_for_variant(c.variant)
+        if recipe.needs_mask_token and c.mask_token_id is None:
             raise InvalidRequestError("mask_token_id is required to build a new drafter")
-        if c.variant == DEER:  # the target's own first layers, embedding and head (deer init's recipe)
-            return deer_from_causal_lm(
-                self.target.model,
-                c.num_layers,
-                c.block_size,
-                c.mask_token_id,
-                c.tokenizer_fingerprint,
-                f"first {c.num_layers} layers of the training target",
-            )
-        draft_config = make_draft_config(
-            self.target.config,
-            num_layers=c.num_layers,
-            block_size=c.block_size,
-            mask_token_id=c.mask_token_id,
-            target_layer_ids=c.target_layer_ids,
-            variant=c.variant,
-            intermediate_size=c.intermediate_size,
-            draft_vocab_size=0 if vocab is None else vocab.shape[0],
-        )
-        drafter = DFlashDraftModel(draft_config)
-        if vocab is not None:
-            drafter.draft_vocab.copy_(vocab)
-        if c.init_layers == "target":
-            copy_target_layers(drafter, self.target.model)
-            return drafter
-        # Start with logits of unit scale through the borrowed LM head: a unit final norm against
-        # SmolLM2's head gave an initial loss of 48.8 nats (uniform: 10.8); this scale gave 17.6.
-        head = self.target.model.get_output_embeddings().weight.detach().float()
-        with torch.no_grad():
-            drafter.norm.weight.fill_(float(head.norm(dim=1).pow(2).mean().rsqrt()))
-        return drafter
+        return recipe.new_model(c, self.target, vocab)
 
     def _lr_factor(self, step: int) -> float:
         """Linear warmup then cosine decay to zero."""
@@ -371,11 +244,11 @@ class Trainer:
         """Run to the end (or resume to it); ``on_step(step)`` is a test hook called after each step."""
         c = self.config
         epochs = self.total_steps / self.steps_per_epoch
-        variant = self.drafter.variant  # a drafter given to fine-tune decides, not the config
-        gamma_0 = c.gamma_0 if c.gamma_0 is not None else GAMMA_0[variant]
+        recipe = recipe_for(self.drafter)  # a drafter given to fine-tune decides, not the config
+        gamma_0 = c.gamma_0 if c.gamma_0 is not None else recipe.gamma_0
         gamma_max = c.gamma_max
         if gamma_max is None:
-            gamma_max = gamma_0 if variant in FIXED_GAMMA else gamma_0 + max(0.0, epochs - 1)
+            gamma_max = gamma_0 if recipe.fixed_gamma else gamma_0 + max(0.0, epochs - 1)
         progress = progress_bar(
             total=self.total_steps, initial=self.state.step, desc="training drafter", disable=self.rank != 0
         )

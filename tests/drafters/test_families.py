@@ -1,0 +1,161 @@
+"""The family registry: each family's record answers for it, and a new family is its own classes plus
+one registry entry (a toy family, registered for one test, runs end to end)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+import diffdraft
+from diffdraft.drafters.base import ForksByCopy, Proposal
+from diffdraft.drafters.checkpoint import load_draft_model, save_draft_model
+from diffdraft.drafters.dart import DARTDrafter
+from diffdraft.drafters.deer import DEERDrafter
+from diffdraft.drafters.deer_model import deer_from_causal_lm
+from diffdraft.drafters.dflash import DFlashDrafter
+from diffdraft.drafters.families import (
+    DART_FAMILY,
+    DEER_FAMILY,
+    DFLASH_FAMILY,
+    FAMILIES,
+    DrafterFamily,
+    family_of,
+    family_of_config,
+    family_with_variant,
+    make_drafter,
+    variants,
+)
+from diffdraft.errors import IncompatibleDrafterError, InvalidRequestError
+from diffdraft.loading import load_target
+from diffdraft.method_table import METHODS, Drafting, Method, TreeRule
+from diffdraft.target import TargetModel
+
+from conftest import make_checkpoint, tiny_dart, tiny_drafter, tiny_target
+
+TOY = "toy"
+TOY_ARCHITECTURE = "ToyDraftModel"
+
+
+class ToyDraftModel(nn.Module):
+    """A bigram table: the draft for each depth is the row of the token drafted before it."""
+
+    variant = TOY
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.max_depth = config.block_size - 1
+        self.target_layer_ids: list[int] = []
+        self.draft_vocab = None
+        self.bigram = nn.Parameter(torch.zeros(config.vocab_size, config.vocab_size))
+
+
+class ToyDrafter(ForksByCopy):
+    def __init__(self, model: ToyDraftModel, target: TargetModel) -> None:
+        check_toy(model, target)
+        self.model = model
+        self.max_depth = model.max_depth
+        self.target_layer_ids: list[int] = []
+
+    def reset(self) -> None:
+        pass
+
+    def extend_context(self, hidden: torch.Tensor | None, start: int) -> None:
+        pass
+
+    def propose(self, token_ids: torch.Tensor, depth: int) -> Proposal:
+        rows, token = [], int(token_ids[-1])
+        for _ in range(depth):
+            rows.append(self.model.bigram[token].detach().float().log_softmax(-1))
+            token = int(rows[-1].argmax())
+        return Proposal(log_probs=torch.stack(rows))
+
+
+def check_toy(model: ToyDraftModel, target: TargetModel) -> None:
+    if model.config.vocab_size != target.vocab_size:
+        raise IncompatibleDrafterError("the toy drafter belongs to another vocabulary")
+
+
+TOY_FAMILY = DrafterFamily(
+    name="Toy",
+    variants=(TOY,),
+    model=ToyDraftModel,
+    claims=lambda raw: TOY_ARCHITECTURE in (raw.get("architectures") or []),
+    read_config=lambda raw: PretrainedConfig(**raw),
+    drafter=ToyDrafter,
+    check_compatible=check_toy,
+    made_by="the toy test",
+)
+
+
+@pytest.fixture
+def toy_registered(monkeypatch):
+    """The toy family's one registry entry, and a method that takes its drafters only."""
+    monkeypatch.setitem(FAMILIES, TOY, TOY_FAMILY)
+    method = Method("toy-tree", Drafting.MODEL, TreeRule.DDTREE, family=TOY, default_budget=6)
+    monkeypatch.setitem(METHODS, method.name, method)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("target"), "qwen3")
+
+
+def toy_model(loaded) -> ToyDraftModel:
+    """A bigram table of the target's own next token after each single token, so drafts get accepted."""
+    vocab = loaded.model.config.vocab_size
+    model = ToyDraftModel(PretrainedConfig(architectures=[TOY_ARCHITECTURE], vocab_size=vocab, block_size=4))
+    with torch.no_grad():
+        model.bigram.copy_(loaded.model(torch.arange(vocab)[:, None]).logits[:, -1])
+    return model
+
+
+def test_a_registered_family_runs_end_to_end_token_identical_to_plain_decoding(
+    toy_registered, checkpoint, tmp_path
+):
+    loaded = load_target(checkpoint, dtype="float32")
+    target = TargetModel(loaded.model)
+    save_draft_model(toy_model(loaded), tmp_path / "toy")
+    model = load_draft_model(tmp_path / "toy")  # its config claims it
+    assert isinstance(model, ToyDraftModel) and family_of(model) is TOY_FAMILY
+    assert isinstance(make_drafter(model, target, loaded.tokenizer), ToyDrafter)
+    assert TOY in variants() and family_with_variant(TOY) is TOY_FAMILY
+
+    prompt = dict(prompt="hello world, the quick", max_new_tokens=16, ignore_eos=True)
+    plain = diffdraft.SpeculativeGenerator(loaded, "ar").generate(**prompt)
+    for method in ("toy-tree", "chain", "ddtree+pld"):  # its own method, and any drafter's
+        result = diffdraft.SpeculativeGenerator(loaded, method, tmp_path / "toy", budget=6).generate(**prompt)
+        assert result.token_ids == plain.token_ids, method
+        assert result.stats.tau > 1.0, method  # its drafts were verified, and some accepted
+
+    dflash = tiny_drafter(loaded.model).float()
+    with pytest.raises(InvalidRequestError, match=r"method 'toy-tree' needs a Toy drafter \(the toy test\)"):
+        diffdraft.SpeculativeGenerator(loaded, "toy-tree", dflash)
+    with pytest.raises(InvalidRequestError, match="DFlash/DFlare, DART, DEER or Toy checkpoint"):
+        diffdraft.SpeculativeGenerator(loaded, "toy-tree")
+
+
+def test_without_its_registry_entry_a_family_is_nobody_s():
+    model = ToyDraftModel(PretrainedConfig(vocab_size=8, block_size=2))
+    with pytest.raises(TypeError, match="ToyDraftModel is the network of no registered drafter family"):
+        family_of(model)
+    assert family_of_config({"architectures": [TOY_ARCHITECTURE]}) is DFLASH_FAMILY  # the unclaimed default
+
+
+def test_each_shipped_family_is_its_networks_and_configs_family():
+    target = tiny_target("qwen3")
+    models = {
+        DFLASH_FAMILY: tiny_drafter(target),
+        DART_FAMILY: tiny_dart(target),
+        DEER_FAMILY: deer_from_causal_lm(target, 1, 4, 0, None, "test"),
+    }
+    drafters = {DFLASH_FAMILY: DFlashDrafter, DART_FAMILY: DARTDrafter, DEER_FAMILY: DEERDrafter}
+    for family, model in models.items():
+        assert family_of(model) is family
+        assert family_of_config(model.config.to_dict()) is family
+        assert family_with_variant(model.variant) is family
+        assert isinstance(make_drafter(model, TargetModel(target)), drafters[family])
+    assert family_of_config({"draft_length": 7}) is DART_FAMILY  # released DART configs name no architecture
+    assert variants() == ["dflash", "dflare", "dart", "deer"]
