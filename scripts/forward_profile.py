@@ -8,6 +8,9 @@ forward into the weights' matmuls and everything else (attention, norms, rotary,
 
     python scripts/forward_profile.py --target default --dtype bfloat16 --context 256 --tokens 9 \
         --out benchmarks/forward-profile
+
+``--block-activations bf16`` times the block layers' exact-bf16 kernel instead of the default int8 one
+(:mod:`diffdraft.quantized.block_linear`).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from diffdraft.bench.llamacpp import INSTALL
 from diffdraft.default_model import default_gguf_path
 from diffdraft.loading import load_target
 from diffdraft.packed_linear import PackedLinear
-from diffdraft.quantized.block_linear import BlockQuantizedLinear, has_block_layers
+from diffdraft.quantized.block_linear import ACTIVATIONS, BlockQuantizedLinear, has_block_layers
 from diffdraft.target import TargetModel
 from diffdraft.trees.tree import DraftTree
 
@@ -125,17 +128,27 @@ def main() -> None:
     parser.add_argument(
         "--dense", action="store_true", help="dense weights even where the GGUF's blocks could be kept"
     )
+    parser.add_argument(
+        "--block-activations", choices=ACTIVATIONS, default=ACTIVATIONS[0], help="the block layers' kernel"
+    )
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    loaded = load_target(args.target, dtype=args.dtype, optimize=True, gguf_blocks=not args.dense)
+    loaded = load_target(
+        args.target,
+        dtype=args.dtype,
+        optimize=True,
+        gguf_blocks=not args.dense,
+        block_activations=args.block_activations,
+    )
     target = TargetModel(loaded.model)
     ids = torch.randint(
         0, target.vocab_size, (args.context + args.tokens,), generator=torch.Generator().manual_seed(0)
     )
     context, tokens = ids[: args.context], ids[args.context :]
     rows = {}
-    weights = "dense" if args.dense or not has_block_layers(loaded.model) else "GGUF blocks"
+    blocks = has_block_layers(loaded.model) and not args.dense
+    weights = f"GGUF blocks ({args.block_activations} activations)" if blocks else "dense"
     for q in (1, args.tokens):
         name = f"diffdraft {args.dtype} {weights}, {q} token(s)"
         rows[name] = ours(target, context, tokens[:q], args.repeats)

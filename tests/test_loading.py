@@ -178,8 +178,10 @@ def test_end_token_ids_of_a_loaded_model(llama_dir: Path) -> None:
 
 @pytest.mark.real_model
 def test_the_optimized_default_target_decodes_exactly_like_stock_transformers() -> None:
+    """On the bf16 block kernel, which is the stock bf16 model up to the order of sums (the int8 default
+    rounds activations as llama.cpp does, so it is lossless against our own AR, not stock)."""
     stock = load_target("default", dtype="bfloat16").model
-    optimized = load_target("default", dtype="bfloat16", optimize=True).model
+    optimized = load_target("default", dtype="bfloat16", optimize=True, block_activations="bf16").model
     # packed (and so stacked) weights need oneDNN bfloat16, absent on some CPUs; grouped attention not
     packs = packing_supported(torch.bfloat16, torch.device("cpu"))
     assert has_packed_layers(optimized) == packs

@@ -28,6 +28,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from diffdraft.fused_projections import ProjectionSlice, StackedProjection
+from diffdraft.quantized.block_linear import kernel_rows_only
 from diffdraft.quantized.decoder_ops import FusedDecoderLayers
 
 SUPPORTED_LAYERS = {"LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"}
@@ -89,7 +90,18 @@ class LeanForward:
     ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """:meth:`__call__` for several sequences at once: ``token_ids`` / ``position_ids`` are every
         segment's, concatenated in order. Projections and MLPs run over all tokens in one matmul;
-        attention runs per segment over its own cache and mask. Returns (logits, taps) per segment."""
+        attention runs per segment over its own cache and mask. Returns (logits, taps) per segment.
+        Block-quantized layers stay on their kernel for any number of tokens (:func:`kernel_rows_only`)."""
+        with kernel_rows_only():
+            return self._packed(segments, token_ids, position_ids, layer_ids)
+
+    def _packed(
+        self,
+        segments: list[Segment],
+        token_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        layer_ids: list[int],
+    ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         for segment in segments:
             if segment.mask is None and segment.length != 1:
                 raise ValueError(

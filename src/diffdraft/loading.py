@@ -55,6 +55,7 @@ def load_target(
     device: str | torch.device | None = None,
     optimize: bool = False,
     gguf_blocks: bool = True,
+    block_activations: str = "int8",
 ) -> LoadedModel:
     """Load a causal LM in eval mode with SDPA attention (the tree-mask verifier needs SDPA).
 
@@ -65,15 +66,20 @@ def load_target(
     :mod:`diffdraft.fused_projections`, :mod:`diffdraft.grouped_attention`): identical logits in
     float32 (bfloat16: equal up to rounding), faster forwards, inference only. With ``optimize`` and
     ``gguf_blocks``, a bfloat16 target read from a GGUF (the default included) also keeps the GGUF's
-    Q4_1 / Q8_0 blocks for its linear layers where this CPU runs :mod:`diffdraft.quantized`'s kernel:
-    the same weights, a third of the bytes per forward.
+    Q4_1 blocks for its linear layers (and its Q8_0 LM head) where this CPU runs
+    :mod:`diffdraft.quantized`'s kernels: the same weights, a third of the bytes per forward.
+    ``block_activations`` picks those layers' kernel: "int8" (inputs quantized to int8 per block, as
+    llama.cpp computes; the fastest) or "bf16" (exactly the dense bf16 model's weights and bf16
+    inputs; the head stays dense).
     """
     loaded = _load(spec, dtype, device)
     if optimize:
         gguf = _gguf_file(spec)
         usable = gguf_blocks and gguf is not None and block_weights_supported(loaded.model)
-        if usable and (replaced := use_gguf_blocks(loaded.model, gguf)):
-            loaded.source += f", {replaced} linear layers on its Q4_1 blocks"
+        if usable and (replaced := use_gguf_blocks(loaded.model, gguf, block_activations)):
+            loaded.source += (
+                f", {replaced} linear layers on its GGUF blocks ({block_activations} activations)"
+            )
         pack_linear_layers(loaded.model)
         fuse_projections(loaded.model)
         use_grouped_attention(loaded.model)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from diffdraft.quantized import kernel_build
 
@@ -34,3 +35,10 @@ def test_the_library_name_changes_with_the_source(fresh_build, monkeypatch, tmp_
     monkeypatch.setattr(kernel_build, "SOURCE", changed)
     assert kernel_build._library_path() != first
     assert first.parent == fresh_build / "kernels"
+
+
+@pytest.mark.parametrize("missing", ["_is_avx512_bf16_supported", "_is_vnni_supported"])
+def test_a_cpu_without_either_dot_product_keeps_dense_weights(fresh_build, monkeypatch, missing):
+    monkeypatch.setattr(torch.cpu, missing, lambda: False, raising=False)
+    assert not kernel_build.cpu_supported()
+    assert kernel_build.block_kernel() is None

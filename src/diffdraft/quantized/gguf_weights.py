@@ -4,6 +4,11 @@ transformers reads a GGUF into dense weights; for inference we want the blocks. 
 GGUF tensor is found by name, its rows reordered the way transformers reorders them (Llama GGUFs store
 q and k with the rotary halves interleaved), and its blocks kept only when they dequantize to exactly
 the weight the model holds: a wrong name or order can never change the model, only leave it dense.
+
+By default the layers run the int8 kernel (inputs quantized per block to int8, llama.cpp's arithmetic)
+and the LM head joins them on the GGUF's Q8_0 blocks (the tied embedding's, usually): the model then
+computes what llama.cpp computes, close to but not exactly the dense bf16 model. ``activations="bf16"``
+keeps exactly the dense bf16 model's weights and bf16 inputs instead, with a dense head.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import torch
 from gguf import GGUFReader
 from torch import nn
 
-from diffdraft.quantized.block_linear import FORMAT, BlockQuantizedLinear, BlockWeight
+from diffdraft.quantized.block_linear import ACTIVATIONS, FORMAT, BlockQuantizedLinear, BlockWeight, Q8Weight
 from diffdraft.quantized.kernel_build import block_kernel
 
 LAYER_TENSORS = {
@@ -29,6 +34,10 @@ LAYER_TENSORS = {
     "ffn_down": "mlp.down_proj",
 }
 """GGUF tensor ``blk.N.<key>`` -> module ``model.layers.N.<value>`` (Llama, Qwen2, Qwen3)."""
+HEAD_TENSORS = ("output.weight", "token_embd.weight")
+"""The LM head's GGUF tensor: its own, else the embedding it is tied to."""
+HEAD_FORMATS = {FORMAT: BlockWeight, "Q8_0": Q8Weight}
+"""Block formats kept for the LM head (GGUFs store heads and embeddings as Q8_0 or better)."""
 
 
 def block_weights_supported(model: nn.Module) -> bool:
@@ -37,30 +46,36 @@ def block_weights_supported(model: nn.Module) -> bool:
     return parameter.device.type == "cpu" and parameter.dtype == torch.bfloat16 and block_kernel() is not None
 
 
-def use_gguf_blocks(model: nn.Module, gguf: Path) -> int:
+def use_gguf_blocks(model: nn.Module, gguf: Path, activations: str = ACTIVATIONS[0]) -> int:
     """Replace ``model``'s linear layers by :class:`BlockQuantizedLinear` layers on ``gguf``'s blocks
-    where the GGUF stores them as Q4_1 (the format the kernel runs); returns how many were replaced.
-    The LM head stays dense: GGUFs store it as Q8_0 or better, which the kernel does not take."""
+    where the GGUF stores them as Q4_1, and its LM head where the GGUF stores it as Q8_0; returns how
+    many were replaced. ``activations`` picks the layers' kernel: by default int8 inputs (llama.cpp's
+    arithmetic, the fastest), or "bf16" for exactly the dense bf16 model's weights, which keeps the
+    head dense (the bf16 kernel takes Q4_1 only). A tied embedding keeps its dense weight for lookups."""
     reader = GGUFReader(gguf)
     architecture = _field(reader, "general.architecture")
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     config = model.config
+    names = _linear_names(tensors, config.num_hidden_layers)
+    if activations == "int8":
+        names += [(name, "lm_head") for name in HEAD_TENSORS if name in tensors][:1]
     replaced = mismatched = 0
-    for gguf_name, module_name in _linear_names(tensors, config.num_hidden_layers):
+    for gguf_name, module_name in names:
         tensor = tensors[gguf_name]
         parent_name, _, attribute = module_name.rpartition(".")
         parent = model.get_submodule(parent_name)
         linear = getattr(parent, attribute)
-        if tensor.tensor_type.name != FORMAT or type(linear) is not nn.Linear:
+        formats = HEAD_FORMATS if module_name == "lm_head" else {FORMAT: BlockWeight}
+        if tensor.tensor_type.name not in formats or type(linear) is not nn.Linear:
             continue
-        weight = BlockWeight.from_gguf(np.asarray(tensor.data))
+        weight = formats[tensor.tensor_type.name].from_gguf(np.asarray(tensor.data))
         if architecture == "llama" and gguf_name.endswith((".attn_q.weight", ".attn_k.weight")):
             heads = config.num_attention_heads if "attn_q" in gguf_name else config.num_key_value_heads
             weight = weight.rows(_unpermuted_rows(weight.out_features, heads))
         if not torch.equal(weight.dequantize().to(linear.weight.dtype), linear.weight):
             mismatched += 1
             continue
-        setattr(parent, attribute, BlockQuantizedLinear(weight, linear.bias))
+        setattr(parent, attribute, BlockQuantizedLinear(weight, linear.bias, activations))
         replaced += 1
     if mismatched:
         print(

@@ -1,9 +1,10 @@
-"""Compile the Q4_1 matmul (``q4_1_matmul.cpp``) and the fused decoder-layer ops (``decoder_ops.cpp``)
-once per machine into one library and load it into torch.
+"""Compile the block-quantized matmuls (``int8_matmul.cpp``, ``q4_1_matmul.cpp``) and the fused
+decoder-layer ops (``decoder_ops.cpp``) once per machine into one library and load it into torch.
 
-The kernel needs AVX-512 with the bfloat16 dot product and a C++ compiler; it is compiled against the
-installed torch on first use (about 20 s) into the diffdraft cache, keyed by the source, torch version
-and compiler flags, so later processes just load it. Where it cannot run, callers keep dense weights.
+The kernels need AVX-512 with the bfloat16 and the int8 (VNNI) dot products and a C++ compiler; they
+are compiled against the installed torch on first use (about 20 s) into the diffdraft cache, keyed by
+the sources, torch version and compiler flags, so later processes just load them. Where they cannot
+run, callers keep dense weights.
 """
 
 from __future__ import annotations
@@ -23,17 +24,19 @@ from diffdraft.default_model import cache_root
 from diffdraft.staging import temp_dir_beside
 
 SOURCE = Path(__file__).with_name("q4_1_matmul.cpp")
+INT8_SOURCE = Path(__file__).with_name("int8_matmul.cpp")
 DECODER_SOURCE = Path(__file__).with_name("decoder_ops.cpp")
 FLAGS = ["-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
-         "-mavx512bf16", "-mfma"]  # fmt: skip
+         "-mavx512bf16", "-mavx512vnni", "-mfma"]  # fmt: skip
 """No -march=native: the cached library must not use instructions of the machine that compiled it
 beyond those :func:`cpu_supported` checks."""
 
 
 def cpu_supported() -> bool:
-    """Whether this CPU runs the kernel: AVX-512 with the bfloat16 dot product (Zen 4, Sapphire Rapids)."""
-    probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
-    return bool(probe and probe())
+    """Whether this CPU runs the kernels: AVX-512 with the bfloat16 and the int8 (VNNI) dot products
+    (Zen 4, Sapphire Rapids)."""
+    probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_vnni_supported")]
+    return all(probe is not None and probe() for probe in probes)
 
 
 @functools.cache
@@ -66,9 +69,9 @@ def _library_path() -> Path:
     return cache_root() / "kernels" / f"q4_1_matmul-{key}.so"
 
 
-def _sources() -> tuple[Path, Path]:
+def _sources() -> tuple[Path, ...]:
     """Read at call time, so a test can swap one."""
-    return SOURCE, DECODER_SOURCE
+    return SOURCE, INT8_SOURCE, DECODER_SOURCE
 
 
 def _compile(library: Path) -> None:
