@@ -80,6 +80,53 @@ def test_a_sequence_alone_decodes_plainly_once_its_drafts_do_not_pay():
     assert cheap.plan([RoundSequence(GenerationStats(surrogates=stats.surrogates), 100, True)]) == [19]
 
 
+def losing_planner(explore_every: int = 4) -> RoundBudgetPlanner:
+    """Drafting never pays: the forward costs 10 ms plus 10 ms per extra token, drafting 20 ms."""
+    curve = VerifyCostCurve(sizes=[1, 64], contexts=[512], seconds=[[0.01, 0.64]])
+    rounds = RoundBudgetPlanner(BudgetPlanner(curve), explore_every=explore_every)
+    rounds._draft_seconds.append(0.02)
+    return rounds
+
+
+def drafted_once(plain_rounds: int) -> GenerationStats:
+    """A sequence that drafted one round, then decoded ``plain_rounds`` rounds plainly."""
+    surrogate = [1.0 + 0.3 * b for b in range(20)]
+    return GenerationStats(surrogates=[surrogate], tree_sizes=[3] + [0] * plain_rounds)
+
+
+def test_a_batch_explores_about_as_often_as_one_sequence_alone():
+    rounds = losing_planner(explore_every=4)
+    assert rounds.plan([RoundSequence(drafted_once(4), 100, True)]) == [1]
+    pair = [RoundSequence(drafted_once(4), 100, True), RoundSequence(drafted_once(7), 100, True)]
+    assert rounds.plan(pair) == [0, 0]  # a pair waits 8 plain rounds each
+    pair.append(RoundSequence(drafted_once(8), 100, True))
+    assert rounds.plan(pair[1:]) == [0, 1]
+
+
+def test_a_new_sequence_drafts_its_first_round_only_while_the_planner_knows_no_proposal():
+    rounds = losing_planner()
+    assert rounds.plan([RoundSequence(GenerationStats(), 100, True)]) == [1]
+    rounds.planner.observe_proposal([1.0 + 0.3 * b for b in range(20)])
+    assert rounds.plan([RoundSequence(GenerationStats(), 100, True)]) == [0]
+
+
+def test_a_round_like_the_last_reuses_its_plan(monkeypatch):
+    from diffdraft import round_budget
+
+    planned = []
+    monkeypatch.setattr(round_budget, "plan_budgets", lambda *args: planned.append(args) or [0])
+    rounds = losing_planner()
+    stats = drafted_once(1)
+    for context in (100, 101, 120):
+        assert rounds.plan([RoundSequence(stats, context, True)]) == [0]
+        stats.tree_sizes.append(0)
+    assert len(planned) == 1  # plain rounds changed nothing it plans from
+    rounds.plan([RoundSequence(stats, 100 + rounds.context_step, True)])
+    stats.tree_sizes.extend([2] * rounds.refresh)  # drafted rounds: a new acceptance estimate
+    rounds.plan([RoundSequence(stats, 100 + rounds.context_step, True)])
+    assert len(planned) == 3
+
+
 def test_finished_sequences_teach_the_stage_costs_and_the_shared_forwards_scale():
     from diffdraft.batch_cost import BatchCostCurve
 

@@ -391,6 +391,11 @@ class BudgetPlanner:
         self.fixed_seconds = 0.0
         """Seconds per round outside verification (see choose_budget)."""
 
+    @property
+    def has_proposals(self) -> bool:
+        """Whether finished sequences taught it any proposal (else it knows nothing of acceptance)."""
+        return bool(self._surrogates)
+
     def observe_proposal(self, surrogate: Sequence[float]) -> None:
         self._surrogates.append(self._padded(surrogate))
 

@@ -42,10 +42,10 @@ class GenerationStats:
     """The drafter's promised acceptance per budget on each of the auto budget's refresh rounds: the
     sequence's own prior while it runs, and what the planner learns from once it finished (a planner
     input, so not in :meth:`to_dict`)."""
-    tau_estimate: tuple[int, int, list[float]] | None = None
-    """The round planner's expected acceptance length per budget for this sequence, with the rounds
-    and surrogates it was estimated from (re-estimated every few rounds: a planner input, so not in
-    :meth:`to_dict`)."""
+    tau_estimate: tuple[int, int, int, list[float]] | None = None
+    """The round planner's expected acceptance length per budget for this sequence, with the rounds,
+    surrogates and the planner's finished sequences it was estimated from (re-estimated every few
+    drafted rounds: a planner input, so not in :meth:`to_dict`)."""
     timings: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
     """Seconds spent per stage over the whole generation."""
     total_seconds: float = 0.0
