@@ -38,7 +38,7 @@ from diffdraft.fused_projections import ProjectionSlice
 from diffdraft.grouped_attention import ROW_DTYPES
 from diffdraft.packed_linear import has_packed_layers
 from diffdraft.progress import progress_bar
-from diffdraft.quantized.block_linear import has_block_layers
+from diffdraft.quantized.block_linear import block_kernels
 from diffdraft.sampling import SamplingParams
 from diffdraft.stats import GenerationStats
 from diffdraft.target import TargetModel
@@ -217,7 +217,7 @@ def curve_key(target: TargetModel) -> str:
         "cpu": platform.processor() or platform.machine(),
         "cores": os.cpu_count(),
         "packed": has_packed_layers(target.model),
-        "q4_1_blocks": has_block_layers(target.model),
+        "block_kernels": block_kernels(target.model),
         "attention": target.model.config._attn_implementation,
         "grouped_rows": [str(dtype) for dtype in ROW_DTYPES],
         "stacked": any(isinstance(module, ProjectionSlice) for module in target.model.modules()),

@@ -246,4 +246,14 @@ def kernel_rows_only() -> Iterator[None]:
 
 
 def has_block_layers(model: torch.nn.Module) -> bool:
-    return any(isinstance(module, BlockQuantizedLinear) for module in model.modules())
+    return bool(block_kernels(model))
+
+
+def block_kernels(model: torch.nn.Module) -> list[str]:
+    """The model's block formats and kernels, such as ``["Q4_1/int8", "Q8_0/int8"]`` (none: dense)."""
+    kinds = {
+        f"{module.blocks.format}/{module.activations}"
+        for module in model.modules()
+        if isinstance(module, BlockQuantizedLinear)
+    }
+    return sorted(kinds)
