@@ -103,11 +103,13 @@ def test_a_batch_explores_about_as_often_as_one_sequence_alone():
     assert rounds.plan(pair[1:]) == [0, 1]
 
 
-def test_a_new_sequence_drafts_its_first_round_only_while_the_planner_knows_no_proposal():
+def test_a_new_sequence_in_a_batch_drafts_its_first_round_only_while_the_planner_knows_no_proposal():
     rounds = losing_planner()
-    assert rounds.plan([RoundSequence(GenerationStats(), 100, True)]) == [1]
+    pair = [RoundSequence(GenerationStats(), 100, True), RoundSequence(GenerationStats(), 100, True)]
+    assert rounds.plan(pair) == [1, 1]
     rounds.planner.observe_proposal([1.0 + 0.3 * b for b in range(20)])
-    assert rounds.plan([RoundSequence(GenerationStats(), 100, True)]) == [0]
+    assert rounds.plan(pair) == [0, 0]
+    assert rounds.plan([RoundSequence(GenerationStats(), 100, True)]) == [1]  # alone, it always does
 
 
 def test_a_round_like_the_last_reuses_its_plan(monkeypatch):

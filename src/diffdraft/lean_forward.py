@@ -81,6 +81,7 @@ class LeanForward:
         single token, which sees the whole cache (a prefill goes through Hugging Face's forward)."""
         return self.packed([Segment(cache, token_ids.shape[0], mask)], token_ids, position_ids, layer_ids)[0]
 
+    @kernel_rows_only()
     def packed(
         self,
         segments: list[Segment],
@@ -92,16 +93,6 @@ class LeanForward:
         segment's, concatenated in order. Projections and MLPs run over all tokens in one matmul;
         attention runs per segment over its own cache and mask. Returns (logits, taps) per segment.
         Block-quantized layers stay on their kernel for any number of tokens (:func:`kernel_rows_only`)."""
-        with kernel_rows_only():
-            return self._packed(segments, token_ids, position_ids, layer_ids)
-
-    def _packed(
-        self,
-        segments: list[Segment],
-        token_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        layer_ids: list[int],
-    ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         for segment in segments:
             if segment.mask is None and segment.length != 1:
                 raise ValueError(

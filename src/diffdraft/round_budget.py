@@ -120,16 +120,16 @@ class RoundBudgetPlanner:
     model and cost curve, a batch cost curve for shared forwards, and the stage times of finished
     sequences.
 
-    A sequence drafts on its first round while no finished sequence drafted (nothing else could
-    guide it), and whenever it has not drafted for ``explore_every`` rounds times the sequences in the
-    round: plain decoding teaches nothing about acceptance, and what pays changes as sequences join
-    and leave, but each exploration costs a drafting sequence's time, so a batch explores about once
-    per ``explore_every`` rounds whatever its size (at batch 8 every sequence exploring every 32
-    rounds cost 6-8% of the batch's throughput). A sequence's acceptance estimate is refreshed after
-    ``refresh`` drafted rounds, with each new surrogate and when a finished sequence taught the
-    planner, not every round (it reads its whole record); a round whose inputs did not change but
-    for contexts within ``context_step`` tokens reuses the last plan (planning took ~2 ms of a 20 ms
-    round at batch 8).
+    A sequence drafts on its first round when it runs alone, or while no finished sequence drafted
+    (nothing else could guide it; in a batch the others' record stands in), and whenever it has not
+    drafted for ``explore_every`` rounds times the sequences in the round: plain decoding teaches
+    nothing about acceptance, and what pays changes as sequences join and leave, but each exploration
+    costs a drafting sequence's time, so a batch explores about once per ``explore_every`` rounds
+    whatever its size (at batch 8 every sequence exploring every 32 rounds cost 6-8% of the batch's
+    throughput). A sequence's acceptance estimate is refreshed after ``refresh`` drafted rounds, with
+    each new surrogate and when a finished sequence taught the planner, not every round (it reads its
+    whole record); a round whose inputs did not change but for contexts within ``context_step`` tokens
+    reuses the last plan (planning took ~2 ms of a 20 ms round at batch 8).
     """
 
     def __init__(
@@ -250,7 +250,7 @@ class RoundBudgetPlanner:
 
     def _must_explore(self, stats: GenerationStats, sequences: int) -> bool:
         if not stats.surrogates:
-            return not self.planner.has_proposals
+            return sequences == 1 or not self.planner.has_proposals
         interval = self.explore_every * sequences
         recent = stats.tree_sizes[-interval:]
         return len(recent) == interval and not any(recent)
