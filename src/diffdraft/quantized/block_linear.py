@@ -191,7 +191,7 @@ class BlockQuantizedLinear(InferenceLinear):
         super().__init__()
         kernel = block_kernel()
         if kernel is None:
-            raise RuntimeError("the Q4_1 CPU kernel is unavailable here; check block_kernel() first")
+            raise RuntimeError("the block CPU kernels are unavailable here; check block_kernel() first")
         kernels = ACTIVATIONS if weight.format == FORMAT else ACTIVATIONS[:1]
         if activations not in kernels:
             raise ValueError(f"{weight.format} layers run with activations {kernels}; got {activations!r}")
@@ -213,7 +213,7 @@ class BlockQuantizedLinear(InferenceLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.bfloat16:
-            raise TypeError(f"Q4_1 layers compute in bfloat16; got {x.dtype} inputs")
+            raise TypeError(f"{self.blocks.format} layers compute in bfloat16; got {x.dtype} inputs")
         if x.numel() >= DENSE_ROWS * self.in_features and not _KERNEL_ROWS_ONLY.get():
             if not self._dense:
                 self._dense.append(PackedLinear(self.weight, self.bias))
