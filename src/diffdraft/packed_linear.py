@@ -13,6 +13,8 @@ inference: the packed weight takes no gradient and does not follow ``module.to()
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -91,8 +93,9 @@ def pack_linear(linear: nn.Module) -> nn.Module:
     return PackedLinear(linear.weight, linear.bias)
 
 
-def pack_linear_layers(model: nn.Module) -> int:
-    """Replace every packable ``nn.Linear`` inside ``model`` in place; returns how many were packed.
+def pack_linear_layers(model: nn.Module, lay_out: Callable[[nn.Module], nn.Module] = pack_linear) -> int:
+    """Replace every ``nn.Linear`` inside ``model`` that ``lay_out`` (by default :func:`pack_linear`)
+    lays out for inference, in place; returns how many were replaced.
 
     A weight tied to another module (an LM head sharing the input embedding) stays alive there, so
     only untied weights are freed.
@@ -100,7 +103,7 @@ def pack_linear_layers(model: nn.Module) -> int:
     packed = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            replacement = pack_linear(child)
+            replacement = lay_out(child)
             if replacement is not child:
                 setattr(module, name, replacement)
                 packed += 1

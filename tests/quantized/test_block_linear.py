@@ -17,6 +17,7 @@ from diffdraft.quantized.block_linear import (
     BlockWeight,
     Q8Weight,
     kernel_rows_only,
+    q8_linear,
 )
 
 from conftest import needs_block_kernel, q4_1_blocks, q4_1_target
@@ -205,3 +206,37 @@ def test_a_prefill_sized_call_runs_on_a_dense_copy_of_the_same_weights():
     assert layer._dense and torch.equal(layer._dense[0].weight, blocks.dequantize().to(torch.bfloat16))
     torch.testing.assert_close(out[:5].float(), layer(x[:5]).float(), rtol=0.05, atol=0.02)
     assert set(layer.state_dict()) == {"weight"}
+
+
+def test_a_dense_weight_rounds_to_q8_0_within_half_a_step_of_each_block():
+    weight = _weight(40, 96)
+    weight[3, 32:64] = 0  # an all-zero block keeps scale 0 and codes 0
+    q8 = Q8Weight.quantize(weight)
+    assert q8.codes.dtype == torch.int8 and q8.codes.abs().max() <= 127
+    assert torch.equal(q8.scales.half().float(), q8.scales)  # float16 values, as the int8 kernel keeps them
+    step = q8.scales.repeat_interleave(32, dim=1)
+    assert ((q8.dequantize() - weight).abs() <= step / 2 + 1e-7).all()
+    assert q8.scales[3, 1] == 0 and (q8.codes[3, 32:64] == 0).all()
+    with pytest.raises(ValueError, match="whole blocks of 32"):
+        Q8Weight.quantize(_weight(4, 48))
+
+
+@needs_block_kernel
+def test_q8_layers_stack_and_restrict_to_rows_with_each_output_its_own():
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    layers = [BlockQuantizedLinear(Q8Weight.quantize(_weight(48, 64, seed))) for seed in range(2)]
+    stacked = BlockQuantizedLinear.stacked(layers)
+    assert torch.equal(stacked(x), torch.cat([layer(x) for layer in layers], dim=-1))
+    rows = torch.tensor([5, 0, 47])
+    assert torch.equal(layers[0].rows(rows)(x), layers[0](x)[:, rows])
+
+
+@needs_block_kernel
+def test_q8_linear_lays_out_plain_bf16_layers_and_leaves_the_rest():
+    dense = nn.Linear(64, 24, bias=True).to(torch.bfloat16)
+    q8 = q8_linear(dense)
+    assert isinstance(q8, BlockQuantizedLinear) and q8.blocks.format == "Q8_0"
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    assert torch.allclose(q8(x).float(), dense(x).float(), atol=0.05)
+    for kept in (nn.Linear(48, 8).to(torch.bfloat16), nn.Linear(64, 8), q8):  # 48 inputs; float32; done
+        assert q8_linear(kept) is kept

@@ -9,9 +9,11 @@ from hypothesis import strategies as st
 
 from diffdraft.bench.lossless import TIE_TOLERANCE, LosslessChecker
 from diffdraft.drafters.dflash import DFlashDrafter
+from diffdraft.drafters.dflash_model import DFLARE
 from diffdraft.drafters.lookup_boost import LookupBoostedDrafter
 from diffdraft.engine import SpeculativeEngine
 from diffdraft.fused_projections import fuse_projections
+from diffdraft.quantized.block_linear import BlockQuantizedLinear, Q8Weight
 from diffdraft.sampling import SamplingParams
 from diffdraft.stats import GenerationStats
 from diffdraft.stopping import StopConditions
@@ -36,17 +38,44 @@ def _generate(target: TargetModel, drafter, builder, prompt: list[int], max_new_
     method=st.sampled_from(["chain", "ddtree", "ddtree+pld"]),
     prompt_len=st.integers(1, 20),
     budget=st.integers(1, 24),
+    q8_head=st.booleans(),
 )
-def test_greedy_tokens_are_plain_decodings(family, seed, method, prompt_len, budget):
+def test_greedy_tokens_are_plain_decodings(family, seed, method, prompt_len, budget, q8_head):
     model, dense = q4_1_target(family, seed=seed, vocab=96)
+    if q8_head:
+        _q8_head(model, dense)
     fuse_projections(model)
     target = TargetModel(model)
     prompt = torch.randint(1, 95, (prompt_len,), generator=torch.Generator().manual_seed(seed)).tolist()
     reference = _generate(target, None, ChainBuilder(), prompt, 24)
-    drafter = DFlashDrafter(tiny_drafter(model, seed, block_size=5), target)
+    draft_vocab = list(range(0, 96, 2)) if q8_head else None
+    drafter = DFlashDrafter(tiny_drafter(model, seed, block_size=5, draft_vocab=draft_vocab), target)
     if method.endswith("+pld"):
         drafter = LookupBoostedDrafter(drafter)
     builder = ChainBuilder() if method == "chain" else DDTreeBuilder(budget)
     ours = _generate(target, drafter, builder, prompt, 24)
     divergence = LosslessChecker(lambda: dense, TIE_TOLERANCE[torch.bfloat16]).check(prompt, reference, ours)
     assert divergence is None or divergence.explained, divergence
+
+
+def _q8_head(model: torch.nn.Module, dense: torch.nn.Module) -> None:
+    """Put the target's LM head on Q8_0 blocks (as a GGUF's), the dense copy on the same weights."""
+    head = BlockQuantizedLinear(Q8Weight.quantize(model.lm_head.weight))
+    model.lm_head = head
+    dense.lm_head.weight.data = head.blocks.dequantize()
+
+
+@needs_block_kernel
+def test_a_drafter_beside_an_int8_target_drafts_on_q8_0_blocks_and_the_targets_head_rows():
+    model, dense = q4_1_target("llama", vocab=96)
+    _q8_head(model, dense)
+    fuse_projections(model)
+    target = TargetModel(model)
+    vocab = [1, 7, 30, 95]
+    drafter = DFlashDrafter(tiny_drafter(model, variant=DFLARE, draft_vocab=vocab), target)
+    linears = [m for m in drafter.model.layers.modules() if isinstance(m, BlockQuantizedLinear)]
+    assert linears and all(layer.blocks.format == "Q8_0" for layer in linears)
+    assert not any(isinstance(m, torch.nn.Linear) for m in drafter.model.layers.modules())
+    assert isinstance(drafter.model.fusion, torch.nn.Linear)  # a weight, never called: stays as it is
+    x = torch.randn(2, model.config.hidden_size).to(torch.bfloat16)
+    assert torch.equal(drafter.head(x), model.lm_head(x)[:, vocab])

@@ -17,6 +17,7 @@ from diffdraft.drafters.dflash_model import DFLASH, DFlashDraftModel, draft_head
 from diffdraft.errors import IncompatibleDrafterError
 from diffdraft.fused_projections import fuse_projections
 from diffdraft.packed_linear import has_packed_layers, pack_linear, pack_linear_layers
+from diffdraft.quantized.block_linear import BlockQuantizedLinear, q8_linear, runs_int8_kernel
 from diffdraft.target import TargetModel
 
 
@@ -25,13 +26,18 @@ class DFlashDrafter(ForksByCopy):
         check_compatible(model, target)
         self.model = model.to(device=target.device, dtype=target.dtype).eval()
         self.embed: nn.Module = target.model.get_input_embeddings()
-        self.head: nn.Module = draft_head(target.model.get_output_embeddings(), model.draft_vocab)
-        if has_packed_layers(target.model):  # an inference-only target: its drafter packs alike
-            pack_linear_layers(self.model.layers)  # not DFlare's fusion: a weight, never called
+        lm_head = target.model.get_output_embeddings()
+        self.head: nn.Module = draft_head(lm_head, model.draft_vocab)
+        if has_packed_layers(target.model):  # an inference-only target: its drafter is laid out alike
+            lay_out = q8_linear if runs_int8_kernel(target.model) else pack_linear
+            pack_linear_layers(self.model.layers, lay_out)  # not DFlare's fusion: a weight, never called
             fuse_projections(self.model.layers)
             if self.model.variant == DFLASH:
-                self.model.fc = pack_linear(self.model.fc)
-            self.head = pack_linear(self.head)
+                self.model.fc = lay_out(self.model.fc)
+            if isinstance(lm_head, BlockQuantizedLinear):  # the target's own head blocks, not rounded again
+                self.head = lm_head if model.draft_vocab is None else lm_head.rows(model.draft_vocab)
+            else:
+                self.head = pack_linear(self.head)
         self.vocab_size = target.vocab_size
         self.target_layer_ids = list(model.target_layer_ids)
         self.max_depth = model.block_size - 1

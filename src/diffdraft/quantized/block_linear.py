@@ -134,6 +134,19 @@ class Q8Weight:
         codes = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(rows, -1)
         return cls(torch.from_numpy(codes), torch.from_numpy(scales))
 
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> Q8Weight:
+        """Round a dense weight [out, in] (in a multiple of 32) to Q8_0 as GGUF converters do: each
+        block's scale is its largest magnitude over 127 (in float16), each code its weight over the
+        scale, rounded. For layers that have no GGUF blocks, such as a drafter's own."""
+        out, inputs = weight.shape
+        if inputs % BLOCK:
+            raise ValueError(f"Q8_0 needs inputs in whole blocks of {BLOCK}; this weight has {inputs}")
+        blocks = weight.detach().float().reshape(out, -1, BLOCK)
+        scales = (blocks.abs().amax(-1) / 127).half().float()
+        codes = (blocks / scales.clamp_min(torch.finfo(torch.float16).tiny)[..., None]).round()
+        return cls(codes.clamp(-127, 127).to(torch.int8).reshape(out, inputs).contiguous(), scales)
+
     @property
     def out_features(self) -> int:
         return self.codes.shape[0]
@@ -141,6 +154,15 @@ class Q8Weight:
     @property
     def in_features(self) -> int:
         return self.codes.shape[1]
+
+    def rows(self, index: torch.Tensor) -> Q8Weight:
+        """The weight's rows ``index``, in that order (a draft vocabulary's rows of an LM head, say)."""
+        return Q8Weight(self.codes[index].contiguous(), self.scales[index].contiguous())
+
+    @staticmethod
+    def stack(weights: list[Q8Weight]) -> Q8Weight:
+        """The weights' rows one after another (one matmul for sibling projections)."""
+        return Q8Weight(torch.cat([w.codes for w in weights]), torch.cat([w.scales for w in weights]))
 
     def dequantize(self) -> torch.Tensor:
         """The dense float32 weight (exact, as for Q4_1)."""
@@ -225,14 +247,41 @@ class BlockQuantizedLinear(InferenceLinear):
 
     @classmethod
     def stacked(cls, siblings: list[BlockQuantizedLinear]) -> BlockQuantizedLinear:
-        weight = BlockWeight.stack([sibling.blocks for sibling in siblings])
+        weight = type(siblings[0].blocks).stack([sibling.blocks for sibling in siblings])
         return cls(weight, cls.stacked_bias(siblings), siblings[0].activations)
+
+    def rows(self, index: torch.Tensor) -> BlockQuantizedLinear:
+        """This layer restricted to outputs ``index`` (an LM head's draft vocabulary), on the same kernel."""
+        bias = None if self.bias is None else self.bias[index]
+        return BlockQuantizedLinear(self.blocks.rows(index.cpu()), bias, self.activations)
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"format={self.blocks.format}, activations={self.activations}, bias={self.bias is not None}"
         )
+
+
+def q8_linear(linear: torch.nn.Module) -> torch.nn.Module:
+    """``linear`` on the int8 kernel over its weight rounded to Q8_0, when it is a plain bfloat16
+    ``nn.Linear`` on a CPU with the kernel and its inputs come in whole blocks; else itself. For a
+    drafter beside an int8 block target: its proposals only steer what the target verifies, so
+    rounding its weights (by under 0.4% of each block's largest) costs no losslessness, and it drafts
+    at the kernel's speed, reading half the bytes."""
+    weight = getattr(linear, "weight", None)
+    usable = (
+        type(linear) is torch.nn.Linear
+        and weight.dtype == torch.bfloat16
+        and weight.device.type == "cpu"
+        and linear.in_features % BLOCK == 0
+        and block_kernel() is not None
+    )
+    return BlockQuantizedLinear(Q8Weight.quantize(weight), linear.bias, "int8") if usable else linear
+
+
+def runs_int8_kernel(model: torch.nn.Module) -> bool:
+    """Whether some of ``model``'s layers compute on the int8 kernel (llama.cpp's arithmetic)."""
+    return any(kind.endswith("/int8") for kind in block_kernels(model))
 
 
 @contextmanager
