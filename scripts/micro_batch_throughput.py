@@ -2,6 +2,13 @@
 
     python scripts/micro_batch_throughput.py --target default --data replies.jsonl --micro 1 4 8
     python scripts/micro_batch_throughput.py --target tiny --micro 1 4 16 [--variant dart|deer]
+    python scripts/micro_batch_throughput.py --target default-shape --device cuda --batch-size 64 \
+        --micro 16 32 64 --out throughput.json
+
+``--target default-shape`` needs no download: a random-weight Llama of the default target's shape
+(SmolLM2-135M) trains the shipped drafter with its own recipe (target distillation, bf16, sequences
+of 128-512 tokens); tokens/s does not depend on the weights' values, so a lent GPU measures the
+trainer's speed without carrying the GGUF there.
 
 ``--target tiny`` is a random 6-layer Llama of hidden size 32 on random 60-120-token sequences:
 per-call overhead dominates there, as it does for a small target on a GPU. The first step is
@@ -60,11 +67,42 @@ def tiny_setup(sequences: int, variant: str) -> tuple[torch.nn.Module, list[Trai
     return model, samples, drafter
 
 
+SMOLLM2_135M = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    max_position_embeddings=8192,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+)
+
+
+def default_shape_setup(sequences: int, device: str) -> tuple[torch.nn.Module, list[TrainingSample]]:
+    """The default target's architecture with random weights, and random sequences of the recipe's
+    lengths (--max-length 512; replies start about a quarter of the way in)."""
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M)).to(device=device, dtype=torch.bfloat16).eval()
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(128, 513, (sequences,), generator=g).tolist()
+    samples = [
+        TrainingSample(f"s{i}", torch.randint(0, SMOLLM2_135M["vocab_size"], (n,), generator=g), n // 4)
+        for i, n in enumerate(lengths)
+    ]
+    return model, samples
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--target", choices=["tiny", "default"], default="tiny")
+    parser.add_argument("--target", choices=["tiny", "default", "default-shape"], default="tiny")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--out", help="also write the rates as JSON here")
     parser.add_argument("--data", help="responses jsonl (with --target default)")
     parser.add_argument(
         "--variant", choices=[DFLARE, DART, DEER], default=DFLARE, help="the drafter trained (--target tiny)"
@@ -74,15 +112,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     args = parser.parse_args()
     if args.target == "default":
-        model = load_target("default", dtype="bfloat16").model
+        model = load_target("default", dtype="bfloat16").model.to(args.device)
         samples = list(itertools.islice(load_responses(args.data, 512), 400))
+        drafter_options, compute_dtype = {}, "bfloat16"
+    elif args.target == "default-shape":
+        model, samples = default_shape_setup(max(400, args.batch_size * args.steps), args.device)
         drafter_options, compute_dtype = {}, "bfloat16"
     else:
         model, samples, drafter_options = tiny_setup(64, args.variant)
         compute_dtype = "float32"
+    rates = {}
     for micro in args.micro:
         with tempfile.TemporaryDirectory() as out:
-            initial = load_draft_model(DEFAULT_DRAFTER) if args.target == "default" else None
+            initial = load_draft_model(DEFAULT_DRAFTER) if args.target != "tiny" else None
             options = drafter_options or dict(variant=initial.variant, mask_token_id=initial.mask_token_id)
             config = TrainConfig(
                 output_dir=out,
@@ -99,10 +141,15 @@ def main() -> None:
         rate = (last["tokens_seen"] - first["tokens_seen"]) / (
             last["elapsed_seconds"] - first["elapsed_seconds"]
         )
+        rates[micro] = rate
         print(
             f"micro-batch {micro}: {rate:.0f} tokens/s; losses {[round(r['loss'], 4) for r in rows]}",
             flush=True,
         )
+    if args.out:
+        device = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
+        record = dict(vars(args), device_name=device, tokens_per_second_by_micro_batch=rates)
+        Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
 
 
 if __name__ == "__main__":
