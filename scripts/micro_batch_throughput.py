@@ -76,7 +76,7 @@ SMOLLM2_135M = dict(
     num_key_value_heads=3,
     head_dim=64,
     max_position_embeddings=8192,
-    rope_theta=100000.0,
+    rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
     rms_norm_eps=1e-5,
     tie_word_embeddings=True,
 )
@@ -96,7 +96,7 @@ def default_shape_setup(sequences: int, device: str) -> tuple[torch.nn.Module, l
     return model, samples
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[int, float]:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -110,7 +110,7 @@ def main() -> None:
     parser.add_argument("--micro", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--steps", type=int, default=8)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.target == "default":
         model = load_target("default", dtype="bfloat16").model.to(args.device)
         samples = list(itertools.islice(load_responses(args.data, 512), 400))
@@ -150,6 +150,7 @@ def main() -> None:
         device = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
         record = dict(vars(args), device_name=device, tokens_per_second_by_micro_batch=rates)
         Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+    return rates
 
 
 if __name__ == "__main__":
