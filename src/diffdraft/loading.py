@@ -61,7 +61,9 @@ def load_target(
 
     ``spec`` is ``"default"`` (the embedded SmolLM2-135M-Instruct), a Hugging Face model directory, or
     a ``.gguf`` file (dequantized to dense weights). ``dtype="auto"`` keeps the checkpoint's recorded
-    dtype, except float16 on CPU and unrecorded dtypes, which become float32. ``optimize`` applies
+    dtype, except float16 on CPU and unrecorded dtypes, which become float32; a GGUF file (the default
+    target included) loads in bfloat16 where the device computes it natively (:func:`fastest_dtype`:
+    there its blocks run on diffdraft's kernels), float32 elsewhere. ``optimize`` applies
     diffdraft's CPU inference kernels (:mod:`diffdraft.packed_linear`,
     :mod:`diffdraft.fused_projections`, :mod:`diffdraft.grouped_attention`): identical logits in
     float32 (bfloat16: equal up to rounding), faster forwards, inference only. With ``optimize`` and
@@ -124,6 +126,9 @@ def _load(spec: str | os.PathLike, dtype: str, device: str | torch.device | None
             f"dtype must be one of 'auto', {', '.join(map(repr, DTYPES))}; got {dtype!r}"
         )
     device = default_device(device)
+    gguf_made = str(spec) == "default" or Path(spec).suffix.lower() == ".gguf"
+    if dtype == "auto" and gguf_made:
+        dtype = fastest_dtype(device)  # a GGUF records no dtype; its quantized blocks run in bf16
     if str(spec) == "default":
         path = default_model_dir()
         loaded = _load_directory(path, dtype, device)
