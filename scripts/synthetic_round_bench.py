@@ -39,6 +39,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     regimes = "; ".join(f"{name}: {text}" for name, text in ACCEPTANCE.items())
     parser.add_argument("--acceptance", choices=sorted(ACCEPTANCE), default="random", help=regimes)
     parser.add_argument("--no-official", action="store_true", help="skip the dflash package's loop")
+    parser.add_argument("--cuda-graphs", action="store_true", help="verify through CUDA graphs")
     parser.add_argument("--profile", action="store_true", help="also write profile.md (syncs, copies)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument("--seed", type=int, default=0)
@@ -63,6 +64,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         acceptance=args.acceptance,
         official=not args.no_official,
         profile=args.profile,
+        cuda_graphs=args.cuda_graphs,
         seed=args.seed,
     )
     command = shlex.join(["python", f"scripts/{Path(__file__).name}", *argv])

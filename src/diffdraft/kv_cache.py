@@ -47,9 +47,11 @@ class SharedBuffer:
         self._layers.append(weakref.ref(layer))
 
     def grow(self, like: torch.Tensor, capacity: int) -> None:
-        """Reallocate with room for ``capacity`` rows, keeping every layer's rows."""
+        """Reallocate with room for ``capacity`` rows, keeping every layer's rows. Zeroed: a forward
+        replayed from a CUDA graph (:mod:`diffdraft.graphed_verify`) reads every row under a mask, and
+        a mask does not hide the NaN that uninitialised memory can hold."""
         layers = self.layers
-        tensor = like.new_empty((len(layers), 2, *like.shape[:-2], capacity, like.shape[-1]))
+        tensor = like.new_zeros((len(layers), 2, *like.shape[:-2], capacity, like.shape[-1]))
         if self.tensor is not None:
             kept = max(layer.get_seq_length() for layer in layers)
             tensor[..., :kept, :] = self.tensor[..., :kept, :]

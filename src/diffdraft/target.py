@@ -15,6 +15,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from diffdraft.errors import IncompatibleDrafterError, UnsupportedModelError
+from diffdraft.graphed_verify import GraphedVerify
 from diffdraft.kv_cache import growable_cache, keep_rows
 from diffdraft.lean_forward import LeanForward, Segment
 
@@ -45,7 +46,9 @@ class _TapsComplete(Exception):
 class TargetModel:
     """Forward passes over a KV cache, with tree masks and layer taps."""
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, model: PreTrainedModel, cuda_graphs: bool = False) -> None:
+        """``cuda_graphs``: verify through :class:`GraphedVerify` (a CUDA target of a family the lean
+        forward supports): the same forward, replayed without the host's kernel launches."""
         self.model = model.eval()
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.config = config
@@ -60,6 +63,15 @@ class TargetModel:
         """transformers 5.24 renamed the forward's ``past_key_values`` to ``cache`` (the old name warns)."""
         self.lean = LeanForward(model) if LeanForward.supports(model) else None
         """The verification forward without Hugging Face's glue, for the families it supports."""
+        self.graphed: GraphedVerify | None = None
+        if cuda_graphs:
+            if self.lean is None or self.device.type != "cuda":
+                raise UnsupportedModelError(
+                    f"cuda_graphs needs a CUDA target of the Llama, Qwen2 or Qwen3 family without "
+                    f"sliding windows; this one is a {type(model).__name__} on {self.device}: leave "
+                    "cuda_graphs off"
+                )
+            self.graphed = GraphedVerify(self.lean)
 
     @property
     def device(self) -> torch.device:
@@ -183,8 +195,9 @@ class TargetModel:
         """Score tree nodes in one forward, under a mask from :meth:`attention_mask` (None: one token).
 
         Llama-shaped targets run :class:`LeanForward` (same outputs, less host time per forward)."""
-        if self.lean is not None:
-            logits, hidden = self.lean(
+        forward = self.graphed or self.lean
+        if forward is not None:
+            logits, hidden = forward(
                 cache, token_ids.to(self.device), position_ids.to(self.device), attention_mask, layer_ids
             )
             return TargetOutput(logits=logits, hidden=hidden)

@@ -158,6 +158,8 @@ class Settings:
     official: bool = True
     profile: bool = False
     """Also profile a few rounds of the chain and the largest DDTree (syncs, copies, launches)."""
+    cuda_graphs: bool = False
+    """Our loops verify through CUDA graphs (:class:`diffdraft.graphed_verify.GraphedVerify`)."""
     seed: int = 0
 
 
@@ -458,7 +460,7 @@ def run_benchmark(settings: Settings, command: str = "", log: Callable[[str], No
     shape = SHAPES[settings.shape]
     context = settings.context or shape.context
     models = build_models(settings, log)
-    target = TargetModel(models.target)
+    target = TargetModel(models.target, cuda_graphs=settings.cuda_graphs)
     methods = engines(target, DFlashDrafter(models.drafter, target), settings.budgets)
     prompt = random_prompt(shape, context, settings.seed)
     times = time_methods(settings, models, methods, prompt, log)

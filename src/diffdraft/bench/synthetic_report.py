@@ -69,6 +69,8 @@ def markdown(results: dict) -> str:
         f"| context | {settings['context']} prompt tokens, plus what the warm-up and timed rounds add |",
         f"| rounds | {settings['rounds']} timed per method and repeat, after {settings['warmup']} warm-up; "
         f"{settings['repeats']} interleaved repeat(s) |",
+        "| verification | "
+        + ("replayed from CUDA graphs |" if settings.get("cuda_graphs") else "eager (no CUDA graphs) |"),
         f"| run | {results['seconds']:.0f} s; peak GPU memory "
         + (f"{env['cuda_max_memory_gib']:.1f} GiB |" if env["cuda_max_memory_gib"] is not None else "n/a |"),
         "",
