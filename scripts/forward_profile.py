@@ -10,7 +10,7 @@ forward into the weights' matmuls and everything else (attention, norms, rotary,
         --out benchmarks/forward-profile
 
 ``--block-activations bf16`` times the block layers' exact-bf16 kernel instead of the default int8 one
-(:mod:`diffdraft.quantized.block_linear`).
+(:mod:`diffdraft.kernels.quantized.block_linear`).
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ import torch
 from diffdraft.bench.gguf_precision import dense_gguf
 from diffdraft.bench.llamacpp import INSTALL
 from diffdraft.default_model import default_gguf_path
+from diffdraft.kernels.packed_linear import PackedLinear
+from diffdraft.kernels.quantized.block_linear import ACTIVATIONS, BlockQuantizedLinear, has_block_layers
 from diffdraft.loading import load_target
-from diffdraft.packed_linear import PackedLinear
-from diffdraft.quantized.block_linear import ACTIVATIONS, BlockQuantizedLinear, has_block_layers
 from diffdraft.target import TargetModel
 from diffdraft.trees.tree import DraftTree
 

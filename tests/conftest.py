@@ -13,8 +13,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerF
 from diffdraft.drafters.checkpoint import save_draft_model
 from diffdraft.drafters.dart_model import DARTDraftModel, make_dart_config
 from diffdraft.drafters.dflash_model import DFLASH, DFlashDraftModel, make_draft_config
-from diffdraft.packed_linear import packing_supported
-from diffdraft.quantized.kernel_build import cpu_supported
+from diffdraft.kernels.packed_linear import packing_supported
+from diffdraft.kernels.quantized.kernel_build import cpu_supported
 from diffdraft.train.batch import TrainingBatch, pad_right
 
 # Tiny models are dominated by per-op overhead: one thread is several times faster than two.
@@ -26,7 +26,7 @@ needs_packing = pytest.mark.skipif(
 """For tests of diffdraft's packed CPU kernels."""
 
 needs_block_kernel = pytest.mark.skipif(not cpu_supported(), reason="no AVX-512 BF16 on this CPU")
-"""For tests of the Q4_1 kernel (:mod:`diffdraft.quantized`)."""
+"""For tests of the Q4_1 kernel (:mod:`diffdraft.kernels.quantized`)."""
 
 FAMILIES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
 
@@ -219,7 +219,7 @@ def q4_1_blocks(weight: torch.Tensor):
     """``weight`` quantized to GGUF Q4_1 blocks by the reference quantizer of the ``gguf`` package."""
     from gguf import GGMLQuantizationType, quants
 
-    from diffdraft.quantized.block_linear import BlockWeight
+    from diffdraft.kernels.quantized.block_linear import BlockWeight
 
     raw = quants.quantize(weight.detach().float().numpy(), GGMLQuantizationType.Q4_1)
     return BlockWeight.from_gguf(raw)
@@ -228,7 +228,7 @@ def q4_1_blocks(weight: torch.Tensor):
 def q4_1_target(family: str = "llama", seed: int = 0, **kwargs) -> tuple[torch.nn.Module, torch.nn.Module]:
     """A tiny target whose decoder-layer weights are Q4_1 blocks: (bf16 model on
     :class:`BlockQuantizedLinear` layers, float32 dense model of the same weights)."""
-    from diffdraft.quantized.block_linear import BlockQuantizedLinear
+    from diffdraft.kernels.quantized.block_linear import BlockQuantizedLinear
 
     kwargs.setdefault("hidden", 64)  # block-quantized widths are multiples of 32
     dense = tiny_target(family, seed=seed, dtype=torch.float32, **kwargs)

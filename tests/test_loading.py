@@ -11,10 +11,10 @@ import torch
 
 from diffdraft.engine import SpeculativeEngine
 from diffdraft.errors import CheckpointError, InvalidRequestError
-from diffdraft.fused_projections import ProjectionSlice
-from diffdraft.grouped_attention import NAME
+from diffdraft.kernels.fused_projections import ProjectionSlice
+from diffdraft.kernels.grouped_attention import NAME
+from diffdraft.kernels.packed_linear import has_packed_layers, packing_supported
 from diffdraft.loading import LoadedModel, end_token_ids, fastest_dtype, load_target, native_bfloat16
-from diffdraft.packed_linear import has_packed_layers, packing_supported
 from diffdraft.sampling import SamplingParams
 from diffdraft.stats import GenerationStats
 from diffdraft.stopping import StopConditions

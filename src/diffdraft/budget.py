@@ -34,11 +34,11 @@ from transformers import DynamicCache
 
 from diffdraft.atomic_write import write_text_atomically
 from diffdraft.default_model import cache_root
-from diffdraft.fused_projections import ProjectionSlice
-from diffdraft.grouped_attention import ROW_DTYPES
-from diffdraft.packed_linear import has_packed_layers
+from diffdraft.kernels.fused_projections import ProjectionSlice
+from diffdraft.kernels.grouped_attention import ROW_DTYPES
+from diffdraft.kernels.packed_linear import has_packed_layers
+from diffdraft.kernels.quantized.block_linear import block_kernels
 from diffdraft.progress import progress_bar
-from diffdraft.quantized.block_linear import block_kernels
 from diffdraft.sampling import SamplingParams
 from diffdraft.stats import GenerationStats
 from diffdraft.target import TargetModel

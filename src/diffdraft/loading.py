@@ -24,10 +24,10 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from diffdraft.default_model import MODEL_NAME, default_gguf_path, default_model_dir
 from diffdraft.errors import CheckpointError, InvalidRequestError
-from diffdraft.fused_projections import fuse_projections
-from diffdraft.grouped_attention import use_grouped_attention
-from diffdraft.packed_linear import pack_linear_layers
-from diffdraft.quantized.gguf_weights import block_weights_supported, use_gguf_blocks
+from diffdraft.kernels.fused_projections import fuse_projections
+from diffdraft.kernels.grouped_attention import use_grouped_attention
+from diffdraft.kernels.packed_linear import pack_linear_layers
+from diffdraft.kernels.quantized.gguf_weights import block_weights_supported, use_gguf_blocks
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The names from_pretrained looks for; anything else in the directory is not loadable weights.
@@ -64,12 +64,12 @@ def load_target(
     dtype, except float16 on CPU and unrecorded dtypes, which become float32; a GGUF file (the default
     target included) loads in bfloat16 where the device computes it natively (:func:`fastest_dtype`:
     there its blocks run on diffdraft's kernels), float32 elsewhere. ``optimize`` applies
-    diffdraft's CPU inference kernels (:mod:`diffdraft.packed_linear`,
-    :mod:`diffdraft.fused_projections`, :mod:`diffdraft.grouped_attention`): identical logits in
-    float32 (bfloat16: equal up to rounding), faster forwards, inference only. With ``optimize`` and
+    diffdraft's CPU inference kernels (:mod:`diffdraft.kernels.packed_linear`,
+    :mod:`diffdraft.kernels.fused_projections`, :mod:`diffdraft.kernels.grouped_attention`): identical
+    logits in float32 (bfloat16: equal up to rounding), faster forwards, inference only. With ``optimize`` and
     ``gguf_blocks``, a bfloat16 target read from a GGUF (the default included) also keeps the GGUF's
     Q4_1 blocks for its linear layers (and its Q8_0 LM head) where this CPU runs
-    :mod:`diffdraft.quantized`'s kernels: the same weights, a third of the bytes per forward.
+    :mod:`diffdraft.kernels.quantized`'s kernels: the same weights, a third of the bytes per forward.
     ``block_activations`` picks those layers' kernel: "int8" (inputs quantized to int8 per block, as
     llama.cpp computes; the fastest) or "bf16" (exactly the dense bf16 model's weights and bf16
     inputs; the head stays dense).

@@ -15,9 +15,9 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from diffdraft.errors import IncompatibleDrafterError, UnsupportedModelError
-from diffdraft.graphed_verify import GraphedVerify
-from diffdraft.kv_cache import growable_cache, keep_rows
-from diffdraft.lean_forward import LeanForward, Segment
+from diffdraft.kernels.graphed_verify import GraphedVerify
+from diffdraft.kernels.kv_cache import growable_cache, keep_rows
+from diffdraft.kernels.lean_forward import LeanForward, Segment
 
 
 @dataclass
@@ -103,7 +103,7 @@ class TargetModel:
             )
 
     def new_cache(self) -> DynamicCache:
-        """An empty cache that appends and crops in place (:mod:`diffdraft.kv_cache`)."""
+        """An empty cache that appends and crops in place (:mod:`diffdraft.kernels.kv_cache`)."""
         return growable_cache(self.model.config)
 
     @torch.inference_mode()

@@ -159,7 +159,7 @@ class Settings:
     profile: bool = False
     """Also profile a few rounds of the chain and the largest DDTree (syncs, copies, launches)."""
     cuda_graphs: bool = False
-    """Our loops verify through CUDA graphs (:class:`diffdraft.graphed_verify.GraphedVerify`)."""
+    """Our loops verify through CUDA graphs (:class:`diffdraft.kernels.graphed_verify.GraphedVerify`)."""
     seed: int = 0
 
 

@@ -15,7 +15,7 @@ from torch import nn
 from diffdraft.drafters.base import ForksByCopy, Proposal
 from diffdraft.drafters.compatibility import check_fits_target
 from diffdraft.drafters.dart_model import DARTDraftModel
-from diffdraft.packed_linear import has_packed_layers, pack_linear_layers
+from diffdraft.kernels.packed_linear import has_packed_layers, pack_linear_layers
 from diffdraft.target import TargetModel
 
 

@@ -15,9 +15,9 @@ from diffdraft.drafters.base import ForksByCopy, Proposal
 from diffdraft.drafters.compatibility import check_fits_target
 from diffdraft.drafters.dflash_model import DFLASH, DFlashDraftModel, draft_head
 from diffdraft.errors import IncompatibleDrafterError
-from diffdraft.fused_projections import fuse_projections
-from diffdraft.packed_linear import has_packed_layers, pack_linear, pack_linear_layers
-from diffdraft.quantized.block_linear import BlockQuantizedLinear, q8_linear, runs_int8_kernel
+from diffdraft.kernels.fused_projections import fuse_projections
+from diffdraft.kernels.packed_linear import has_packed_layers, pack_linear, pack_linear_layers
+from diffdraft.kernels.quantized.block_linear import BlockQuantizedLinear, q8_linear, runs_int8_kernel
 from diffdraft.target import TargetModel
 
 

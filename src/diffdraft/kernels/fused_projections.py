@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from diffdraft.packed_linear import InferenceLinear
+from diffdraft.kernels.packed_linear import InferenceLinear
 
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 """Attribute names of projections that read the same input (Llama, Qwen2/3, Mistral and kin)."""

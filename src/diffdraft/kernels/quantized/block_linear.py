@@ -38,8 +38,8 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from diffdraft.packed_linear import InferenceLinear, PackedLinear
-from diffdraft.quantized.kernel_build import block_kernel
+from diffdraft.kernels.packed_linear import InferenceLinear, PackedLinear
+from diffdraft.kernels.quantized.kernel_build import block_kernel
 
 FORMAT = "Q4_1"
 BLOCK = 32

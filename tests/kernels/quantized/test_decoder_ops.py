@@ -10,10 +10,10 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from diffdraft.drafters.dflash import DFlashDrafter
 from diffdraft.engine import SpeculativeEngine
-from diffdraft.fused_projections import fuse_projections
-from diffdraft.packed_linear import pack_linear_layers
-from diffdraft.quantized import decoder_ops as decoder_ops_module
-from diffdraft.quantized.decoder_ops import decoder_ops
+from diffdraft.kernels.fused_projections import fuse_projections
+from diffdraft.kernels.packed_linear import pack_linear_layers
+from diffdraft.kernels.quantized import decoder_ops as decoder_ops_module
+from diffdraft.kernels.quantized.decoder_ops import decoder_ops
 from diffdraft.sampling import SamplingParams
 from diffdraft.stats import GenerationStats
 from diffdraft.stopping import StopConditions

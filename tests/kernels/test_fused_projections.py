@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from diffdraft.fused_projections import ProjectionSlice, StackedProjection, fuse_projections
-from diffdraft.packed_linear import PackedLinear, pack_linear_layers
+from diffdraft.kernels.fused_projections import ProjectionSlice, StackedProjection, fuse_projections
+from diffdraft.kernels.packed_linear import PackedLinear, pack_linear_layers
 
 from conftest import needs_packing, tiny_target
 

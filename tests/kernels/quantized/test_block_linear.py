@@ -9,8 +9,8 @@ import torch
 from gguf import GGMLQuantizationType, quants
 from torch import nn
 
-from diffdraft.fused_projections import ProjectionSlice, fuse_projections
-from diffdraft.quantized.block_linear import (
+from diffdraft.kernels.fused_projections import ProjectionSlice, fuse_projections
+from diffdraft.kernels.quantized.block_linear import (
     ACTIVATIONS,
     DENSE_ROWS,
     BlockQuantizedLinear,
@@ -56,18 +56,14 @@ def _int8_reference(x: torch.Tensor, blocks: BlockWeight | Q8Weight) -> torch.Te
     return out
 
 
-def test_blocks_dequantize_exactly_as_gguf_does():
-    raw = quants.quantize(_weight(24, 96).numpy(), GGMLQuantizationType.Q4_1)
-    expected = quants.dequantize(raw, GGMLQuantizationType.Q4_1)
-    blocks = BlockWeight.from_gguf(raw)
-    assert (blocks.out_features, blocks.in_features) == (24, 96)
-    assert np.array_equal(blocks.dequantize().numpy(), expected)
-
-
-def test_q8_0_blocks_dequantize_exactly_as_gguf_does():
-    raw = quants.quantize(_weight(24, 96).numpy(), GGMLQuantizationType.Q8_0)
-    expected = quants.dequantize(raw, GGMLQuantizationType.Q8_0)
-    blocks = Q8Weight.from_gguf(raw)
+@pytest.mark.parametrize(
+    ("kind", "weight_class"),
+    [(GGMLQuantizationType.Q4_1, BlockWeight), (GGMLQuantizationType.Q8_0, Q8Weight)],
+)
+def test_blocks_dequantize_exactly_as_gguf_does(kind, weight_class):
+    raw = quants.quantize(_weight(24, 96).numpy(), kind)
+    expected = quants.dequantize(raw, kind)
+    blocks = weight_class.from_gguf(raw)
     assert (blocks.out_features, blocks.in_features) == (24, 96)
     assert np.array_equal(blocks.dequantize().numpy(), expected)
 

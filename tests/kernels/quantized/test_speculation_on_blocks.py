@@ -12,8 +12,8 @@ from diffdraft.drafters.dflash import DFlashDrafter
 from diffdraft.drafters.dflash_model import DFLARE
 from diffdraft.drafters.lookup_boost import LookupBoostedDrafter
 from diffdraft.engine import SpeculativeEngine
-from diffdraft.fused_projections import fuse_projections
-from diffdraft.quantized.block_linear import BlockQuantizedLinear, Q8Weight
+from diffdraft.kernels.fused_projections import fuse_projections
+from diffdraft.kernels.quantized.block_linear import BlockQuantizedLinear, Q8Weight
 from diffdraft.sampling import SamplingParams
 from diffdraft.stats import GenerationStats
 from diffdraft.stopping import StopConditions

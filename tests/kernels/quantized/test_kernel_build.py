@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffdraft.quantized import kernel_build
+from diffdraft.kernels.quantized import kernel_build
 
 from conftest import needs_block_kernel
 

@@ -7,7 +7,7 @@ bfloat16 where Hugging Face's modules round. The block-quantized matmul already 
 than the dense model, so this path is not bit-identical to Hugging Face's; it is deterministic and
 batch-invariant instead: every op computes a token's rows on their own, and attention sums only the
 keys a token sees, in cache order, so a tree node's hidden states are those of the same token decoded
-after its path alone. Dense targets keep :class:`~diffdraft.lean_forward.LeanForward`'s own loop.
+after its path alone. Dense targets keep :class:`~diffdraft.kernels.lean_forward.LeanForward`'s own loop.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from diffdraft.fused_projections import ProjectionSlice, StackedProjection
-from diffdraft.quantized.block_linear import has_block_layers
-from diffdraft.quantized.kernel_build import block_kernel
+from diffdraft.kernels.fused_projections import ProjectionSlice, StackedProjection
+from diffdraft.kernels.quantized.block_linear import has_block_layers
+from diffdraft.kernels.quantized.kernel_build import block_kernel
 
 if TYPE_CHECKING:
-    from diffdraft.lean_forward import Segment
+    from diffdraft.kernels.lean_forward import Segment
 
 MAX_HEAD_DIM = 256
 """The attention op's widest head (``kMaxPairs`` pairs of 32 lanes in decoder_ops.cpp)."""
@@ -86,7 +86,7 @@ class FusedDecoderLayers:
         cls, model: PreTrainedModel, layers: Sequence[nn.Module], qkv: Sequence[StackedProjection | None]
     ) -> FusedDecoderLayers | None:
         """The fused layers for a bfloat16 target on block-quantized layers whose q|k|v and gate|up
-        projections are stacked (:mod:`diffdraft.fused_projections`), with SiLU gating and the Llama
+        projections are stacked (:mod:`diffdraft.kernels.fused_projections`), with SiLU gating and the Llama
         RMSNorm (Qwen3's per-head norms keep the eager path); None for any other model."""
         if model.dtype != torch.bfloat16 or not has_block_layers(model) or decoder_ops() is None:
             return None

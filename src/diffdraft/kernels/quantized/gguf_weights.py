@@ -21,8 +21,14 @@ import torch
 from gguf import GGUFReader
 from torch import nn
 
-from diffdraft.quantized.block_linear import ACTIVATIONS, FORMAT, BlockQuantizedLinear, BlockWeight, Q8Weight
-from diffdraft.quantized.kernel_build import block_kernel
+from diffdraft.kernels.quantized.block_linear import (
+    ACTIVATIONS,
+    FORMAT,
+    BlockQuantizedLinear,
+    BlockWeight,
+    Q8Weight,
+)
+from diffdraft.kernels.quantized.kernel_build import block_kernel
 
 LAYER_TENSORS = {
     "attn_q": "self_attn.q_proj",

@@ -9,7 +9,7 @@ attention function in Hugging Face's order, so the logits, taps and cache are bi
 tests compare them); other families, and models with sliding-window layers, keep Hugging Face's
 forward. Module hooks do not run on this path. Targets on Q4_1 blocks, whose matmuls already differ
 from Hugging Face's in rounding, run their layers through fused CPU ops instead
-(:mod:`diffdraft.quantized.decoder_ops`): deterministic and batch-invariant rather than bit-identical.
+(:mod:`diffdraft.kernels.quantized.decoder_ops`): deterministic and batch-invariant rather than bit-identical.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from transformers.models.llama.modeling_llama import (
     rotate_half,
 )
 
-from diffdraft.fused_projections import ProjectionSlice, StackedProjection
-from diffdraft.quantized.block_linear import kernel_rows_only
-from diffdraft.quantized.decoder_ops import FusedDecoderLayers
+from diffdraft.kernels.fused_projections import ProjectionSlice, StackedProjection
+from diffdraft.kernels.quantized.block_linear import kernel_rows_only
+from diffdraft.kernels.quantized.decoder_ops import FusedDecoderLayers
 
 SUPPORTED_LAYERS = {"LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"}
 """Decoder layers whose forward is the Llama one (Qwen3 adds per-head q/k norms, handled here)."""
@@ -158,7 +158,7 @@ def segment_rows(segments: list[Segment]) -> list[slice]:
 
 
 def _stacked_qkv(attention: nn.Module) -> StackedProjection | None:
-    """The layer's q|k|v projection when :mod:`diffdraft.fused_projections` stacked it and nothing
+    """The layer's q|k|v projection when :mod:`diffdraft.kernels.fused_projections` stacked it and nothing
     stands between it and the rotation (Qwen3's per-head norms do), so q and k rotate as one."""
     q, k, v = attention.q_proj, attention.k_proj, attention.v_proj
     if not all(isinstance(p, ProjectionSlice) for p in (q, k, v)) or hasattr(attention, "q_norm"):

@@ -7,10 +7,10 @@ import copy
 import pytest
 import torch
 
-from diffdraft.fused_projections import fuse_projections
-from diffdraft.grouped_attention import use_grouped_attention
-from diffdraft.lean_forward import LeanForward
-from diffdraft.packed_linear import pack_linear_layers
+from diffdraft.kernels.fused_projections import fuse_projections
+from diffdraft.kernels.grouped_attention import use_grouped_attention
+from diffdraft.kernels.lean_forward import LeanForward
+from diffdraft.kernels.packed_linear import pack_linear_layers
 from diffdraft.target import TargetModel
 from diffdraft.trees import DraftTree
 

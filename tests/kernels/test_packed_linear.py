@@ -11,7 +11,12 @@ from torch import nn
 from diffdraft.drafters.dflash import DFlashDrafter
 from diffdraft.drafters.dflash_model import DFLARE
 from diffdraft.engine import SpeculativeEngine
-from diffdraft.packed_linear import PackedLinear, has_packed_layers, pack_linear_layers, packing_supported
+from diffdraft.kernels.packed_linear import (
+    PackedLinear,
+    has_packed_layers,
+    pack_linear_layers,
+    packing_supported,
+)
 from diffdraft.sampling import SamplingParams
 from diffdraft.stats import GenerationStats
 from diffdraft.stopping import StopConditions

@@ -31,7 +31,7 @@ def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
 
 class InferenceLinear(nn.Module):
     """A linear layer whose weight is laid out for one kernel: inference only. Siblings of one kind
-    (same :meth:`stack_key`) can be stacked into one layer (:mod:`diffdraft.fused_projections`)."""
+    (same :meth:`stack_key`) can be stacked into one layer (:mod:`diffdraft.kernels.fused_projections`)."""
 
     in_features: int
     out_features: int

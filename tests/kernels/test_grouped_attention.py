@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from diffdraft.grouped_attention import NAME, grouped_sdpa_attention, use_grouped_attention
+from diffdraft.kernels.grouped_attention import NAME, grouped_sdpa_attention, use_grouped_attention
 from diffdraft.target import TargetModel
 
 from conftest import tiny_target

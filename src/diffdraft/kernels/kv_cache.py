@@ -48,7 +48,7 @@ class SharedBuffer:
 
     def grow(self, like: torch.Tensor, capacity: int) -> None:
         """Reallocate with room for ``capacity`` rows, keeping every layer's rows. Zeroed: a forward
-        replayed from a CUDA graph (:mod:`diffdraft.graphed_verify`) reads every row under a mask, and
+        replayed from a CUDA graph (:mod:`diffdraft.kernels.graphed_verify`) reads every row under a mask, and
         a mask does not hide the NaN that uninitialised memory can hold."""
         layers = self.layers
         tensor = like.new_zeros((len(layers), 2, *like.shape[:-2], capacity, like.shape[-1]))

@@ -9,8 +9,8 @@ from gguf import GGMLQuantizationType, GGUFWriter, quants
 from torch import nn
 from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
-from diffdraft.quantized.block_linear import BlockQuantizedLinear
-from diffdraft.quantized.gguf_weights import LAYER_TENSORS, _unpermuted_rows, use_gguf_blocks
+from diffdraft.kernels.quantized.block_linear import BlockQuantizedLinear
+from diffdraft.kernels.quantized.gguf_weights import LAYER_TENSORS, _unpermuted_rows, use_gguf_blocks
 
 from conftest import needs_block_kernel, tiny_target
 

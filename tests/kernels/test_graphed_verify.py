@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffdraft import kv_cache
 from diffdraft.drafters.dflash import DFlashDrafter
 from diffdraft.engine import SpeculativeEngine
 from diffdraft.errors import UnsupportedModelError
-from diffdraft.graphed_verify import GraphedVerify
+from diffdraft.kernels import kv_cache
+from diffdraft.kernels.graphed_verify import GraphedVerify
 from diffdraft.sampling import SamplingParams
 from diffdraft.stats import GenerationStats
 from diffdraft.stopping import StopConditions

@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from diffdraft import kv_cache
-from diffdraft.grouped_attention import use_grouped_attention
-from diffdraft.kv_cache import GrowableLayer, growable_cache
+from diffdraft.kernels import kv_cache
+from diffdraft.kernels.grouped_attention import use_grouped_attention
+from diffdraft.kernels.kv_cache import GrowableLayer, growable_cache
 from diffdraft.target import TargetModel
 
 from conftest import tiny_target

@@ -11,7 +11,7 @@ whatever the token count, against 8.6-11.4 ms for the same forward replayed from
   the cache's length, rather than a view of the cached rows.
 
 One graph is captured per (token count, tapped layers) and cache buffer: the shared buffer of
-:func:`diffdraft.kv_cache.growable_cache` is where the keys live, so a new or grown buffer (a new
+:func:`diffdraft.kernels.kv_cache.growable_cache` is where the keys live, so a new or grown buffer (a new
 generation, a longer context) captures again. A forward the buffer has no room for runs eagerly,
 which grows it.
 """
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from diffdraft.kv_cache import GrowableLayer
-from diffdraft.lean_forward import LeanForward, Segment
+from diffdraft.kernels.kv_cache import GrowableLayer
+from diffdraft.kernels.lean_forward import LeanForward, Segment
 
 WARMUP_RUNS = 2
 """Eager runs on a side stream before a capture (CUDA's rule: lazy initialisations must not be
