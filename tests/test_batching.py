@@ -9,9 +9,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from diffdraft.auto_budget import AutoBudgetBuilder
 from diffdraft.batching import BatchEngine
-from diffdraft.budget import BudgetPlanner, VerifyCostCurve
+from diffdraft.budget.auto_budget import AutoBudgetBuilder
+from diffdraft.budget.cost import VerifyCostCurve
+from diffdraft.budget.planner import BudgetPlanner
 from diffdraft.drafters.base import Proposal
 from diffdraft.drafters.dart import DARTDrafter
 from diffdraft.drafters.deer import DEERDrafter

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import diffdraft
-from diffdraft import budget
-from diffdraft.auto_budget import AutoBudgetBuilder
+from diffdraft.budget import cost
+from diffdraft.budget.auto_budget import AutoBudgetBuilder
+from diffdraft.budget.planner import BudgetPlanner, rounds_of
 from diffdraft.drafters.checkpoint import save_draft_model
 from diffdraft.drafters.deer_model import deer_from_causal_lm
 from diffdraft.method_table import METHODS
@@ -254,8 +255,8 @@ def test_deer_sampling_with_a_seed_is_reproducible(checkpoint, deer_dir):
 
 def test_deer_tree_takes_an_auto_budget(checkpoint, deer_dir, monkeypatch, tmp_path):
     monkeypatch.setenv("DIFFDRAFT_CACHE", str(tmp_path))
-    monkeypatch.setattr(budget, "DEFAULT_SIZES", (1, 4, 8))
-    monkeypatch.setattr(budget, "DEFAULT_CONTEXTS", (16, 32))
+    monkeypatch.setattr(cost, "DEFAULT_SIZES", (1, 4, 8))
+    monkeypatch.setattr(cost, "DEFAULT_CONTEXTS", (16, 32))
     generator = diffdraft.load(checkpoint, drafter=deer_dir, method="deer-tree", budget="auto")
     assert isinstance(generator.engine.builder, AutoBudgetBuilder)
     result = generator.generate("hello world", max_new_tokens=12, ignore_eos=True)
@@ -306,8 +307,8 @@ def test_default_target_every_method_matches_transformers_greedy(tmp_path):
 def auto_generator(checkpoint, drafter_dir, monkeypatch, tmp_path) -> diffdraft.SpeculativeGenerator:
     """ddtree with the auto budget, its cost curve measured at a few small points into tmp_path."""
     monkeypatch.setenv("DIFFDRAFT_CACHE", str(tmp_path))
-    monkeypatch.setattr(budget, "DEFAULT_SIZES", (1, 4, 8, 16))
-    monkeypatch.setattr(budget, "DEFAULT_CONTEXTS", (16, 32))
+    monkeypatch.setattr(cost, "DEFAULT_SIZES", (1, 4, 8, 16))
+    monkeypatch.setattr(cost, "DEFAULT_CONTEXTS", (16, 32))
     return diffdraft.load(checkpoint, drafter=drafter_dir, method="ddtree", budget="auto")
 
 
@@ -335,9 +336,9 @@ def test_ddtree_auto_budget_in_a_batch_learns_from_each_finished_request_alone(a
         )
         assert result.token_ids == reference[: request.max_new_tokens]
     planner = generator.engine.builder.planner
-    each = budget.BudgetPlanner(planner.curve)
+    each = BudgetPlanner(planner.curve)
     for result in results:
-        each.observe_rounds(budget.rounds_of(result.stats), fixed_seconds=0.0)
+        each.observe_rounds(rounds_of(result.stats), fixed_seconds=0.0)
     for learned, expected in zip(planner.rank_gains(), each.rank_gains(), strict=True):
         assert learned.tolist() == expected.tolist()
 
@@ -346,8 +347,8 @@ def test_cli_accepts_an_auto_budget(checkpoint, drafter_dir, monkeypatch, tmp_pa
     from diffdraft.cli import main
 
     monkeypatch.setenv("DIFFDRAFT_CACHE", str(tmp_path))
-    monkeypatch.setattr(budget, "DEFAULT_SIZES", (1, 4, 8))
-    monkeypatch.setattr(budget, "DEFAULT_CONTEXTS", (16, 32))
+    monkeypatch.setattr(cost, "DEFAULT_SIZES", (1, 4, 8))
+    monkeypatch.setattr(cost, "DEFAULT_CONTEXTS", (16, 32))
     args = [
         "generate",
         "--target",
@@ -459,8 +460,8 @@ def test_without_a_budget_ddtree_methods_plan_it_and_dart_takes_its_default_size
 ):
 
     monkeypatch.setenv("DIFFDRAFT_CACHE", str(tmp_path))
-    monkeypatch.setattr(budget, "DEFAULT_SIZES", (1, 4, 8))
-    monkeypatch.setattr(budget, "DEFAULT_CONTEXTS", (16, 32))
+    monkeypatch.setattr(cost, "DEFAULT_SIZES", (1, 4, 8))
+    monkeypatch.setattr(cost, "DEFAULT_CONTEXTS", (16, 32))
     generator = diffdraft.load(checkpoint, drafter=drafter_dir, method="ddtree")
     assert isinstance(generator.engine.builder, AutoBudgetBuilder)
     assert "measuring this machine's verification cost" in capsys.readouterr().err  # said, not silent

@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from diffdraft.auto_budget import AutoBudgetBuilder
-from diffdraft.batch_cost import load_or_measure_batch_cost
 from diffdraft.batching import BatchEngine
-from diffdraft.budget import BudgetPlanner, load_or_measure
+from diffdraft.budget.auto_budget import AutoBudgetBuilder
+from diffdraft.budget.batch_cost import load_or_measure_batch_cost
+from diffdraft.budget.cost import load_or_measure
+from diffdraft.budget.planner import BudgetPlanner
 from diffdraft.chat import encode_chat, encode_prompt
 from diffdraft.detokenize import INCOMPLETE, IncrementalDecoder
 from diffdraft.drafters.base import Drafter

@@ -7,7 +7,7 @@ import pytest
 from diffdraft.bench.methods import STAGE_NAMES, Completion
 from diffdraft.bench.runner import Record
 from diffdraft.bench.summary import checks, summarize
-from diffdraft.budget import VerifyCostCurve
+from diffdraft.budget.cost import VerifyCostCurve
 
 
 def record(

@@ -11,8 +11,9 @@ import pytest
 
 import diffdraft
 from diffdraft import GenerationRequest
-from diffdraft.auto_budget import AutoBudgetBuilder
-from diffdraft.budget import BudgetPlanner, VerifyCostCurve
+from diffdraft.budget.auto_budget import AutoBudgetBuilder
+from diffdraft.budget.cost import VerifyCostCurve
+from diffdraft.budget.planner import BudgetPlanner
 from diffdraft.drafters.checkpoint import save_draft_model
 from diffdraft.serve.scheduler import QueueFullError, RequestCancelledError, Scheduler, SchedulerClosedError
 

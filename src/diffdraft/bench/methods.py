@@ -35,7 +35,6 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
-from diffdraft.auto_budget import AutoBudgetBuilder
 from diffdraft.bench.llamacpp import LlamaCppRunner
 from diffdraft.bench.probes import ForwardProbe, TimedNgram, rounds_from_calls
 from diffdraft.bench.runner_api import (
@@ -46,7 +45,9 @@ from diffdraft.bench.runner_api import (
     MethodUnavailable,
     Request,
 )
-from diffdraft.budget import BudgetPlanner, VerifyCostCurve, load_or_measure
+from diffdraft.budget.auto_budget import AutoBudgetBuilder
+from diffdraft.budget.cost import VerifyCostCurve, load_or_measure
+from diffdraft.budget.planner import BudgetPlanner
 from diffdraft.default_model import default_gguf_path
 from diffdraft.drafters.checkpoint import load_draft_model, resolve_drafter_path
 from diffdraft.drafters.dart_model import DART

@@ -19,7 +19,7 @@ from transformers import PreTrainedTokenizerBase
 from diffdraft.bench.methods import REFERENCE, MethodSpec
 from diffdraft.bench.runner import BenchRun
 from diffdraft.bench.summary import ROUND_STAGES, Check, MethodSummary, Spread
-from diffdraft.budget import VerifyCostCurve
+from diffdraft.budget.cost import VerifyCostCurve
 
 STAGE_LABELS = {
     "draft": "draft",

@@ -15,7 +15,7 @@ import numpy as np
 
 from diffdraft.bench.methods import REFERENCE, STAGE_NAMES, MethodSpec
 from diffdraft.bench.runner import Record
-from diffdraft.budget import VerifyCostCurve
+from diffdraft.budget.cost import VerifyCostCurve
 
 ROUND_STAGES = tuple(s for s in STAGE_NAMES if s != "prefill")
 AUTO_TOLERANCE = 0.95

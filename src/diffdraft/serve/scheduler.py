@@ -14,8 +14,8 @@ import threading
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
 
-from diffdraft.auto_budget import AutoBudgetBuilder
 from diffdraft.batching import BatchEngine
+from diffdraft.budget.auto_budget import AutoBudgetBuilder
 from diffdraft.engine import SequenceRun
 from diffdraft.errors import DiffdraftError
 from diffdraft.generator import GenerationChunk, GenerationRequest, PreparedRequest, SpeculativeGenerator

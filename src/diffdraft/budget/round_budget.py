@@ -23,8 +23,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from diffdraft.batch_cost import BatchCostCurve
-from diffdraft.budget import MIN_TIMED_ROUNDS, BudgetPlanner, rounds_of
+from diffdraft.budget.batch_cost import BatchCostCurve
+from diffdraft.budget.planner import MIN_TIMED_ROUNDS, BudgetPlanner, rounds_of
 from diffdraft.stats import GenerationStats
 from diffdraft.trees import RoundSequence
 

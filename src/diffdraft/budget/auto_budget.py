@@ -7,10 +7,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from diffdraft.batch_cost import BatchCostCurve
-from diffdraft.budget import BudgetPlanner, rounds_of, surrogate_acceptance
+from diffdraft.budget.batch_cost import BatchCostCurve
+from diffdraft.budget.planner import BudgetPlanner, rounds_of, surrogate_acceptance
+from diffdraft.budget.round_budget import RoundBudgetPlanner
 from diffdraft.drafters.base import Proposal
-from diffdraft.round_budget import RoundBudgetPlanner
 from diffdraft.sampling import SamplingParams
 from diffdraft.stats import GenerationStats
 from diffdraft.trees import DDTreeBuilder, DraftTree, RoundSequence
@@ -18,7 +18,7 @@ from diffdraft.trees import DDTreeBuilder, DraftTree, RoundSequence
 
 class AutoBudgetBuilder:
     """A DDTree builder whose budgets :meth:`plan` chooses for all sequences of a round together
-    (:class:`~diffdraft.round_budget.RoundBudgetPlanner`; 0: the sequence does not draft).
+    (:class:`~diffdraft.budget.round_budget.RoundBudgetPlanner`; 0: the sequence does not draft).
 
     Every ``refresh`` trees of a sequence it builds a tree ``lookahead`` times the sequence's budget
     once, records its surrogate in the sequence's stats (the acceptance the round planner expects

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from diffdraft import batch_cost
-from diffdraft.batch_cost import BatchCostCurve, load_or_measure_batch_cost, measure_batch_cost
+from diffdraft.budget import batch_cost
+from diffdraft.budget.batch_cost import BatchCostCurve, load_or_measure_batch_cost, measure_batch_cost
 from diffdraft.target import TargetModel
 
 from conftest import tiny_target

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffdraft import budget
-from diffdraft.auto_budget import AutoBudgetBuilder
-from diffdraft.budget import BudgetPlanner, VerifyCostCurve
+from diffdraft.budget.auto_budget import AutoBudgetBuilder
+from diffdraft.budget.cost import VerifyCostCurve
+from diffdraft.budget.planner import BudgetPlanner, rounds_of
 from diffdraft.drafters.base import Proposal
 from diffdraft.sampling import SamplingParams
 from diffdraft.stats import GenerationStats
@@ -45,7 +45,7 @@ def test_the_auto_builder_keeps_the_best_first_prefix_of_the_planned_size_and_ex
     assert stats.budgets == [8, 8, 8]
     assert builder.planner.fixed_seconds == 0.001
     assert builder.planner.surrogate() == pytest.approx(builder.planner.surrogate(stats))
-    assert [r.context for r in budget.rounds_of(stats)] == [300, 302, 304]
+    assert [r.context for r in rounds_of(stats)] == [300, 302, 304]
     observed, counts = builder.planner.rank_gains()
     assert counts[5] == 3 and counts[7] == 2 and counts[8] == 1
     assert observed[0] == 1 and observed[1] == 1 and observed[2:].sum() == 0

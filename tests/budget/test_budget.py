@@ -9,16 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from diffdraft import budget
-from diffdraft.budget import (
+from diffdraft.budget import cost
+from diffdraft.budget.cost import VerifyCostCurve, load_or_measure, measure_verify_cost
+from diffdraft.budget.planner import (
     MIN_TIMED_ROUNDS,
     PRIOR_ROUNDS,
     BudgetPlanner,
     ObservedRound,
-    VerifyCostCurve,
     choose_budget,
-    load_or_measure,
-    measure_verify_cost,
     surrogate_acceptance,
 )
 from diffdraft.drafters.base import Proposal
@@ -63,15 +61,15 @@ def test_the_curve_interpolates_and_extrapolates_linearly_in_size_and_context():
 
 def test_the_fit_pools_noisy_points_and_is_monotone_in_size_and_context():
     # rows: [3, 5, 4] -> [3, 4.5, 4.5] and [2, 1, 6] -> [1.5, 1.5, 6]; then columns pool the same way
-    assert budget.monotone_fit([[3.0, 5.0, 4.0], [2.0, 1.0, 6.0]]) == [[2.25, 3.0, 4.5], [2.25, 3.0, 6.0]]
+    assert cost.monotone_fit([[3.0, 5.0, 4.0], [2.0, 1.0, 6.0]]) == [[2.25, 3.0, 4.5], [2.25, 3.0, 6.0]]
     measured = [[42.3, 47.0, 38.4, 44.2], [35.0, 34.9, 34.7, 38.3], [52.5, 46.7, 43.9, 49.8]]
-    fitted = budget.monotone_fit(measured)
+    fitted = cost.monotone_fit(measured)
     for row in fitted:
         assert row == sorted(row)
     for column in zip(*fitted, strict=True):
         assert list(column) == sorted(column)
-    assert budget.monotone_fit(fitted) == fitted  # a monotone table is its own fit
-    assert budget.monotone_fit([[1.0, 2.0], [3.0, 4.0]]) == [[1.0, 2.0], [3.0, 4.0]]
+    assert cost.monotone_fit(fitted) == fitted  # a monotone table is its own fit
+    assert cost.monotone_fit([[1.0, 2.0], [3.0, 4.0]]) == [[1.0, 2.0], [3.0, 4.0]]
 
 
 def test_the_budget_shrinks_where_long_contexts_make_big_trees_expensive():
@@ -196,18 +194,18 @@ def test_measuring_gives_every_size_and_the_cache_is_reused_until_it_stops_match
     assert curve.sizes == [1, 4, 16]  # sizes past half the context are dropped
     assert curve.contexts == [8, 40, 48]  # contexts past the model's window are cut to fit
     assert len(curve.seconds) == 3 and all(len(row) == 3 and min(row) > 0 for row in curve.seconds)
-    assert curve.seconds == budget.monotone_fit(curve.measured)
+    assert curve.seconds == cost.monotone_fit(curve.measured)
 
-    monkeypatch.setattr(budget, "DEFAULT_SIZES", (1, 4, 8))
-    monkeypatch.setattr(budget, "DEFAULT_CONTEXTS", (16, 32))
+    monkeypatch.setattr(cost, "DEFAULT_SIZES", (1, 4, 8))
+    monkeypatch.setattr(cost, "DEFAULT_CONTEXTS", (16, 32))
     first = load_or_measure(target, cache_dir=tmp_path)
     [file] = tmp_path.glob("*.json")
-    monkeypatch.setattr(budget, "still_valid", lambda curve, target: True)
+    monkeypatch.setattr(cost, "still_valid", lambda curve, target: True)
     assert load_or_measure(target, cache_dir=tmp_path) == first
 
     monkeypatch.undo()
     stale = json.loads(file.read_text())
     stale["seconds"] = [[100 * t for t in row] for row in stale["seconds"]]  # a much slower machine
     file.write_text(json.dumps(stale))
-    assert not budget.still_valid(VerifyCostCurve(**stale), target)
+    assert not cost.still_valid(VerifyCostCurve(**stale), target)
     assert load_or_measure(target, cache_dir=tmp_path).seconds != stale["seconds"]

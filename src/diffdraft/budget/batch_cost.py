@@ -4,7 +4,7 @@ Batched rounds verify every sequence's tree in one forward (:meth:`TargetModel.v
 projections and MLPs run over all sequences' tokens at once, attention over each sequence's own
 cache. Its time is no sum of single-sequence costs (the weights are read once), so it is measured
 over the number of sequences, the tokens per sequence and the context, once per model shape, dtype
-and device, and cached beside the single-sequence curve (:mod:`diffdraft.budget`), which it extends.
+and device, and cached beside the single-sequence curve (:mod:`diffdraft.budget.cost`), which it extends.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from diffdraft.atomic_write import write_text_atomically
-from diffdraft.budget import blend_rows, curve_key, interpolate, monotone_fit, synthetic_tree
+from diffdraft.budget.cost import blend_rows, curve_key, interpolate, monotone_fit, synthetic_tree
 from diffdraft.default_model import cache_root
 from diffdraft.progress import progress_bar
 from diffdraft.sampling import SamplingParams

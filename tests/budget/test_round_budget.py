@@ -9,9 +9,10 @@ import math
 import numpy as np
 import pytest
 
-from diffdraft.budget import BudgetPlanner, VerifyCostCurve
+from diffdraft.budget.cost import VerifyCostCurve
+from diffdraft.budget.planner import BudgetPlanner
+from diffdraft.budget.round_budget import RoundBudgetPlanner, plan_budgets
 from diffdraft.engine import SpeculativeEngine
-from diffdraft.round_budget import RoundBudgetPlanner, plan_budgets
 from diffdraft.sampling import SamplingParams
 from diffdraft.stats import GenerationStats
 from diffdraft.target import TargetModel
@@ -113,7 +114,7 @@ def test_a_new_sequence_in_a_batch_drafts_its_first_round_only_while_the_planner
 
 
 def test_a_round_like_the_last_reuses_its_plan(monkeypatch):
-    from diffdraft import round_budget
+    from diffdraft.budget import round_budget
 
     planned = []
     monkeypatch.setattr(round_budget, "plan_budgets", lambda *args: planned.append(args) or [0])
@@ -130,7 +131,7 @@ def test_a_round_like_the_last_reuses_its_plan(monkeypatch):
 
 
 def test_finished_sequences_teach_the_stage_costs_and_the_shared_forwards_scale():
-    from diffdraft.batch_cost import BatchCostCurve
+    from diffdraft.budget.batch_cost import BatchCostCurve
 
     batch = BatchCostCurve(
         batches=[2, 4], sizes=[1, 8], contexts=[100], seconds=[[[0.01, 0.02]], [[0.02, 0.04]]]
@@ -148,7 +149,7 @@ def test_finished_sequences_teach_the_stage_costs_and_the_shared_forwards_scale(
 
 
 def test_the_batch_curve_is_measured_on_the_first_shared_round_only():
-    from diffdraft.batch_cost import BatchCostCurve
+    from diffdraft.budget.batch_cost import BatchCostCurve
 
     loads = []
 
