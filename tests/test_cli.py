@@ -85,6 +85,7 @@ def test_stream_prints_the_text_and_a_stats_line(checkpoint, capsys):
         (["--drafter", "/nonexistent", "--method", "chain"], "does not exist"),
         (["--logprobs", "2"], "add --json"),
         (["--logprobs", "30", "--json"], "logprobs must be None or the number"),
+        (["--cuda-graphs", "--device", "cpu"], "cuda_graphs needs a CUDA target"),
     ],
 )
 def test_bad_arguments_exit_2_with_the_reason(checkpoint, capsys, args, message):

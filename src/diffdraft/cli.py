@@ -60,6 +60,12 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="on a CUDA target (Llama, Qwen2, Qwen3), replay each verification forward from a CUDA graph "
+        "instead of launching its kernels one by one",
+    )
 
 
 def load_generator(args: argparse.Namespace) -> SpeculativeGenerator:
@@ -71,7 +77,9 @@ def load_generator(args: argparse.Namespace) -> SpeculativeGenerator:
         drafter = method.shipped_drafter if args.target == "default" else "none"
     if ngram is None:
         ngram = "default" if args.target == "default" and method.tree is TreeRule.DART else "none"
-    return load(args.target, drafter, args.method, args.budget, args.dtype, args.device, ngram)
+    return load(
+        args.target, drafter, args.method, args.budget, args.dtype, args.device, ngram, args.cuda_graphs
+    )
 
 
 def _generate_parser(sub: argparse._SubParsersAction) -> None:
