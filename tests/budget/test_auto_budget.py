@@ -13,7 +13,7 @@ from diffdraft.sampling import SamplingParams
 from diffdraft.stats import GenerationStats
 from diffdraft.trees import DDTreeBuilder, RoundSequence
 
-from test_budget import _verified
+from test_planner import _verified
 
 
 def test_the_auto_builder_keeps_the_best_first_prefix_of_the_planned_size_and_explores_past_it():

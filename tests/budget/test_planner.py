@@ -1,16 +1,14 @@
-"""The cost model: budget choice on synthetic cost curves, the DDTree surrogate, measurement and cache."""
+"""The planner: budget choice on synthetic cost curves, the DDTree surrogate, what observed rounds teach."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import numpy as np
 import pytest
 import torch
 
-from diffdraft.budget import cost
-from diffdraft.budget.cost import VerifyCostCurve, load_or_measure, measure_verify_cost
+from diffdraft.budget.cost import VerifyCostCurve
 from diffdraft.budget.planner import (
     MIN_TIMED_ROUNDS,
     PRIOR_ROUNDS,
@@ -22,10 +20,7 @@ from diffdraft.budget.planner import (
 from diffdraft.drafters.base import Proposal
 from diffdraft.sampling import SamplingParams
 from diffdraft.stats import GenerationStats
-from diffdraft.target import TargetModel
 from diffdraft.trees import DDTreeBuilder
-
-from conftest import tiny_target
 
 
 def saturating_tau(max_budget: int, scale: float = 16.0) -> list[float]:
@@ -48,28 +43,6 @@ def test_the_choice_is_the_brute_force_optimum_and_moves_with_the_per_round_cost
     assert choice.tokens_per_second == pytest.approx(tau[brute] / curve(brute + 1, 512))
     # a big fixed cost per round (a slow drafter) makes each round worth filling: the budget grows
     assert choose_budget(curve, tau, 512, fixed_seconds=0.2).budget > choice.budget
-
-
-def test_the_curve_interpolates_and_extrapolates_linearly_in_size_and_context():
-    curve = VerifyCostCurve(sizes=[1, 3, 5], contexts=[100, 200], seconds=[[1.0, 2.0, 4.0], [2.0, 3.0, 5.0]])
-    assert curve(2, 100) == pytest.approx(1.5)
-    assert curve(7, 100) == pytest.approx(6.0)
-    assert curve(2, 150) == pytest.approx(2.0)
-    assert curve(1, 400) == pytest.approx(4.0)  # attention keeps growing with the cache
-    assert curve(1, 10) == pytest.approx(1.0)  # flat below the shortest measured context
-
-
-def test_the_fit_pools_noisy_points_and_is_monotone_in_size_and_context():
-    # rows: [3, 5, 4] -> [3, 4.5, 4.5] and [2, 1, 6] -> [1.5, 1.5, 6]; then columns pool the same way
-    assert cost.monotone_fit([[3.0, 5.0, 4.0], [2.0, 1.0, 6.0]]) == [[2.25, 3.0, 4.5], [2.25, 3.0, 6.0]]
-    measured = [[42.3, 47.0, 38.4, 44.2], [35.0, 34.9, 34.7, 38.3], [52.5, 46.7, 43.9, 49.8]]
-    fitted = cost.monotone_fit(measured)
-    for row in fitted:
-        assert row == sorted(row)
-    for column in zip(*fitted, strict=True):
-        assert list(column) == sorted(column)
-    assert cost.monotone_fit(fitted) == fitted  # a monotone table is its own fit
-    assert cost.monotone_fit([[1.0, 2.0], [3.0, 4.0]]) == [[1.0, 2.0], [3.0, 4.0]]
 
 
 def test_the_budget_shrinks_where_long_contexts_make_big_trees_expensive():
@@ -186,26 +159,3 @@ def test_the_choice_never_takes_a_dip_in_a_calibrated_cost_as_a_cheaper_tree():
     choice = choose_budget(lambda q, n: costs[q], [1.0, 1.5, 1.6, 1.7], 512)
     assert choice.expected[3] == pytest.approx(1.7 / 0.03)  # costed as 2 nodes were, not less
     assert choice.budget == 1
-
-
-def test_measuring_gives_every_size_and_the_cache_is_reused_until_it_stops_matching(tmp_path, monkeypatch):
-    target = TargetModel(tiny_target(dtype=torch.float32, max_positions=64))
-    curve = measure_verify_cost(target, sizes=(1, 4, 16, 64), contexts=(8, 40, 512), repeats=1)
-    assert curve.sizes == [1, 4, 16]  # sizes past half the context are dropped
-    assert curve.contexts == [8, 40, 48]  # contexts past the model's window are cut to fit
-    assert len(curve.seconds) == 3 and all(len(row) == 3 and min(row) > 0 for row in curve.seconds)
-    assert curve.seconds == cost.monotone_fit(curve.measured)
-
-    monkeypatch.setattr(cost, "DEFAULT_SIZES", (1, 4, 8))
-    monkeypatch.setattr(cost, "DEFAULT_CONTEXTS", (16, 32))
-    first = load_or_measure(target, cache_dir=tmp_path)
-    [file] = tmp_path.glob("*.json")
-    monkeypatch.setattr(cost, "still_valid", lambda curve, target: True)
-    assert load_or_measure(target, cache_dir=tmp_path) == first
-
-    monkeypatch.undo()
-    stale = json.loads(file.read_text())
-    stale["seconds"] = [[100 * t for t in row] for row in stale["seconds"]]  # a much slower machine
-    file.write_text(json.dumps(stale))
-    assert not cost.still_valid(VerifyCostCurve(**stale), target)
-    assert load_or_measure(target, cache_dir=tmp_path).seconds != stale["seconds"]
