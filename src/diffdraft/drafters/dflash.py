@@ -26,18 +26,14 @@ class DFlashDrafter(ForksByCopy):
         check_compatible(model, target)
         self.model = model.to(device=target.device, dtype=target.dtype).eval()
         self.embed: nn.Module = target.model.get_input_embeddings()
-        lm_head = target.model.get_output_embeddings()
-        self.head: nn.Module = draft_head(lm_head, model.draft_vocab)
-        if has_packed_layers(target.model):  # an inference-only target: its drafter is laid out alike
+        laid_out = has_packed_layers(target.model)
+        self.head = _drafting_head(target.model.get_output_embeddings(), model.draft_vocab, laid_out)
+        if laid_out:  # an inference-only target: its drafter is laid out alike
             lay_out = q8_linear if runs_int8_kernel(target.model) else pack_linear
             pack_linear_layers(self.model.layers, lay_out)  # not DFlare's fusion: a weight, never called
             fuse_projections(self.model.layers)
             if self.model.variant == DFLASH:
                 self.model.fc = lay_out(self.model.fc)
-            if isinstance(lm_head, BlockQuantizedLinear):  # the target's own head blocks, not rounded again
-                self.head = lm_head if model.draft_vocab is None else lm_head.rows(model.draft_vocab)
-            else:
-                self.head = pack_linear(self.head)
         self.vocab_size = target.vocab_size
         self.target_layer_ids = list(model.target_layer_ids)
         self.max_depth = model.block_size - 1
@@ -122,6 +118,16 @@ class DFlashDrafter(ForksByCopy):
             full = torch.full((log_probs.shape[0], self.vocab_size), float("-inf"), device=self._device)
             log_probs = full.index_copy_(1, vocab, log_probs)
         return Proposal(log_probs=log_probs)
+
+
+def _drafting_head(lm_head: nn.Module, draft_vocab: torch.Tensor | None, laid_out: bool) -> nn.Module:
+    """The target's LM head over the draft vocabulary. A block-quantized head keeps its own blocks
+    (its rows, not rounded again, and never dequantized); any other is cut to the rows, and packed
+    beside an inference-only target."""
+    if isinstance(lm_head, BlockQuantizedLinear):
+        return lm_head if draft_vocab is None else lm_head.rows(draft_vocab)
+    head = draft_head(lm_head, draft_vocab)
+    return pack_linear(head) if laid_out else head
 
 
 def _padded(rows: Sequence[torch.Tensor], length: int) -> torch.Tensor:
