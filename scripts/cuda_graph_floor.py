@@ -19,6 +19,7 @@ import torch
 from transformers import DynamicCache
 
 from diffdraft.bench.synthetic import SHAPES, build_target
+from diffdraft.kernels.graphed_verify import captured
 
 
 def median_ms(step: Callable[[], object], repeats: int = 30, warmup: int = 3) -> float:
@@ -50,17 +51,7 @@ def eager_and_replayed(model: torch.nn.Module, context: int, tokens: int) -> tup
             layer.keys, layer.values = keys, values  # every step appends to the same prefill
         model(input_ids=new, position_ids=positions, past_key_values=cache, use_cache=True)
 
-    eager = median_ms(step)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # capture needs its warm-up off the default stream
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return eager, median_ms(graph.replay)
+    return median_ms(step), median_ms(captured(step))
 
 
 def main() -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from transformers import DynamicCache
@@ -27,6 +28,7 @@ from transformers import DynamicCache
 from diffdraft.kernels.kv_cache import GrowableLayer
 from diffdraft.kernels.lean_forward import LeanForward, Segment
 
+T = TypeVar("T")
 WARMUP_RUNS = 2
 """Eager runs on a side stream before a capture (CUDA's rule: lazy initialisations must not be
 captured)."""
@@ -130,20 +132,24 @@ class GraphedVerify:
         def run() -> tuple[torch.Tensor, torch.Tensor | None]:
             return self.lean.packed([Segment(writer, count, mask)], token_ids, position_ids, layer_ids)[0]
 
-        if not self.capture:
-            return StaticForward(token_ids, position_ids, slots, mask, run)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(WARMUP_RUNS):
-                run()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):  # its own memory pool: graphs replay in any order
-            outputs = run()
+        return StaticForward(token_ids, position_ids, slots, mask, captured(run) if self.capture else run)
 
-        def replay() -> tuple[torch.Tensor, torch.Tensor | None]:
-            graph.replay()
-            return outputs
 
-        return StaticForward(token_ids, position_ids, slots, mask, replay)
+def captured(run: Callable[[], T]) -> Callable[[], T]:
+    """``run`` captured as a CUDA graph, after warm-up runs on a side stream; the call returned
+    replays it and returns the captured outputs, which the next replay overwrites."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(WARMUP_RUNS):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # its own memory pool: graphs replay in any order
+        outputs = run()
+
+    def replay() -> T:
+        graph.replay()
+        return outputs
+
+    return replay
