@@ -143,3 +143,25 @@ def test_explicit_tokens_are_rejected() -> None:
 
 def test_is_a_tree_builder() -> None:
     assert isinstance(DDTreeBuilder(4), TreeBuilder)
+
+
+@settings(max_examples=100, deadline=None)
+@given(drafts(), st.integers(0, 2**16))
+def test_a_draft_vocabulary_proposal_builds_the_tree_of_its_full_rows(draft, seed) -> None:
+    """A drafter that scores a few tokens hands over only their columns; the tree ranks those, and is
+    the best tree of the full rows (every other token at probability 0)."""
+    scored, budget = draft
+    vocab_size = scored.shape[1] + 3
+    vocab = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(seed))[: scored.shape[1]]
+    restricted = Proposal.restricted(scored, vocab, vocab_size)
+    tree = DDTreeBuilder(budget).build(7, restricted, GREEDY, None)
+    full = restricted.log_probs
+    assert full.shape == (scored.shape[0], vocab_size)
+    assert torch.equal(full[:, vocab], scored) and full.isinf().sum() == 3 * scored.shape[0]
+    expected = DDTreeBuilder(budget).build(7, Proposal(log_probs=full), GREEDY, None)
+    table = full.tolist()
+    assert tree.num_nodes == expected.num_nodes
+    assert sorted(score(p, table) for p in prefixes(tree)) == sorted(
+        score(p, table) for p in prefixes(expected)
+    )
+    assert set(tree.tokens[1:].tolist()) <= set(vocab.tolist())

@@ -74,7 +74,7 @@ class AutoBudgetBuilder:
         built = len(stats.budgets)
         previous = stats.budgets[-1] if stats.budgets else self.initial_budget
         budget = min(budget or previous, self.planner.max_budget)
-        if built % self.refresh or proposal.log_probs is None:
+        if built % self.refresh or not proposal.has_distributions:
             tree = DDTreeBuilder(budget).build(root_token, proposal, sampling, generator)
         else:
             horizon = min(self.planner.max_budget, self.lookahead * max(previous, budget, 4))

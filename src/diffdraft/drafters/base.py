@@ -9,32 +9,79 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
 
 
-@dataclass
 class Proposal:
     """Draft for the ``depth`` positions that follow the root token.
 
-    Exactly one of ``log_probs`` and ``tokens`` is set: one-pass parallel drafters give per-position
-    distributions, copy-based drafters (prompt lookup) give an explicit token chain. A proposal is
-    handed over: its tensors are fresh, and the receiver may change them in place.
+    One-pass parallel drafters give per-position distributions (``log_probs``), copy-based drafters
+    (prompt lookup) an explicit token chain (``tokens``); a proposal with neither drafts nothing. A
+    proposal is handed over: its tensors are fresh, and the receiver may change them in place.
+
+    A drafter that scores only its draft vocabulary hands over those columns (:meth:`restricted`):
+    tree builders rank the few thousand tokens it scores, and the full [depth, V] rows, every other
+    token at probability 0, are only written out for a consumer that reads ``log_probs``.
     """
 
-    log_probs: torch.Tensor | None = None
-    """[depth, V] float32 log-probabilities; row d is the drafter's marginal for depth d + 1."""
-    tokens: torch.Tensor | None = None
-    """[depth] explicit candidate chain."""
-    prefix: torch.Tensor | None = None
-    """Every committed token, the root last. The engine attaches it, for tree builders that score
-    how drafted tokens continue the text (DART's N-gram term)."""
+    def __init__(
+        self,
+        log_probs: torch.Tensor | None = None,
+        tokens: torch.Tensor | None = None,
+        prefix: torch.Tensor | None = None,
+    ) -> None:
+        self._log_probs = log_probs
+        self.tokens = tokens
+        """[depth] explicit candidate chain."""
+        self.prefix = prefix
+        """Every committed token, the root last. The engine attaches it, for tree builders that score
+        how drafted tokens continue the text (DART's N-gram term)."""
+        self._scored: torch.Tensor | None = None
+        self._vocab: torch.Tensor | None = None
+        self._vocab_size = 0
+
+    @classmethod
+    def restricted(cls, scored: torch.Tensor, vocab: torch.Tensor, vocab_size: int) -> Proposal:
+        """A proposal over token ids ``vocab`` only: ``scored`` [depth, len(vocab)] are
+        their log-probabilities, and every other of the ``vocab_size`` tokens has probability 0."""
+        proposal = cls()
+        proposal._scored, proposal._vocab, proposal._vocab_size = scored, vocab, vocab_size
+        return proposal
+
+    @property
+    def log_probs(self) -> torch.Tensor | None:
+        """[depth, V] float32 log-probabilities; row d is the drafter's marginal for depth d + 1."""
+        if self._log_probs is None and self._scored is not None:
+            full = self._scored.new_full((self._scored.shape[0], self._vocab_size), float("-inf"))
+            self._log_probs = full.index_copy_(1, self._vocab, self._scored)
+        return self._log_probs
+
+    def top(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (log-probabilities, token ids) [depth, k'] of the ``k`` likeliest tokens at each depth,
+        most likely first; k' = min(k, tokens the drafter scores)."""
+        if self._log_probs is None and self._scored is not None:
+            top = self._scored.topk(min(k, self._scored.shape[1]), dim=-1)
+            return top.values, self._vocab[top.indices]
+        top = self.log_probs.topk(min(k, self.log_probs.shape[1]), dim=-1)
+        return top.values, top.indices
+
+    @property
+    def has_distributions(self) -> bool:
+        """Whether the drafter gave per-position distributions (read without writing them out)."""
+        return self._log_probs is not None or self._scored is not None
+
+    @property
+    def device(self) -> torch.device:
+        """Where the proposal's distributions or tokens are."""
+        source = self._log_probs if self._log_probs is not None else self._scored
+        return (source if source is not None else self.tokens).device
 
     @property
     def depth(self) -> int:
-        source = self.log_probs if self.log_probs is not None else self.tokens
+        source = self._log_probs if self._log_probs is not None else self._scored
+        source = source if source is not None else self.tokens
         return 0 if source is None else int(source.shape[0])
 
 

@@ -68,8 +68,7 @@ class DARTDrafter(ForksByCopy):
         )
         log_probs = model.logits(hidden[0]).float().log_softmax(-1)
         if self._draft_vocab is not None:  # tokens outside the draft vocabulary get probability 0
-            full = torch.full((depth, self.vocab_size), float("-inf"), device=self._device)
-            log_probs = full.index_copy_(1, self._draft_vocab, log_probs)
+            return Proposal.restricted(log_probs, self._draft_vocab, self.vocab_size)
         return Proposal(log_probs=log_probs)
 
     def _add_prefix_rows(self, token_ids: torch.Tensor) -> None:

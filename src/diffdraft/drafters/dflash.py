@@ -1,7 +1,9 @@
 """DFlash / DFlare as a :class:`~diffdraft.drafters.base.Drafter`: one forward drafts a whole block.
 
 Holds the draft network plus the target's (frozen) embedding and LM head, and caches every
-draft layer's context keys/values, so each round only projects the newly committed tokens.
+draft layer's context keys/values, so each round only projects the newly committed tokens. Beside a
+bfloat16 target on diffdraft's CPU kernels it drafts through the fused decoder ops
+(:mod:`~diffdraft.drafters.fused_dflash`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from torch import nn
 from diffdraft.drafters.base import ForksByCopy, Proposal
 from diffdraft.drafters.compatibility import check_fits_target
 from diffdraft.drafters.dflash_model import DFLASH, DFlashDraftModel, draft_head
+from diffdraft.drafters.draft_context import DraftContext
+from diffdraft.drafters.fused_dflash import FusedDraftLayers
 from diffdraft.errors import IncompatibleDrafterError
 from diffdraft.kernels.fused_projections import fuse_projections
 from diffdraft.kernels.packed_linear import has_packed_layers, pack_linear, pack_linear_layers
@@ -34,17 +38,17 @@ class DFlashDrafter(ForksByCopy):
             fuse_projections(self.model.layers)
             if self.model.variant == DFLASH:
                 self.model.fc = lay_out(self.model.fc)
+        self._fused = FusedDraftLayers.build(self.model)
         self.vocab_size = target.vocab_size
         self.target_layer_ids = list(model.target_layer_ids)
         self.max_depth = model.block_size - 1
-        self._context_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        self._pending: list[tuple[torch.Tensor, int]] = []
-        """Committed tokens' target states not yet projected into the context, with their positions."""
         self._device = target.device
+        self.reset()
 
     def reset(self) -> None:
-        self._context_kv = None
-        self._pending = []
+        self._context = DraftContext(len(self.model.layers))
+        self._pending: list[tuple[torch.Tensor, int]] = []
+        """Committed tokens' target states not yet projected into the context, with their positions."""
 
     def extend_context(self, hidden: torch.Tensor | None, start: int) -> None:
         """Keep the committed tokens' states; they are projected when this sequence next drafts, all
@@ -52,21 +56,22 @@ class DFlashDrafter(ForksByCopy):
         self._pending = [*self._pending, (hidden, start)]
 
     @torch.inference_mode()
-    def _context(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _projected_context(self) -> DraftContext:
         """The context keys/values of every draft layer, the pending states projected first."""
         if self._pending:
             hidden = torch.cat([states for states, _ in self._pending])
             positions = torch.cat(
                 [torch.arange(start, start + states.shape[0]) for states, start in self._pending]
             ).to(self._device)[None]
-            new = self.model.context_kv(hidden[None], positions)
-            if self._context_kv is not None:
-                new = [
-                    (torch.cat([k0, k1], dim=2), torch.cat([v0, v1], dim=2))
-                    for (k0, v0), (k1, v1) in zip(self._context_kv, new, strict=True)
-                ]
-            self._context_kv, self._pending = new, []
-        return self._context_kv
+            if self._fused is None:
+                new = self.model.context_kv(hidden[None], positions)
+            else:
+                features = self._fused.context_features(hidden)
+                cos, sin = self.model.rope(positions, features[0])
+                new = self._fused.context_kv(features, cos[0], sin[0])
+            self._context.append(new)
+            self._pending = []
+        return self._context
 
     @torch.inference_mode()
     def propose(self, token_ids: torch.Tensor, depth: int) -> Proposal:
@@ -74,8 +79,14 @@ class DFlashDrafter(ForksByCopy):
         block = torch.cat([root, torch.full((depth,), self.model.mask_token_id, device=self._device)])
         start = token_ids.shape[0] - 1
         positions = torch.arange(start, start + depth + 1, device=self._device)[None]
-        hidden = self.model(self.embed(block[None]), positions, self._context())
-        return self._proposal(self.head(hidden[0, 1:]).float().log_softmax(-1))
+        context = self._projected_context()
+        embeds = self.embed(block)
+        if self._fused is None:
+            hidden = self.model(embeds[None], positions, context.layers())[0]
+        else:
+            cos, sin = self.model.rope(positions, embeds)
+            hidden = self._fused(embeds, cos[0], sin[0], context)
+        return self._proposal(self.head(hidden[1:]).float().log_softmax(-1))
 
     @torch.inference_mode()
     def propose_batch(
@@ -88,7 +99,7 @@ class DFlashDrafter(ForksByCopy):
         attention kernel's rounding: a masked attention sums in another order than an unmasked one).
         """
         width = max(depths) + 1
-        contexts = [fork._context() for fork in forks]
+        contexts = [fork._projected_context().layers() for fork in forks]
         lengths = [context[0][0].shape[2] for context in contexts]
         longest = max(lengths)
         blocks = torch.full((len(forks), width), self.model.mask_token_id, device=self._device)
@@ -115,8 +126,7 @@ class DFlashDrafter(ForksByCopy):
         draft vocabulary get probability 0."""
         vocab = self.model.draft_vocab
         if vocab is not None:
-            full = torch.full((log_probs.shape[0], self.vocab_size), float("-inf"), device=self._device)
-            log_probs = full.index_copy_(1, vocab, log_probs)
+            return Proposal.restricted(log_probs, vocab, self.vocab_size)
         return Proposal(log_probs=log_probs)
 
 

@@ -30,10 +30,11 @@ class ChainBuilder:
         """``context`` and ``stats`` are unused: a chain is as long as the proposal."""
         if proposal.tokens is not None:
             return DraftTree.chain(root_token, proposal.tokens)
-        log_probs = proposal.log_probs
-        if log_probs is None or log_probs.shape[0] == 0:
-            return DraftTree.root_only(root_token, "cpu" if log_probs is None else log_probs.device)
+        if not proposal.has_distributions:
+            return DraftTree.root_only(root_token)
+        if proposal.depth == 0:
+            return DraftTree.root_only(root_token, proposal.device)
         if sampling.greedy:
-            return DraftTree.chain(root_token, log_probs.argmax(-1))
-        draft_probs = sampling.probs(log_probs)
+            return DraftTree.chain(root_token, proposal.top(1)[1][:, 0])
+        draft_probs = sampling.probs(proposal.log_probs)
         return DraftTree.chain(root_token, sample_from(draft_probs, generator), draft_probs)

@@ -71,22 +71,21 @@ class DartTreeBuilder:
         stats: GenerationStats | None = None,
     ) -> DraftTree:
         """``sampling``, ``generator``, ``context`` and ``stats`` are unused: the tree is deterministic."""
-        log_probs = proposal.log_probs
-        if log_probs is None:
+        if not proposal.has_distributions:
             if proposal.tokens is not None:
                 raise InvalidRequestError(
                     "the DART tree needs a drafter that gives distributions; "
                     "use --method chain for prompt lookup"
                 )
             return DraftTree.root_only(root_token)
-        device = log_probs.device
-        if log_probs.shape[0] == 0:
-            return DraftTree.root_only(root_token, device)
         s = self.settings
-        top = log_probs.float().topk(min(s.top_k, log_probs.shape[1]), dim=-1)
-        candidates = top.indices.cpu().numpy()
+        values, ids = proposal.top(s.top_k)
+        device = values.device
+        if values.shape[0] == 0:
+            return DraftTree.root_only(root_token, device)
+        candidates = ids.cpu().numpy()
         log_eps = np.log(s.eps)
-        draft_scores = np.minimum(np.logaddexp(top.values.cpu().numpy(), log_eps), 0.0)
+        draft_scores = np.minimum(np.logaddexp(values.float().cpu().numpy(), log_eps), 0.0)
         keep = self.ngram.order - 1 if self.ngram is not None else 0  # N-gram context length
         history = proposal.prefix if proposal.prefix is not None else torch.tensor([root_token])
         k = candidates.shape[1]

@@ -49,19 +49,18 @@ class DDTreeBuilder:
     ) -> DraftTree:
         """``sampling``, ``generator``, ``context`` and ``stats`` are unused: the tree is deterministic,
         its size fixed, and the sampling walk verifier keeps it lossless at any temperature."""
-        log_probs = proposal.log_probs
-        if log_probs is None:
+        if not proposal.has_distributions:
             if proposal.tokens is not None:
                 raise InvalidRequestError(
                     "ddtree needs a drafter that gives distributions; use --method chain for prompt lookup"
                 )
             return DraftTree.root_only(root_token)
-        depth, vocab = log_probs.shape
+        values, ids = proposal.top(self.budget)
+        depth, device = values.shape[0], values.device
         if depth == 0:
-            return DraftTree.root_only(root_token, log_probs.device)
-        top = log_probs.topk(min(self.budget, vocab), dim=-1)
-        ranked_scores: list[list[float]] = top.values.float().cpu().tolist()
-        ranked_tokens: list[list[int]] = top.indices.cpu().tolist()
+            return DraftTree.root_only(root_token, device)
+        ranked_scores: list[list[float]] = values.float().cpu().tolist()
+        ranked_tokens: list[list[int]] = ids.cpu().tolist()
         k = len(ranked_tokens[0])
 
         tokens, parents, depths, scores = [root_token], [-1], [0], [0.0]
@@ -84,7 +83,6 @@ class DDTreeBuilder:
                 if child > -math.inf:
                     heapq.heappush(heap, (-child, node, pos + 1, 0))
 
-        device = log_probs.device
         return DraftTree(
             tokens=torch.tensor(tokens, dtype=torch.long, device=device),
             parents=torch.tensor(parents, dtype=torch.long, device=device),

@@ -83,6 +83,26 @@ def test_rotary_split_equals_hugging_face_rotation(heads, kv_heads, dim):
     assert torch.equal(value, split[:, heads + kv_heads :])
 
 
+def test_rotary_split_with_per_head_norms_equals_qwen3s_norm_then_rotation():
+    """Qwen3 (and the DFlash drafter) norm each query and key head before rotating it."""
+    heads, kv_heads, dim, tokens, eps = 9, 3, 64, 4, 1e-6
+    qkv = _random(tokens, (heads + 2 * kv_heads) * dim, seed=6, scale=3.0)
+    q_norm, k_norm = _random(dim, seed=7), _random(dim, seed=8)
+    angles = 3 * torch.rand(tokens, dim // 2, generator=torch.Generator().manual_seed(9))
+    cos, sin = (f(torch.cat([angles, angles], dim=-1)).to(BF16) for f in (torch.cos, torch.sin))
+    query, key, value = decoder_ops().rotary_split(qkv, cos, sin, heads, kv_heads, q_norm, k_norm, eps)
+    split = qkv.view(1, tokens, -1, dim).transpose(1, 2)
+    normed_query = _rms_norm_reference(split[:, :heads], q_norm, eps).to(BF16)
+    normed_key = _rms_norm_reference(split[:, heads : heads + kv_heads], k_norm, eps).to(BF16)
+    expected_query, expected_key = apply_rotary_pos_emb(normed_query, normed_key, cos[None], sin[None])
+    # the norm may round its last bit the other way; the rotation then rounds its products again
+    torch.testing.assert_close(query, expected_query[0].transpose(0, 1), rtol=2 * ONE_ULP, atol=1e-2)
+    torch.testing.assert_close(key, expected_key, rtol=2 * ONE_ULP, atol=1e-2)
+    assert torch.equal(value, split[:, heads + kv_heads :])
+    with pytest.raises(RuntimeError, match="both per-head norms"):
+        decoder_ops().rotary_split(qkv, cos, sin, heads, kv_heads, q_norm, None, eps)
+
+
 def _attention_reference(query, keys, values, mask, scale) -> torch.Tensor:
     """Softmax attention in float64, query head h on K/V head h // group: [tokens, heads * dim]."""
     tokens, heads, dim = query.shape

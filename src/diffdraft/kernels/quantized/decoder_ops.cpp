@@ -1,5 +1,5 @@
 // The work of a Llama-family decoder layer between its matmuls, one op per step, for bfloat16
-// activations on AVX-512 BF16: RMSNorm (with the residual add before it), rotary on the stacked
+// activations on AVX-512 BF16: RMSNorm (with the residual add before it), rotary (after Qwen3's per-head norms, where given) on the stacked
 // q|k|v projection, attention over the cache, and SiLU gating.
 //
 // Each op computes in float32 and rounds to bfloat16 where Hugging Face's modules round (RMSNorm
@@ -153,9 +153,11 @@ void rotate_head(const BFloat16* x, const BFloat16* cos, const BFloat16* sin, BF
   }
 }
 
+// Qwen3's per-head RMSNorm of query and key heads before their rotation, when given (q_norm with k_norm).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary_split(const at::Tensor& qkv, const at::Tensor& cos,
-                                                            const at::Tensor& sin, int64_t heads,
-                                                            int64_t kv_heads) {
+                                                            const at::Tensor& sin, int64_t heads, int64_t kv_heads,
+                                                            const c10::optional<at::Tensor>& q_norm,
+                                                            const c10::optional<at::Tensor>& k_norm, double eps) {
   check_bf16(qkv, "qkv");
   check_bf16(cos, "cos");
   check_bf16(sin, "sin");
@@ -163,6 +165,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary_split(const at::Tensor& qk
   TORCH_CHECK(qkv.size(-1) == dim * (heads + 2 * kv_heads) && dim % 2 == 0, "qkv width ", qkv.size(-1),
               " is not ", heads, " + 2 x ", kv_heads, " heads of an even size");
   TORCH_CHECK(cos.numel() == tokens * dim && sin.numel() == tokens * dim, "cos and sin must be [tokens, head_dim]");
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "give both per-head norms or neither");
+  TORCH_CHECK(dim <= 32 * kMaxPairs, "head_dim ", dim, " unsupported");
+  const BFloat16* norm_weights[2] = {nullptr, nullptr};
+  if (q_norm.has_value()) {
+    for (const at::Tensor* weight : {&*q_norm, &*k_norm}) {
+      check_bf16(*weight, "per-head norm weight");
+      TORCH_CHECK(weight->numel() == dim, "a per-head norm weight has ", weight->numel(), " entries for heads of ", dim);
+    }
+    norm_weights[0] = q_norm->data_ptr<BFloat16>();
+    norm_weights[1] = k_norm->data_ptr<BFloat16>();
+  }
   at::Tensor query = at::empty({tokens, heads, dim}, qkv.options());
   at::Tensor key = at::empty({1, kv_heads, tokens, dim}, qkv.options());
   at::Tensor value = at::empty({1, kv_heads, tokens, dim}, qkv.options());
@@ -173,6 +186,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary_split(const at::Tensor& qk
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item / all_heads, head = item % all_heads;
       const BFloat16* x = in + t * row + head * dim;
+      BFloat16 normed[32 * kMaxPairs];
+      if (norm_weights[0] != nullptr && head < heads + kv_heads) {
+        rms_norm_rows(x, nullptr, norm_weights[head < heads ? 0 : 1], nullptr, normed, dim, static_cast<float>(eps));
+        x = normed;
+      }
       if (head < heads) {
         rotate_head(x, cos.data_ptr<BFloat16>() + t * dim, sin.data_ptr<BFloat16>() + t * dim,
                     query.data_ptr<BFloat16>() + (t * heads + head) * dim, dim);
@@ -389,7 +407,9 @@ at::Tensor silu_gate(const at::Tensor& gate_up) {
 TORCH_LIBRARY(diffdraft_decoder, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("residual_rms_norm(Tensor x, Tensor update, Tensor weight, float eps) -> (Tensor, Tensor)");
-  m.def("rotary_split(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "rotary_split(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads, Tensor? q_norm=None, "
+      "Tensor? k_norm=None, float eps=0.0) -> (Tensor, Tensor, Tensor)");
   m.def("attention(Tensor query, Tensor keys, Tensor values, Tensor? mask, float scale) -> Tensor");
   m.def("silu_gate(Tensor gate_up) -> Tensor");
 }

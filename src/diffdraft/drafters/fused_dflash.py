@@ -1,0 +1,160 @@
+"""The DFlash / DFlare draft layers' inference forward through the fused decoder ops.
+
+Beside a bfloat16 target on diffdraft's CPU kernels the drafter's projections are laid out on the same
+kernels, and an 8-row block's matmuls then take about as long as the two dozen small torch ops a
+layer runs between them (Qwen3's per-head norms, rotary, context and block keys concatenated,
+attention, gating). Here each of those steps is one op of
+:mod:`~diffdraft.kernels.quantized.decoder_ops`, rounded where the module forward rounds; attention
+sums in another order, so a proposal may differ from the module forward's in the last bits. Drafts
+only: verification keeps the output exact whatever the drafter proposes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from diffdraft.drafters.dflash_model import DFLASH, DFlashDraftModel
+from diffdraft.drafters.draft_context import DraftContext, KeysAndValues
+from diffdraft.kernels.fused_projections import ProjectionSlice
+from diffdraft.kernels.quantized.decoder_ops import MAX_HEAD_DIM, decoder_ops
+
+Norm = tuple[torch.Tensor, float]
+"""An RMSNorm's weight and epsilon, as the fused ops take them."""
+
+
+@dataclass
+class _Layer:
+    """What one draft layer's fused forward reads, looked up once (module attribute lookups are slow)."""
+
+    qkv: nn.Module
+    context_kv: nn.Module
+    """Projects context rows: DFlare's own k|v projection; DFlash's q|k|v, the queries dropped."""
+    context_heads: int
+    """Query heads in ``context_kv``'s output (DFlash: all of them, unused; DFlare: none)."""
+    head_norms: tuple[torch.Tensor, torch.Tensor, float]
+    output: nn.Module
+    post_norm: Norm
+    gate_up: nn.Module
+    down: nn.Module
+    next_norm: Norm
+    """The next layer's input norm, or the model's final norm: each layer ends with it."""
+    scaling: float
+
+
+class FusedDraftLayers:
+    """The draft network's block forward and context projection; build with :meth:`build`."""
+
+    def __init__(self, model: DFlashDraftModel) -> None:
+        self.ops = decoder_ops()
+        attention = model.layers[0].self_attn
+        self.heads, self.kv_heads = attention.num_heads, attention.num_kv_heads
+        next_norms = [layer.input_layernorm for layer in model.layers[1:]] + [model.norm]
+        self.first_norm = _norm(model.layers[0].input_layernorm)
+        self.layers = [
+            _layer(layer, next_norm, model.variant)
+            for layer, next_norm in zip(model.layers, next_norms, strict=True)
+        ]
+        if model.variant == DFLASH:
+            self.fc, self.hidden_norm = model.fc, _norm(model.hidden_norm)
+        else:  # DFlare's per-layer mix of the taps, its softmax taken once
+            self.tap_weights = model.fusion.weight.float().softmax(-1).to(torch.bfloat16)
+            self.context_norms = [_norm(layer.context_norm) for layer in model.layers]
+        self.variant = model.variant
+
+    @classmethod
+    def build(cls, model: DFlashDraftModel) -> FusedDraftLayers | None:
+        """The fused layers of a bfloat16 drafter whose q|k|v and gate|up projections are stacked
+        (laid out beside an inference-only target) where the decoder ops run; None otherwise."""
+        if model.norm.weight.dtype != torch.bfloat16 or decoder_ops() is None:
+            return None
+        if getattr(model.config, "hidden_act", None) != "silu":
+            return None
+        for layer in model.layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            if attention.head_dim > MAX_HEAD_DIM or attention.head_dim % 2:
+                return None
+            if not _stacked(attention.q_proj, attention.k_proj, attention.v_proj) or not _stacked(
+                mlp.gate_proj, mlp.up_proj
+            ):
+                return None
+        return cls(model)
+
+    def context_features(self, taps: torch.Tensor) -> list[torch.Tensor]:
+        """Every layer's context rows [c, H] from target taps [c, T, H], as
+        :meth:`~diffdraft.drafters.dflash_model.DFlashDraftModel.context_features` makes them."""
+        if self.variant == DFLASH:
+            shared = self.ops.rms_norm(self.fc.forward(taps.flatten(-2)), *self.hidden_norm)
+            return [shared] * len(self.layers)
+        rows, taps_count, hidden = taps.shape
+        by_tap = taps.transpose(0, 1).reshape(taps_count, rows * hidden)  # one matmul mixes every layer's
+        mixed = torch.matmul(self.tap_weights, by_tap).view(len(self.layers), rows, hidden)
+        return [self.ops.rms_norm(m, *norm) for m, norm in zip(mixed, self.context_norms, strict=True)]
+
+    def context_kv(
+        self, features: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor
+    ) -> list[KeysAndValues]:
+        """Every layer's keys (normed, rotated) and values [1, kv_heads, c, d] of context rows, from
+        the layers' context features, each [c, H], and the rows' rotary (cos, sin), each [c, d]."""
+        keys_and_values = []
+        for layer, rows in zip(self.layers, features, strict=True):
+            projected = layer.context_kv.forward(rows)
+            _, keys, values = self.ops.rotary_split(
+                projected, cos, sin, layer.context_heads, self.kv_heads, *layer.head_norms
+            )
+            keys_and_values.append((keys, values))
+        return keys_and_values
+
+    def __call__(
+        self, block: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, context: DraftContext
+    ) -> torch.Tensor:
+        """Final-normed hidden states [n, H] of a block's embeddings [n, H]: every row sees the whole
+        context and the whole block. ``cos``/``sin`` [n, d]: the block rows' rotary."""
+        ops = self.ops
+        hidden, normed = block, ops.rms_norm(block, *self.first_norm)
+        for index, layer in enumerate(self.layers):
+            query, keys, values = ops.rotary_split(
+                layer.qkv.forward(normed), cos, sin, self.heads, self.kv_heads, *layer.head_norms
+            )
+            keys, values = context.with_block(index, keys, values)
+            attended = ops.attention(query, keys, values, None, layer.scaling)
+            hidden, normed = ops.residual_rms_norm(hidden, layer.output.forward(attended), *layer.post_norm)
+            gated = ops.silu_gate(layer.gate_up.forward(normed))
+            hidden, normed = ops.residual_rms_norm(hidden, layer.down.forward(gated), *layer.next_norm)
+        return normed
+
+
+def _norm(module: nn.Module) -> Norm:
+    return module.weight, module.variance_epsilon
+
+
+def _stacked(*siblings: nn.Module) -> bool:
+    """Whether ``siblings`` are, in order, all the columns of one stacked projection."""
+    if not all(isinstance(s, ProjectionSlice) for s in siblings):
+        return False
+    stacked = siblings[0].stacked
+    return all(s.stacked is stacked for s in siblings) and len(stacked.columns) == len(siblings)
+
+
+def _layer(layer: nn.Module, next_norm: nn.Module, variant: str) -> _Layer:
+    attention = layer.self_attn
+    qkv = attention.q_proj.stacked.linear
+    if variant == DFLASH:  # context rows go through the block's own k and v projections
+        context_kv, context_heads = qkv, attention.num_heads
+    else:
+        k, v = attention.context_k_proj, attention.context_v_proj
+        context_kv, context_heads = type(k).stacked([k, v]), 0
+    return _Layer(
+        qkv=qkv,
+        context_kv=context_kv,
+        context_heads=context_heads,
+        head_norms=(attention.q_norm.weight, attention.k_norm.weight, attention.q_norm.variance_epsilon),
+        output=attention.o_proj,
+        post_norm=_norm(layer.post_attention_layernorm),
+        gate_up=layer.mlp.gate_proj.stacked.linear,
+        down=layer.mlp.down_proj,
+        next_norm=_norm(next_norm),
+        scaling=attention.head_dim**-0.5,
+    )

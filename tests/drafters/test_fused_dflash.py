@@ -1,0 +1,60 @@
+"""The fused draft forward: the module forward's proposals up to rounding, on both variants, with and
+without a draft vocabulary, through context appends that outgrow the buffers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffdraft.drafters.dflash import DFlashDrafter
+from diffdraft.drafters.dflash_model import DFLARE, DFLASH
+from diffdraft.kernels.fused_projections import fuse_projections
+from diffdraft.target import TargetModel
+
+from conftest import needs_block_kernel, q4_1_target, tiny_drafter
+
+pytestmark = needs_block_kernel
+
+
+def _drafters(variant: str, draft_vocab: list[int] | None, seed: int) -> tuple[DFlashDrafter, DFlashDrafter]:
+    """(fused, module-forward) drafters of the same weights beside a laid-out bf16 block target."""
+    model, _ = q4_1_target("llama", seed=seed, vocab=96)
+    fuse_projections(model)
+    target = TargetModel(model)
+    fused, eager = (
+        DFlashDrafter(tiny_drafter(model, seed, 2, 6, variant, draft_vocab=draft_vocab), target) for _ in "ab"
+    )
+    eager._fused = None
+    return fused, eager
+
+
+@pytest.mark.parametrize("variant", [DFLASH, DFLARE])
+@pytest.mark.parametrize("draft_vocab", [None, list(range(0, 96, 3))])
+def test_fused_proposals_are_the_module_forwards(variant, draft_vocab):
+    fused, eager = _drafters(variant, draft_vocab, seed=1)
+    assert fused._fused is not None
+    g = torch.Generator().manual_seed(2)
+    hidden_size = fused.model.config.hidden_size
+    taps = len(fused.target_layer_ids)
+    committed = 0
+    for new in (300, 3, 1, 40):  # the first append outgrows the initial rows
+        states = torch.randn(new, taps, hidden_size, generator=g).to(torch.bfloat16)
+        for drafter in (fused, eager):
+            drafter.extend_context(states, committed)
+        committed += new
+        token_ids = torch.randint(0, 90, (committed + 1,), generator=g)
+        proposals = [drafter.propose(token_ids, 5).log_probs for drafter in (fused, eager)]
+        assert proposals[0].shape == (5, 96)
+        probs = [p.exp() for p in proposals]
+        torch.testing.assert_close(probs[0], probs[1], rtol=0, atol=0.02)
+        assert torch.equal(proposals[0].isinf(), proposals[1].isinf())  # the same draft vocabulary
+    assert fused._context.length == eager._context.length == committed
+
+
+def test_forks_draft_from_contexts_of_their_own():
+    fused, _ = _drafters(DFLARE, None, seed=3)
+    fork = fused.fork()
+    states = torch.randn(4, len(fused.target_layer_ids), fused.model.config.hidden_size).to(torch.bfloat16)
+    fused.extend_context(states, 0)
+    fused.propose(torch.arange(5), 5)
+    assert fused._context.length == 4 and fork._context.length == 0
