@@ -58,3 +58,24 @@ def test_forks_draft_from_contexts_of_their_own():
     fused.extend_context(states, 0)
     fused.propose(torch.arange(5), 5)
     assert fused._context.length == 4 and fork._context.length == 0
+
+
+@pytest.mark.parametrize("draft_vocab", [None, list(range(0, 96, 3))])
+def test_forks_drafted_together_get_what_each_drafts_alone(draft_vocab):
+    from diffdraft.drafters.base import propose_together
+
+    fused, _ = _drafters(DFLARE, draft_vocab, seed=4)
+    g = torch.Generator().manual_seed(5)
+    forks, token_ids = [], []
+    for length in (7, 2, 300, 5):  # one context outgrows the initial rows
+        fork = fused.fork()
+        states = torch.randn(length, len(fused.target_layer_ids), fused.model.config.hidden_size, generator=g)
+        fork.extend_context(states.to(torch.bfloat16), 0)
+        forks.append(fork)
+        token_ids.append(torch.randint(0, 90, (length + 1,), generator=g))
+    depths = [5, 3, 1, 5]
+    together = propose_together(forks, token_ids, depths)
+    for fork, ids, depth, proposal in zip(forks, token_ids, depths, together, strict=True):
+        alone = fork.propose(ids, depth)
+        assert proposal.depth == depth
+        torch.testing.assert_close(proposal.log_probs, alone.log_probs, rtol=0, atol=1e-6)

@@ -8,6 +8,7 @@ bfloat16 target on diffdraft's CPU kernels it drafts through the fused decoder o
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -85,7 +86,7 @@ class DFlashDrafter(ForksByCopy):
             hidden = self.model(embeds[None], positions, context.layers())[0]
         else:
             cos, sin = self.model.rope(positions, embeds)
-            hidden = self._fused(embeds, cos[0], sin[0], context)
+            hidden = self._fused(embeds, cos[0], sin[0], [context], [slice(None)])
         return self._proposal(self.head(hidden[1:]).float().log_softmax(-1))
 
     @torch.inference_mode()
@@ -94,10 +95,14 @@ class DFlashDrafter(ForksByCopy):
     ) -> list[Proposal]:
         """:meth:`propose` for every fork (of this drafter: the same weights) in one forward.
 
-        Blocks are padded to the deepest and contexts to the longest; a mask lets each block row see
-        its own context and its own block only, so each proposal is its fork's own (equal up to the
-        attention kernel's rounding: a masked attention sums in another order than an unmasked one).
+        Through the fused ops the blocks' rows are stacked and each block attends over its own
+        context: every proposal is what its fork drafts alone. Otherwise blocks are padded to the
+        deepest and contexts to the longest; a mask lets each block row see its own context and its
+        own block only, so each proposal is its fork's own (equal up to the attention kernel's
+        rounding: a masked attention sums in another order than an unmasked one).
         """
+        if self._fused is not None:
+            return self._propose_stacked(forks, token_ids, depths)
         width = max(depths) + 1
         contexts = [fork._projected_context().layers() for fork in forks]
         lengths = [context[0][0].shape[2] for context in contexts]
@@ -120,6 +125,24 @@ class DFlashDrafter(ForksByCopy):
         hidden = self.model(self.embed(blocks), positions, context_kv, mask)
         log_probs = self.head(hidden[:, 1:]).float().log_softmax(-1)
         return [self._proposal(log_probs[row, :depth]) for row, depth in enumerate(depths)]
+
+    def _propose_stacked(
+        self, forks: Sequence[DFlashDrafter], token_ids: Sequence[torch.Tensor], depths: Sequence[int]
+    ) -> list[Proposal]:
+        """:meth:`propose_batch` through the fused ops: the blocks' rows one after another."""
+        mask_id = self.model.mask_token_id
+        pairs = list(zip(token_ids, depths, strict=True))
+        blocks = torch.tensor([token for ids, depth in pairs for token in [int(ids[-1])] + [mask_id] * depth])
+        positions = torch.cat([torch.arange(ids.shape[0] - 1, ids.shape[0] + depth) for ids, depth in pairs])
+        edges = list(itertools.accumulate((depth + 1 for depth in depths), initial=0))
+        rows = [slice(a, b) for a, b in itertools.pairwise(edges)]
+        embeds = self.embed(blocks.to(self._device))
+        cos, sin = self.model.rope(positions.to(self._device)[None], embeds)
+        contexts = [fork._projected_context() for fork in forks]
+        hidden = self._fused(embeds, cos[0], sin[0], contexts, rows)
+        drafted = torch.cat([hidden[part][1:] for part in rows])  # every row but each block's anchor
+        log_probs = self.head(drafted).float().log_softmax(-1)
+        return [self._proposal(part) for part in log_probs.split(list(depths))]
 
     def _proposal(self, log_probs: torch.Tensor) -> Proposal:
         """The proposal of drafted rows ``log_probs`` [depth, draft vocabulary]: tokens outside the

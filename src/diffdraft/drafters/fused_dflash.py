@@ -11,6 +11,7 @@ only: verification keeps the output exact whatever the drafter proposes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -108,18 +109,28 @@ class FusedDraftLayers:
         return keys_and_values
 
     def __call__(
-        self, block: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, context: DraftContext
+        self,
+        blocks: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        contexts: Sequence[DraftContext],
+        rows: Sequence[slice],
     ) -> torch.Tensor:
-        """Final-normed hidden states [n, H] of a block's embeddings [n, H]: every row sees the whole
-        context and the whole block. ``cos``/``sin`` [n, d]: the block rows' rotary."""
+        """Final-normed hidden states [n, H] of blocks' embeddings [n, H]: ``rows`` are each block's
+        among the n, and its rows see the whole of its own context (of ``contexts``) and block.
+        ``cos``/``sin`` [n, d]: the rows' rotary. The projections run over every row at once;
+        attention per block, over its own context, so each block's rows are those it gets alone."""
         ops = self.ops
-        hidden, normed = block, ops.rms_norm(block, *self.first_norm)
+        hidden, normed = blocks, ops.rms_norm(blocks, *self.first_norm)
         for index, layer in enumerate(self.layers):
             query, keys, values = ops.rotary_split(
                 layer.qkv.forward(normed), cos, sin, self.heads, self.kv_heads, *layer.head_norms
             )
-            keys, values = context.with_block(index, keys, values)
-            attended = ops.attention(query, keys, values, None, layer.scaling)
+            attended = []
+            for context, part in zip(contexts, rows, strict=True):
+                block_keys, block_values = context.with_block(index, keys[:, :, part], values[:, :, part])
+                attended.append(ops.attention(query[part], block_keys, block_values, None, layer.scaling))
+            attended = attended[0] if len(attended) == 1 else torch.cat(attended)
             hidden, normed = ops.residual_rms_norm(hidden, layer.output.forward(attended), *layer.post_norm)
             gated = ops.silu_gate(layer.gate_up.forward(normed))
             hidden, normed = ops.residual_rms_norm(hidden, layer.down.forward(gated), *layer.next_norm)
