@@ -70,7 +70,7 @@ def test_a_sequence_alone_decodes_plainly_once_its_drafts_do_not_pay():
     # the forward costs 10 ms plus 10 ms per extra token, drafting 20 ms: no drafted node pays
     curve = VerifyCostCurve(sizes=[1, 64], contexts=[512], seconds=[[0.01, 0.64]])
     rounds = RoundBudgetPlanner(BudgetPlanner(curve), explore_every=4)
-    rounds._draft_seconds.append(0.02)
+    rounds._draft_seconds[True].append(0.02)
     stats = GenerationStats(surrogates=[[1.0 + 0.3 * b for b in range(20)]])
     assert rounds.plan([RoundSequence(stats, 100, can_draft=True)]) == [0]
     stats.tree_sizes = [3, 0, 0, 0, 0]  # nothing drafted for the last 4 rounds: it explores
@@ -85,7 +85,7 @@ def losing_planner(explore_every: int = 4) -> RoundBudgetPlanner:
     """Drafting never pays: the forward costs 10 ms plus 10 ms per extra token, drafting 20 ms."""
     curve = VerifyCostCurve(sizes=[1, 64], contexts=[512], seconds=[[0.01, 0.64]])
     rounds = RoundBudgetPlanner(BudgetPlanner(curve), explore_every=explore_every)
-    rounds._draft_seconds.append(0.02)
+    rounds._draft_seconds[True].append(0.02)
     return rounds
 
 
@@ -142,8 +142,8 @@ def test_finished_sequences_teach_the_stage_costs_and_the_shared_forwards_scale(
     stats.verify_forwards = [(2, 16, 100)] * 4  # twice what the batch curve says
     stats.timings.update(draft=0.03, tree=0.01, mask=0.0, accept=0.004, commit=0.004)
     rounds.observe_generation(stats)
-    assert rounds.draft_seconds == pytest.approx(0.02)  # per drafting round
-    assert rounds.commit_seconds == pytest.approx(0.002)
+    assert rounds.draft_seconds(alone=False) == pytest.approx(0.02)  # per drafting round
+    assert rounds.commit_seconds(alone=False) == pytest.approx(0.002)
     assert rounds.batch_scale(2) == pytest.approx(2.0)
     assert rounds.verify_seconds(np.array([16]), 2, 100)[0] == pytest.approx(0.04)
 
@@ -200,3 +200,27 @@ def test_rounds_at_budget_0_are_plain_decoding_steps(temperature):
     assert batched(mixed, requests, sampling, 3) == each
     if temperature == 0:
         assert each == plain
+
+
+def test_a_lone_sequence_plans_with_the_stage_costs_of_sequences_that_ran_alone():
+    """Drafting in a batch costs a sequence another time than drafting alone: a lone sequence after a
+    busy spell must not plan with the batch's times (it stopped drafting when it did)."""
+    rounds = RoundBudgetPlanner(BudgetPlanner(VerifyCostCurve([1, 64], [100], [[0.01, 0.02]])))
+
+    def finished(forwards: tuple[int, int, int], draft: float) -> GenerationStats:
+        stats = GenerationStats(rounds=2, tree_sizes=[3, 3], accepted_nodes=[[], []])
+        stats.verify_contexts, stats.verify_seconds, stats.verify_forwards = (
+            [100] * 2,
+            [0.01] * 2,
+            [forwards] * 2,
+        )
+        stats.timings.update(draft=2 * draft, tree=0.0, mask=0.0, accept=0.0, commit=0.0)
+        return stats
+
+    rounds.observe_generation(finished((8, 32, 100), draft=0.05))
+    assert rounds.draft_seconds(alone=True) == rounds.draft_seconds(alone=False) == pytest.approx(0.05)
+    rounds.observe_generation(finished((1, 4, 100), draft=0.002))
+    assert rounds.draft_seconds(alone=True) == pytest.approx(0.002)
+    assert rounds.draft_seconds(alone=False) == pytest.approx(0.05)
+    lone = GenerationStats(surrogates=[[1.0 + 0.3 * b for b in range(20)]])
+    assert rounds.plan([RoundSequence(lone, 100, can_draft=True)]) != [0]

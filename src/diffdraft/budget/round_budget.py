@@ -13,7 +13,9 @@ with tau_i a sequence's expected acceptance length per budget (:meth:`BudgetPlan
 from its own record), t the verification forward (the single-sequence curve alone, the batch curve
 shared, both rescaled by the finished sequences' own forwards), d the drafting, tree and mask time
 of one drafting sequence and c each sequence's acceptance and commit, both learned from finished
-sequences.
+sequences: from those decoded alone for a round of one sequence, from those that shared forwards
+for a round of several (drafting in a batch costs a sequence another time than drafting alone, and
+a planner that carried batch-8 drafting times to a lone sequence stopped it drafting).
 """
 
 from __future__ import annotations
@@ -148,8 +150,13 @@ class RoundBudgetPlanner:
         self._batch_cost = batch_cost
         self.explore_every = explore_every
         self.refresh = refresh
-        self._draft_seconds: deque[float] = deque(maxlen=window)
-        self._commit_seconds: deque[float] = deque(maxlen=window)
+        self._draft_seconds: dict[bool, deque[float]] = {
+            alone: deque(maxlen=window) for alone in (True, False)
+        }
+        """Seconds per drafting round of finished sequences, kept apart by whether they ran alone."""
+        self._commit_seconds: dict[bool, deque[float]] = {
+            alone: deque(maxlen=window) for alone in (True, False)
+        }
         self._batch_scales: deque[tuple[int, float]] = deque(maxlen=timed_rounds)
         """(sequences, measured / batch curve seconds) of finished sequences' shared forwards."""
         self.context_step = context_step
@@ -169,24 +176,26 @@ class RoundBudgetPlanner:
             self._batch_cost = self._batch_cost()
         return self._batch_cost
 
-    @property
-    def draft_seconds(self) -> float:
-        """Seconds one drafting sequence adds to a round (0 before any sequence finished)."""
-        return float(np.mean(self._draft_seconds)) if self._draft_seconds else 0.0
+    def draft_seconds(self, alone: bool = True) -> float:
+        """Seconds one drafting sequence adds to a round of one sequence (``alone``) or of several,
+        as the finished sequences that ran so measured it (those that ran the other way stand in
+        before any did; 0 before any sequence finished)."""
+        return _mean_of(self._draft_seconds, alone)
 
-    @property
-    def commit_seconds(self) -> float:
-        """Seconds each sequence adds to a round outside the forward and drafting."""
-        return float(np.mean(self._commit_seconds)) if self._commit_seconds else 0.0
+    def commit_seconds(self, alone: bool = True) -> float:
+        """Seconds each sequence adds to a round outside the forward and drafting (as
+        :meth:`draft_seconds`)."""
+        return _mean_of(self._commit_seconds, alone)
 
     def observe_generation(self, stats: GenerationStats) -> None:
         """Learn a finished sequence's stage times and its shared forwards' times."""
         self._learned += 1
+        alone = all(forward[0] == 1 for forward in stats.verify_forwards)
         drafted = sum(size > 0 for size in stats.tree_sizes)
         if drafted:
-            self._draft_seconds.append(sum(stats.timings[s] for s in DRAFT_STAGES) / drafted)
+            self._draft_seconds[alone].append(sum(stats.timings[s] for s in DRAFT_STAGES) / drafted)
         if stats.rounds:
-            self._commit_seconds.append(sum(stats.timings[s] for s in COMMIT_STAGES) / stats.rounds)
+            self._commit_seconds[alone].append(sum(stats.timings[s] for s in COMMIT_STAGES) / stats.rounds)
         shared = [r for r in rounds_of(stats) if r.forward is not None and r.seconds > 0]
         if shared and self.batch_cost is not None:
             self._batch_scales.extend(
@@ -224,8 +233,9 @@ class RoundBudgetPlanner:
                 return list(budgets)
         tokens = np.arange(sum(len(tau) for tau in taus) + 1)
         verify = self.verify_seconds(tokens, len(sequences), context)
-        fixed = self.commit_seconds * len(sequences)
-        budgets = plan_budgets(taus, verify, self.draft_seconds, fixed, explore)
+        alone = len(sequences) == 1
+        fixed = self.commit_seconds(alone) * len(sequences)
+        budgets = plan_budgets(taus, verify, self.draft_seconds(alone), fixed, explore)
         self._last_plan = (taus, inputs, budgets)  # holds the estimates, so `is` cannot see a reused id
         return list(budgets)
 
@@ -254,3 +264,9 @@ class RoundBudgetPlanner:
         interval = self.explore_every * sequences
         recent = stats.tree_sizes[-interval:]
         return len(recent) == interval and not any(recent)
+
+
+def _mean_of(seconds: dict[bool, deque[float]], alone: bool) -> float:
+    """The mean of ``seconds[alone]``, else of the other record, else 0."""
+    record = seconds[alone] or seconds[not alone]
+    return float(np.mean(record)) if record else 0.0
