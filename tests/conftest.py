@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import numpy as np
@@ -241,3 +242,12 @@ def q4_1_target(family: str = "llama", seed: int = 0, **kwargs) -> tuple[torch.n
             parent = model.model.layers.get_submodule(parent_name)
             setattr(parent, attribute, BlockQuantizedLinear(blocks, getattr(parent, attribute).bias))
     return model, dense
+
+
+def parse_train_args(argv: list[str]) -> argparse.Namespace:
+    """Command-line arguments ``["train", ...]`` as ``diffdraft`` parses them."""
+    from diffdraft.train.cli import add_train_parser
+
+    parser = argparse.ArgumentParser(prog="diffdraft")
+    add_train_parser(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(argv)

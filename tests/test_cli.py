@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 
 import pytest
 
-import diffdraft.cli
+import diffdraft.model_options
 from diffdraft.cli import main
 from diffdraft.drafters.checkpoint import save_draft_model
 from diffdraft.drafters.deer_model import deer_from_causal_lm
 from diffdraft.errors import CheckpointError
+from diffdraft.fingerprint import tokenizer_fingerprint
 from diffdraft.loading import load_target
-from diffdraft.ngram.trie import tokenizer_fingerprint
 
 from conftest import make_checkpoint, tiny_drafter
 
@@ -93,25 +92,6 @@ def test_bad_arguments_exit_2_with_the_reason(checkpoint, capsys, args, message)
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("value", "budget"), [("auto", "auto"), ("6", 6)])
-def test_a_budget_is_a_positive_integer_or_auto(value, budget):
-    parser = argparse.ArgumentParser()
-    diffdraft.cli.add_model_arguments(parser)
-    assert parser.parse_args(["--budget", value]).budget == budget
-
-
-@pytest.mark.parametrize("value", ["abc", "0", "-3", "1.5"])
-def test_a_bad_budget_names_the_accepted_forms(capsys, value):
-    parser = argparse.ArgumentParser()
-    diffdraft.cli.add_model_arguments(parser)
-    with pytest.raises(SystemExit) as exited:
-        parser.parse_args(["--budget", value])
-    assert exited.value.code == 2
-    assert (
-        f"argument --budget: expected a positive integer or 'auto', got '{value}'" in capsys.readouterr().err
-    )
-
-
 def test_missing_target_is_a_clear_error(tmp_path, capsys):
     assert main(["generate", "--target", str(tmp_path / "missing"), "--prompt", "hi"]) == 2
     assert "does not exist" in capsys.readouterr().err
@@ -165,7 +145,7 @@ def test_the_default_drafter_follows_the_method(monkeypatch, capsys, target, met
         asked.update(target=target, drafter=drafter, method=method)
         raise CheckpointError(f"the {drafter} drafter is missing from this installation")
 
-    monkeypatch.setattr(diffdraft.cli, "load", load)
+    monkeypatch.setattr(diffdraft.model_options, "load", load)
     assert main(["generate", "--target", target, "--method", method, "--prompt", "hi"]) == 2
     assert asked == {"target": target, "drafter": drafter, "method": method}
     assert capsys.readouterr().out == ""

@@ -19,22 +19,11 @@ import torch
 import diffdraft.loading
 from diffdraft import default_model
 from diffdraft.chat import encode_chat
-from diffdraft.default_model import cache_root, default_gguf_path, default_model_dir
+from diffdraft.default_model import default_gguf_path
 from diffdraft.errors import CheckpointError
-from diffdraft.loading import end_token_ids, load_target
+from diffdraft.loading import default_model_dir, end_token_ids, load_target
 
 MESSAGE = "diffdraft: converting SmolLM2-135M-Instruct GGUF to safetensors in {} (once) ..."
-
-
-def test_cache_root_precedence(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    monkeypatch.delenv("DIFFDRAFT_CACHE", raising=False)
-    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
-    assert cache_root() == tmp_path / "home" / ".cache" / "diffdraft"
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert cache_root() == tmp_path / "xdg" / "diffdraft"
-    monkeypatch.setenv("DIFFDRAFT_CACHE", str(tmp_path / "mine"))
-    assert cache_root() == tmp_path / "mine"
 
 
 def test_missing_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -117,7 +106,7 @@ def test_first_use_converts_into_the_cache(converted: Conversion) -> None:
 def test_later_calls_reuse_the_cache(
     converted: Conversion, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
-    monkeypatch.setattr(default_model, "_convert", lambda *args: pytest.fail("converted twice"))
+    monkeypatch.setattr(diffdraft.loading, "_convert", lambda *args: pytest.fail("converted twice"))
     assert default_model_dir() == converted.path
     assert "converting" not in capsys.readouterr().err
 

@@ -7,6 +7,9 @@ an error that says what to pass instead, never a silent hub lookup.
 from __future__ import annotations
 
 import os
+import shutil
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,12 +25,13 @@ from transformers import (
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from diffdraft.default_model import MODEL_NAME, default_gguf_path, default_model_dir
+from diffdraft.default_model import MODEL_NAME, default_cache_dir, default_gguf_path
 from diffdraft.errors import CheckpointError, InvalidRequestError
 from diffdraft.kernels.fused_projections import fuse_projections
 from diffdraft.kernels.grouped_attention import use_grouped_attention
 from diffdraft.kernels.packed_linear import pack_linear_layers
 from diffdraft.kernels.quantized.gguf_weights import block_weights_supported, use_gguf_blocks
+from diffdraft.staging import temp_dir_beside
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The names from_pretrained looks for; anything else in the directory is not loadable weights.
@@ -38,6 +42,8 @@ WEIGHT_FILES = (
     "pytorch_model.bin.index.json",
 )
 _WHAT_TO_PASS = "pass 'default', a local Hugging Face model directory, or a path to a .gguf file"
+# A conversion takes well under a minute; temp dirs older than this were left by a killed one.
+_STALE_SECONDS = 3600
 
 
 @dataclass
@@ -148,6 +154,43 @@ def _load(spec: str | os.PathLike, dtype: str, device: str | torch.device | None
         f"{path} is a file but not a .gguf file. For safetensors or .bin weights pass the directory that "
         f"holds them together with config.json and the tokenizer files; otherwise {_WHAT_TO_PASS}."
     )
+
+
+def default_model_dir() -> Path:
+    """The default target as a Hugging Face directory, converting its GGUF on first use.
+
+    Dequantizing the GGUF takes ~15 s on every load, while a safetensors directory loads in under a
+    second, so the GGUF is converted once into the user cache and later loads read the cache. The
+    weights are kept in float32, which holds the dequantized values exactly, so the cache computes the
+    same logits as the GGUF.
+    """
+    gguf = default_gguf_path()
+    target = default_cache_dir()
+    if not (target / "config.json").is_file():
+        _convert(gguf, target)
+    return target
+
+
+def _convert(gguf: Path, target: Path) -> None:
+    """Write into a temp dir and rename it into place, so a killed conversion never leaves a half cache."""
+    print(f"diffdraft: converting {MODEL_NAME} GGUF to safetensors in {target} (once) ...", file=sys.stderr)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    for stale in target.parent.glob(f".{target.name}.tmp-*"):
+        if time.time() - stale.stat().st_mtime > _STALE_SECONDS:
+            shutil.rmtree(stale, ignore_errors=True)
+    tmp = temp_dir_beside(target)
+    try:
+        loaded = load_target(gguf, dtype="float32", device="cpu")
+        loaded.model.save_pretrained(tmp)
+        loaded.tokenizer.save_pretrained(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+            # Another process finished the same conversion first; its copy is identical.
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def end_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:

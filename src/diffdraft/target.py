@@ -17,7 +17,8 @@ from transformers import DynamicCache, PreTrainedModel
 from diffdraft.errors import IncompatibleDrafterError, UnsupportedModelError
 from diffdraft.kernels.graphed_verify import GraphedVerify
 from diffdraft.kernels.kv_cache import growable_cache, keep_rows
-from diffdraft.kernels.lean_forward import LeanForward, Segment
+from diffdraft.kernels.lean_forward import LeanForward
+from diffdraft.kernels.segment import Segment
 
 
 @dataclass

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from diffdraft.bench import datasets
+import diffdraft.data.samples
 from diffdraft.bench.datasets import load_samples, spread
 from diffdraft.errors import InvalidRequestError
 
@@ -69,6 +69,6 @@ def test_the_sharegpt_slice_is_the_tail_of_the_dump(tmp_path, monkeypatch):
     dump = tmp_path / "dump.json"
     records = [{"id": f"c{i}", "conversations": [{"from": "human", "value": f"q{i}"}]} for i in range(8)]
     dump.write_text(json.dumps(records))
-    monkeypatch.setattr(datasets, "sharegpt_path", lambda: dump)
-    monkeypatch.setattr(datasets, "SHAREGPT_HELD_OUT", 3)
+    monkeypatch.setattr(diffdraft.data.samples, "sharegpt_path", lambda: dump)
+    monkeypatch.setattr(diffdraft.data.samples, "SHAREGPT_HELD_OUT", 3)
     assert [s.id for s in load_samples("sharegpt")] == ["c5", "c6", "c7"]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from test_runner import TEMPLATE, Stub, checker
 
-from diffdraft.bench.datasets import Sample
 from diffdraft.bench.journal import JOURNAL, Journal
 from diffdraft.bench.runner import BenchOptions, run_benchmark
+from diffdraft.data.samples import Sample
 from diffdraft.errors import InvalidRequestError
 
 from conftest import tiny_tokenizer

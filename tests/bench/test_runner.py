@@ -6,10 +6,10 @@ import pytest
 import torch
 from test_lossless import FixedLogits
 
-from diffdraft.bench.datasets import Sample
 from diffdraft.bench.lossless import LosslessChecker
 from diffdraft.bench.methods import STAGE_NAMES, Completion, MethodSpec, Request
 from diffdraft.bench.runner import BenchOptions, run_benchmark
+from diffdraft.data.samples import Sample
 from diffdraft.errors import InvalidRequestError
 
 from conftest import tiny_tokenizer

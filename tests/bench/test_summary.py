@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from diffdraft.bench.methods import STAGE_NAMES, Completion
-from diffdraft.bench.runner import Record
+from diffdraft.bench.records import Record
 from diffdraft.bench.summary import checks, summarize
 from diffdraft.budget.cost import VerifyCostCurve
 

@@ -20,7 +20,7 @@ from diffdraft.drafters.deer import DEERDrafter
 from diffdraft.drafters.deer_model import DEERDraftModel, deer_from_causal_lm
 from diffdraft.drafters.families import make_drafter
 from diffdraft.errors import CheckpointError, IncompatibleDrafterError
-from diffdraft.ngram.trie import tokenizer_fingerprint
+from diffdraft.fingerprint import tokenizer_fingerprint
 from diffdraft.target import TargetModel
 from diffdraft.trees import ChainBuilder, DDTreeBuilder
 from diffdraft.trees.dart import DartTreeBuilder, DartTreeSettings

@@ -145,13 +145,13 @@ def test_min_count_drops_rare_top_level_ngrams_only(tmp_path, source, tokenizer)
 
 
 def test_decontamination_drops_eval_copies_and_the_held_out_slice(tmp_path, source, tokenizer, monkeypatch):
-    import diffdraft.bench.datasets
-    import diffdraft.train.prompts
+    import diffdraft.data.prompts
+    import diffdraft.data.samples
 
     eval_text = "quick quick brown brown fox fox hello hello world world and more words"
-    monkeypatch.setattr(diffdraft.train.prompts, "eval_texts", lambda: [eval_text])
+    monkeypatch.setattr(diffdraft.data.prompts, "eval_texts", lambda: [eval_text])
     held = types.SimpleNamespace(id="corpus:4", messages=[{"role": "user", "content": "the brown world"}])
-    monkeypatch.setattr(diffdraft.bench.datasets, "sharegpt_held_out", lambda: [held])
+    monkeypatch.setattr(diffdraft.data.samples, "sharegpt_held_out", lambda: [held])
     monkeypatch.setattr("diffdraft.ngram.build.DECONTAMINATION_NGRAM", 10)
     report = build_from_sources(tokenizer, [source], tmp_path / "trie", min_count=1, progress=False)
     assert (report.duplicates, report.held_out, report.contaminated) == (1, 1, 1)

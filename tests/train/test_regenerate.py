@@ -10,9 +10,9 @@ import torch
 from transformers import AutoTokenizer
 
 from diffdraft.chat import encode_chat
+from diffdraft.data.prompts import Prompt
 from diffdraft.errors import InvalidRequestError
 from diffdraft.train import regenerate as regen_module
-from diffdraft.train.prompts import Prompt
 from diffdraft.train.regenerate import (
     SampleWriter,
     _RowEndWatcher,

@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
 import torch
 from transformers import AutoTokenizer
 
-from diffdraft.bench.datasets import Sample
+from diffdraft.data.samples import Sample
 from diffdraft.drafters.checkpoint import load_draft_model
 from diffdraft.errors import InvalidRequestError
 from diffdraft.loading import fastest_dtype
 from diffdraft.train import cli as train_cli
-from diffdraft.train.cli import add_train_parser, process_group_backend, run_train
+from diffdraft.train.cli import process_group_backend, run_train
 
-from conftest import CHECKPOINT_VOCAB, make_checkpoint
+from conftest import CHECKPOINT_VOCAB, make_checkpoint, parse_train_args
 
 COPIED = " ".join(f"word{i}" for i in range(13))
 HELD_OUT = [Sample("p2", "sharegpt", messages=[{"role": "user", "content": "Q: " + COPIED}])]
@@ -26,12 +25,6 @@ HELD_OUT = [Sample("p2", "sharegpt", messages=[{"role": "user", "content": "Q: "
 def small_held_out_slice(monkeypatch):
     """The bench's real ShareGPT slice costs a read of the whole dump."""
     monkeypatch.setattr(train_cli, "sharegpt_held_out", lambda: HELD_OUT)
-
-
-def parse(argv):
-    parser = argparse.ArgumentParser(prog="diffdraft")
-    add_train_parser(parser.add_subparsers(dest="command", required=True))
-    return parser.parse_args(argv)
 
 
 @pytest.fixture
@@ -51,7 +44,7 @@ def source(tmp_path):
 
 def test_prompts_writes_cleaned_prompts_and_prints_counts(source, tmp_path, capsys):
     out = tmp_path / "prompts.jsonl"
-    run_train(parse(["train", "prompts", "--source", str(source), "--out", str(out)]))
+    run_train(parse_train_args(["train", "prompts", "--source", str(source), "--out", str(out)]))
     printed = capsys.readouterr().out
     assert "5 prompts, skipped 1 malformed records" in printed
     assert "dropped 1 duplicate prompts" in printed
@@ -68,7 +61,7 @@ def test_all_turns_drops_every_turn_of_a_held_out_conversation(tmp_path, capsys)
             turns.append({"from": "human", "value": f"Q2 of {conversation}"})
             f.write(json.dumps({"id": conversation, "conversations": turns}) + "\n")
     out = tmp_path / "prompts.jsonl"
-    run_train(parse(["train", "prompts", "--source", str(path), "--out", str(out), "--all-turns"]))
+    run_train(parse_train_args(["train", "prompts", "--source", str(path), "--out", str(out), "--all-turns"]))
     assert "dropped 2 prompts of the bench's ShareGPT slice" in capsys.readouterr().out
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["p1", "p1/turn-2"]
 
@@ -76,7 +69,7 @@ def test_all_turns_drops_every_turn_of_a_held_out_conversation(tmp_path, capsys)
 def test_config_values_are_defaults_that_flags_override(tmp_path):
     config = tmp_path / "train.json"
     config.write_text(json.dumps({"out": "from_config.jsonl", "batch_size": 3, "temperature": 0.2}))
-    args = parse(["train", "regenerate", "--config", str(config), "--batch-size", "5"])
+    args = parse_train_args(["train", "regenerate", "--config", str(config), "--batch-size", "5"])
     assert (args.out, args.batch_size, args.temperature) == ("from_config.jsonl", 5, 0.2)
     assert args.max_new_tokens > 0  # untouched options keep their defaults
 
@@ -87,14 +80,14 @@ def test_toml_tables_apply_to_their_sub_command_only(tmp_path):
         'out = "shared.jsonl"\nsource = "sharegpt"\nbatch-size = 4\n\n'
         '[regenerate]\nout = "responses.jsonl"\ndtype = "float32"\n'
     )
-    regen = parse(["train", "regenerate", "--config", str(config)])
+    regen = parse_train_args(["train", "regenerate", "--config", str(config)])
     assert (regen.out, regen.source, regen.batch_size, regen.dtype) == (
         "responses.jsonl",
         ["sharegpt"],
         4,
         "float32",
     )
-    prompts = parse(["train", "prompts", "--config", str(config)])
+    prompts = parse_train_args(["train", "prompts", "--config", str(config)])
     assert prompts.out == "shared.jsonl" and not hasattr(prompts, "batch_size")
 
 
@@ -112,7 +105,7 @@ def test_bad_config_files_exit_with_a_message(tmp_path, capsys, content, message
     config = tmp_path / "train.json"
     config.write_text(content)
     with pytest.raises(SystemExit) as exit_info:
-        parse(["train", "regenerate", "--out", "x.jsonl", "--config", str(config)])
+        parse_train_args(["train", "regenerate", "--out", "x.jsonl", "--config", str(config)])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
 
@@ -129,19 +122,23 @@ def test_regenerate_resumes_with_the_same_command(source, tmp_path, capsys):
         'dtype = "float32"\nmax-new-tokens = 4\nbatch-size = 2\n'
     )
     argv = ["train", "regenerate", "--config", str(config)]
-    run_train(parse(argv))
+    run_train(parse_train_args(argv))
     assert "2 samples written" in capsys.readouterr().out
-    run_train(parse(argv))
+    run_train(parse_train_args(argv))
     assert "0 samples written (0 tokens, 0.0 tok/s), 2 already done" in capsys.readouterr().out
     assert len(out.read_text().splitlines()) == 2
 
 
 def test_limit_keeps_the_first_prompts_and_must_be_positive(source, tmp_path):
     out = tmp_path / "prompts.jsonl"
-    run_train(parse(["train", "prompts", "--source", str(source), "--out", str(out), "--limit", "1"]))
+    run_train(
+        parse_train_args(["train", "prompts", "--source", str(source), "--out", str(out), "--limit", "1"])
+    )
     assert len(out.read_text().splitlines()) == 1
     with pytest.raises(InvalidRequestError, match="--limit must be at least 1"):
-        run_train(parse(["train", "prompts", "--source", str(source), "--out", str(out), "--limit", "0"]))
+        run_train(
+            parse_train_args(["train", "prompts", "--source", str(source), "--out", str(out), "--limit", "0"])
+        )
 
 
 @pytest.fixture
@@ -318,13 +315,13 @@ def test_source_replies_become_responses_without_generating(tmp_path, capsys):
     source.write_text("".join(json.dumps(c) + "\n" for c in chats))
     out = tmp_path / "replies.jsonl"
     argv = ["train", "regenerate", "--source", str(source), "--target", str(target), "--out", str(out)]
-    run_train(parse([*argv, "--source-replies"]))
+    run_train(parse_train_args([*argv, "--source-replies"]))
     assert "1 samples written" in capsys.readouterr().out
     (record,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert record["id"] == "a:reply"
     assert record["prompt_token_ids"] == tokenizer.encode("hi", add_special_tokens=False)
     assert tokenizer.decode(record["response_token_ids"][:-1]) == "hello there"
-    run_train(parse([*argv, "--source-replies"]))
+    run_train(parse_train_args([*argv, "--source-replies"]))
     assert "0 samples written" in capsys.readouterr().out
 
 

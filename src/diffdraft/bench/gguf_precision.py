@@ -17,7 +17,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
 from gguf.quants import dequantize, quantize
 
-from diffdraft.default_model import cache_root
+from diffdraft.cache import cache_root
 from diffdraft.errors import CheckpointError
 
 DENSE_TYPES = {

@@ -15,7 +15,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from diffdraft.bench.methods import Completion
-from diffdraft.bench.runner import Record, TurnKey
+from diffdraft.bench.records import Record, TurnKey
 from diffdraft.errors import InvalidRequestError
 
 JOURNAL = "journal.jsonl"

@@ -9,21 +9,19 @@ same prompt tokens on every turn.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from diffdraft.bench.datasets import Sample
+from diffdraft.bench.journal import Journal
 from diffdraft.bench.lossless import LosslessChecker
 from diffdraft.bench.methods import REFERENCE, Completion, MethodRunner, MethodSpec, Request
+from diffdraft.bench.records import Record, TurnKey
 from diffdraft.chat import encode_chat, encode_prompt
+from diffdraft.data.samples import Sample
 from diffdraft.errors import InvalidRequestError
 from diffdraft.progress import progress_bar
-
-if TYPE_CHECKING:
-    from diffdraft.bench.journal import Journal
 
 
 @dataclass
@@ -35,36 +33,6 @@ class BenchOptions:
     """Repeat r of a sampled run uses seed ``seed + r`` for every method."""
     warmup_tokens: int = 16
     progress: bool = True
-
-
-TurnKey = tuple[str, str, int, float, int]
-"""(dataset, sample id, turn, temperature, repeat): one prompt turn of one repeat."""
-
-
-@dataclass
-class Record:
-    """One method's generation of one prompt turn in one repeat."""
-
-    dataset: str
-    sample_id: str
-    turn: int
-    temperature: float
-    repeat: int
-    method: str
-    prompt_tokens: int
-    completion: Completion
-    compared: bool = False
-    """Whether the tokens were checked against plain AR (greedy, same dtype)."""
-    divergence: dict | None = None
-
-    @property
-    def key(self) -> TurnKey:
-        return (self.dataset, self.sample_id, self.turn, self.temperature, self.repeat)
-
-    def to_dict(self) -> dict:
-        fields = asdict(self)
-        fields.update(fields.pop("completion"))
-        return fields
 
 
 @dataclass

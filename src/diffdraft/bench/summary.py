@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from diffdraft.bench.methods import REFERENCE, STAGE_NAMES, MethodSpec
-from diffdraft.bench.runner import Record
+from diffdraft.bench.records import Record
 from diffdraft.budget.cost import VerifyCostCurve
 
 ROUND_STAGES = tuple(s for s in STAGE_NAMES if s != "prefill")

@@ -20,7 +20,7 @@ import torch
 
 from diffdraft.atomic_write import write_text_atomically
 from diffdraft.budget.cost import blend_rows, curve_key, interpolate, monotone_fit, synthetic_tree
-from diffdraft.default_model import cache_root
+from diffdraft.cache import cache_root
 from diffdraft.progress import progress_bar
 from diffdraft.sampling import SamplingParams
 from diffdraft.target import TargetModel, VerifyInput

@@ -25,7 +25,7 @@ import torch
 from transformers import DynamicCache
 
 from diffdraft.atomic_write import write_text_atomically
-from diffdraft.default_model import cache_root
+from diffdraft.cache import cache_root
 from diffdraft.kernels.fused_projections import ProjectionSlice
 from diffdraft.kernels.grouped_attention import ROW_DTYPES
 from diffdraft.kernels.packed_linear import has_packed_layers

@@ -13,10 +13,10 @@ import torch
 from diffdraft.drafters.base import ForksByCopy, Proposal
 from diffdraft.drafters.deer_model import DEERDraftModel
 from diffdraft.errors import IncompatibleDrafterError
+from diffdraft.fingerprint import tokenizer_fingerprint
 from diffdraft.kernels.fused_projections import fuse_projections
 from diffdraft.kernels.grouped_attention import use_grouped_attention
 from diffdraft.kernels.packed_linear import has_packed_layers, pack_linear_layers
-from diffdraft.ngram.trie import tokenizer_fingerprint
 from diffdraft.target import TargetModel
 
 

@@ -13,11 +13,11 @@ from pathlib import Path
 from diffdraft.default_model import MODEL_NAME
 from diffdraft.drafters.checkpoint import load_draft_model, save_draft_model
 from diffdraft.drafters.deer_model import DEERDraftModel, deer_from_causal_lm
+from diffdraft.drafters.mask_token import pick_mask_token
 from diffdraft.errors import CheckpointError, InvalidRequestError
+from diffdraft.fingerprint import tokenizer_fingerprint
 from diffdraft.loading import DTYPES, end_token_ids, load_target
-from diffdraft.ngram.trie import tokenizer_fingerprint
 from diffdraft.staging import staged_directory
-from diffdraft.train.mask_token import pick_mask_token
 
 DEFAULT_BLOCK_SIZE = 16
 

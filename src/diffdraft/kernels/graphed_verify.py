@@ -26,7 +26,8 @@ import torch
 from transformers import DynamicCache
 
 from diffdraft.kernels.kv_cache import GrowableLayer
-from diffdraft.kernels.lean_forward import LeanForward, Segment
+from diffdraft.kernels.lean_forward import LeanForward
+from diffdraft.kernels.segment import Segment
 
 T = TypeVar("T")
 WARMUP_RUNS = 2

@@ -15,7 +15,6 @@ from Hugging Face's in rounding, run their layers through fused CPU ops instead
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -30,18 +29,10 @@ from transformers.models.llama.modeling_llama import (
 from diffdraft.kernels.fused_projections import ProjectionSlice, StackedProjection
 from diffdraft.kernels.quantized.block_linear import kernel_rows_only
 from diffdraft.kernels.quantized.decoder_ops import FusedDecoderLayers
+from diffdraft.kernels.segment import Segment
 
 SUPPORTED_LAYERS = {"LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"}
 """Decoder layers whose forward is the Llama one (Qwen3 adds per-head q/k norms, handled here)."""
-
-
-@dataclass
-class Segment:
-    """One sequence of a packed forward: its cache, how many of the tokens are its, and its mask."""
-
-    cache: DynamicCache
-    length: int
-    mask: torch.Tensor | None
 
 
 class LeanForward:

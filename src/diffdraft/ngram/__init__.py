@@ -1,6 +1,7 @@
 """N-gram trie for DART's continuity-aware tree pruning: build it from a corpus, memory-map it, score
 candidate tokens in one lookup per context. See :mod:`diffdraft.ngram.trie` for the on-disk format."""
 
-from diffdraft.ngram.trie import NgramTrie, tokenizer_fingerprint
+from diffdraft.fingerprint import tokenizer_fingerprint
+from diffdraft.ngram.trie import NgramTrie
 
 __all__ = ["NgramTrie", "tokenizer_fingerprint"]

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from diffdraft.errors import CheckpointError, InvalidRequestError
+from diffdraft.fingerprint import tokenizer_fingerprint
 from diffdraft.ngram.trie import (
     ALPHA,
     BACKOFF_RULE,
@@ -38,7 +39,6 @@ from diffdraft.ngram.trie import (
     NgramTrie,
     counts_file,
     offsets_file,
-    tokenizer_fingerprint,
     tokenizer_vocab_size,
     tokens_file,
 )
@@ -521,13 +521,13 @@ def corpus_documents(
     """Every message's content and every reply of the sources' records, cleaned like training data:
     exact duplicates dropped, the bench's ShareGPT slice and anything sharing a 13-gram with HumanEval,
     MT-Bench or that slice left out (as ``diffdraft train prompts --decontaminate`` does)."""
-    from diffdraft.train.prompts import ReadReport, read_source, word_ngrams
+    from diffdraft.data.prompts import ReadReport, read_source, word_ngrams
 
     banned: set[tuple[str, ...]] = set()
     held_out_ids: set[str] = set()
     if decontaminate:
-        from diffdraft.bench.datasets import sharegpt_held_out
-        from diffdraft.train.prompts import eval_texts
+        from diffdraft.data.prompts import eval_texts
+        from diffdraft.data.samples import sharegpt_held_out
 
         held_out = sharegpt_held_out()
         held_out_ids = {sample.id for sample in held_out}

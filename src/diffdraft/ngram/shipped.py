@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 
-from diffdraft.default_model import cache_root
+from diffdraft.cache import cache_root
 from diffdraft.ngram.build import build_from_sources, target_tokenizer
 from diffdraft.ngram.trie import NgramTrie
 

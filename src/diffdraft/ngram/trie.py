@@ -8,10 +8,10 @@ On-disk format (a directory, format ``diffdraft-ngram-trie`` version 1)
 ------------------------------------------------------------------------
 ``ngram.json``
     ``format``, ``version``, ``order`` (N), ``vocab_size``, ``tokenizer_hash`` (see
-    :func:`tokenizer_fingerprint`), ``tokenizer`` (``name``, ``class``), ``corpus`` (sources and
-    what was read, dropped and kept), ``token_count`` (corpus tokens = sum of unigram counts),
-    ``nodes_per_level`` (list of N ints), ``backoff`` (``rule``, ``alpha``, ``eps``), ``min_count``
-    (pruning of the top level) and ``arrays`` (file name -> dtype, for reading only).
+    :func:`~diffdraft.fingerprint.tokenizer_fingerprint`), ``tokenizer`` (``name``, ``class``),
+    ``corpus`` (sources and what was read, dropped and kept), ``token_count`` (corpus tokens = sum of
+    unigram counts), ``nodes_per_level`` (list of N ints), ``backoff`` (``rule``, ``alpha``, ``eps``),
+    ``min_count`` (pruning of the top level) and ``arrays`` (file name -> dtype, for reading only).
 ``tokens_{k}.npy``, ``counts_{k}.npy`` for k = 1..N
     One entry per node of level k, i.e. per distinct k-gram kept. Level 1 is the root's children:
     the unigrams. ``tokens_k`` holds the node's last token id (uint16 when the vocabulary fits,
@@ -43,7 +43,6 @@ continuations, which is all tree pruning needs.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Sequence
@@ -52,6 +51,7 @@ from pathlib import Path
 import numpy as np
 
 from diffdraft.errors import CheckpointError, IncompatibleDrafterError
+from diffdraft.fingerprint import tokenizer_fingerprint
 
 FORMAT_NAME = "diffdraft-ngram-trie"
 FORMAT_VERSION = 1
@@ -74,24 +74,6 @@ def counts_file(level: int) -> str:
 
 def offsets_file(level: int) -> str:
     return f"offsets_{level}.npy"
-
-
-def tokenizer_fingerprint(tokenizer) -> str:
-    """A stable hash of a tokenizer: its class, its token -> id map (sorted) and its added tokens.
-
-    Two loads of the same tokenizer files give the same fingerprint; a different vocabulary, other
-    added/special tokens or another tokenizer class give a different one.
-    """
-    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-    description = {
-        "class": type(tokenizer).__name__,
-        "vocab": sorted(tokenizer.get_vocab().items(), key=lambda item: (item[1], item[0])),
-        "added": sorted(
-            (int(index), str(token), bool(getattr(token, "special", False))) for index, token in added.items()
-        ),
-    }
-    blob = json.dumps(description, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-    return "sha256:" + hashlib.sha256(blob).hexdigest()[:16]
 
 
 def tokenizer_vocab_size(tokenizer) -> int:

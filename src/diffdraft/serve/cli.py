@@ -14,14 +14,13 @@ from contextlib import contextmanager
 
 from diffdraft.default_model import MODEL_NAME
 from diffdraft.errors import DiffdraftError
+from diffdraft.model_options import add_model_arguments, load_generator
 
 API_KEY_VARIABLE = "DIFFDRAFT_API_KEY"
 """Where ``serve`` and ``serve-load`` read the API key when no --api-key is given."""
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
-    from diffdraft.cli import add_model_arguments  # diffdraft.cli imports this module
-
     p = sub.add_parser(
         "serve",
         help="serve the target (and drafter) over an OpenAI-compatible HTTP API",
@@ -107,7 +106,6 @@ def run_serve(args: argparse.Namespace) -> int:
     """Load once, then serve until interrupted (Ctrl-C finishes the requests in flight first)."""
     import uvicorn
 
-    from diffdraft.cli import load_generator
     from diffdraft.serve.app import create_app
     from diffdraft.serve.scheduler import Scheduler
 

@@ -17,24 +17,9 @@ from pathlib import Path
 
 import torch
 from torch import distributed as dist
+from transformers import PreTrainedTokenizerBase
 
-from diffdraft.bench.datasets import sharegpt_held_out
-from diffdraft.drafters.checkpoint import load_draft_model
-from diffdraft.drafters.families import family_of, variants
-from diffdraft.errors import InvalidRequestError
-from diffdraft.loading import default_device, end_token_ids, fastest_dtype, load_target
-from diffdraft.ngram.shipped import load_ngram
-from diffdraft.ngram.trie import tokenizer_fingerprint
-from diffdraft.target import TargetModel
-from diffdraft.train.config import COMPUTE_DTYPES, INIT_LAYERS, LABELS, TrainConfig
-from diffdraft.train.dataset import load_responses
-from diffdraft.train.draft_vocab import coverage
-from diffdraft.train.evaluate import DartTrees, evaluate_drafter
-from diffdraft.train.features import capture_features
-from diffdraft.train.mask_token import pick_mask_token, refuse_mask_in_data
-from diffdraft.train.objectives import recipe_for, recipe_for_variant
-from diffdraft.train.plots import plot_learning_curve, plot_training_curves
-from diffdraft.train.prompts import (
+from diffdraft.data.prompts import (
     SHAREGPT,
     Prompt,
     decontaminate,
@@ -43,11 +28,40 @@ from diffdraft.train.prompts import (
     read_sources,
     write_prompts,
 )
+from diffdraft.data.samples import sharegpt_held_out
+from diffdraft.drafters.checkpoint import load_draft_model
+from diffdraft.drafters.families import family_of, variants
+from diffdraft.drafters.mask_token import pick_mask_token
+from diffdraft.errors import InvalidRequestError
+from diffdraft.fingerprint import tokenizer_fingerprint
+from diffdraft.loading import default_device, end_token_ids, fastest_dtype, load_target
+from diffdraft.ngram.shipped import load_ngram
+from diffdraft.target import TargetModel
+from diffdraft.train.config import COMPUTE_DTYPES, INIT_LAYERS, LABELS, TrainConfig
+from diffdraft.train.dataset import load_responses
+from diffdraft.train.draft_vocab import coverage
+from diffdraft.train.evaluate import DartTrees, evaluate_drafter
+from diffdraft.train.features import capture_features
+from diffdraft.train.mask_token import refuse_mask_in_data
+from diffdraft.train.objectives import recipe_for, recipe_for_variant
+from diffdraft.train.pack import (
+    check_out_path,
+    check_packed_for,
+    conversation_openings,
+    drop_same_openings,
+    is_packed,
+    read_packed,
+    reply_samples,
+    response_samples,
+    write_packed,
+)
+from diffdraft.train.plots import plot_learning_curve, plot_training_curves
 from diffdraft.train.regenerate import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_DTYPE,
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_MAX_PROMPT_TOKENS,
+    RegenerateReport,
     regenerate,
 )
 from diffdraft.train.source_replies import write_source_replies
@@ -195,18 +209,23 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         help="generate nothing: tokenize each source's own assistant reply instead (EAGLE-1's "
         "fixed-dataset route; seconds instead of hours, but not the target's own answers)",
     )
+    _add_pack_parser(steps)
     _add_fit_parser(steps)
     _add_capture_parser(steps)
     _add_eval_parser(steps)
     return train
 
 
+DEFAULT_MAX_LENGTH = 1024
 FASTEST = "bfloat16 where the device computes it natively (CUDA, CPUs with AVX-512 BF16 or AMX), else float32"
 
 
 def _add_data_options(parser: argparse.ArgumentParser, fit: bool = False) -> None:
     parser.add_argument(
-        "--data", required=True, help="responses jsonl written by `diffdraft train regenerate`"
+        "--data",
+        required=True,
+        help="responses jsonl written by `diffdraft train regenerate`, or a .safetensors file written by "
+        "`diffdraft train pack`",
     )
     parser.add_argument("--target", default="default", help="model directory, .gguf file or 'default'")
     parser.add_argument(
@@ -217,13 +236,64 @@ def _add_data_options(parser: argparse.ArgumentParser, fit: bool = False) -> Non
     )
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument(
-        "--max-length", type=int, default=1024, help="tokens per sequence (default: %(default)s)"
+        "--max-length",
+        type=int,
+        default=None,
+        help=f"tokens per sequence (default: a packed file's own, else {DEFAULT_MAX_LENGTH})",
     )
     parser.add_argument(
         "--held-out",
         type=int,
         default=32,
         help="last N samples (by id order) are never trained on; eval uses them (default: %(default)s)",
+    )
+
+
+def _add_pack_parser(steps: argparse._SubParsersAction) -> None:
+    pack = steps.add_parser(
+        "pack",
+        help="tokenize training samples once into one compact .safetensors file that `train fit --data` "
+        "reads with no tokenizer work (a lent GPU's calls carry 64 MiB)",
+    )
+    _add_source_options(pack)
+    pack.add_argument("--out", required=True, help="packed file to write (.safetensors)")
+    pack.add_argument(
+        "--target", default="default", help="model directory, .gguf file or 'default' (its chat template)"
+    )
+    pack.add_argument(
+        "--max-length",
+        type=int,
+        default=DEFAULT_MAX_LENGTH,
+        help="tokens per sequence, cut as `train fit` cuts them; fit trains at this length "
+        "(default: %(default)s)",
+    )
+    pack.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=DEFAULT_MAX_NEW_TOKENS,
+        help="longer replies are cut here (default: %(default)s)",
+    )
+    pack.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=DEFAULT_MAX_PROMPT_TOKENS,
+        help="longer prompts are skipped (default: %(default)s)",
+    )
+    pack.add_argument(
+        "--held-out-file",
+        nargs="+",
+        default=[],
+        metavar="FILE",
+        help="also drop every conversation that opens with the same message as one in FILE (an eval's "
+        "held-out prompts: a short opening escapes the n-gram check)",
+    )
+    pack.add_argument(
+        "--responses",
+        nargs="+",
+        default=None,
+        metavar="FILE",
+        help="pack these `train regenerate` outputs (e.g. the target's own answers) instead of the "
+        "sources' replies; they are packed as they are (no source options apply)",
     )
 
 
@@ -377,6 +447,7 @@ def run_train(args: argparse.Namespace) -> None:
     commands = {
         "prompts": _run_prompts,
         "regenerate": _run_regenerate,
+        "pack": _run_pack,
         "fit": _run_fit,
         "capture": _run_capture,
         "eval": _run_eval,
@@ -442,11 +513,62 @@ def _run_regenerate(args: argparse.Namespace) -> None:
     print(report.summary())
 
 
-def _split(args: argparse.Namespace, for_eval: bool = False) -> tuple[list, list]:
+def _run_pack(args: argparse.Namespace) -> None:
+    """Tokenize here what a lent GPU will train on: its minutes and its 64 MiB calls are too dear."""
+    if args.max_length < 2:
+        raise InvalidRequestError(f"--max-length must be at least 2, got {args.max_length}")
+    if args.responses and args.held_out_file:
+        raise InvalidRequestError(
+            "--held-out-file filters the sources' prompts; --responses files are packed as they are "
+            "(filter them when they are made)"
+        )
+    check_out_path(args.out)
+    loaded = load_target(args.target, "float32", "cpu")
+    if args.responses:
+        samples = response_samples(args.responses, args.max_length)
+        made_from = {"responses": args.responses}
+    else:
+        prompts = _load_prompts(args)
+        if args.held_out_file:
+            openings = set().union(*(conversation_openings(path) for path in args.held_out_file))
+            prompts, dropped = drop_same_openings(prompts, openings)
+            print(f"dropped {dropped} prompts whose conversation opens as one in --held-out-file", flush=True)
+        report = RegenerateReport()
+        samples = reply_samples(
+            loaded, prompts, args.max_new_tokens, args.max_prompt_tokens, args.max_length, report
+        )
+        print(
+            f"{report.written} replies tokenized ({report.generated_tokens} tokens), {report.too_long} "
+            f"prompts skipped as too long, {len(prompts) - report.written - report.too_long} without a reply",
+            flush=True,
+        )
+        made_from = {
+            key: getattr(args, key)
+            for key in ("source", "all_turns", "decontaminate", "ngram", "limit", "held_out_file")
+        }
+        made_from |= {"max_new_tokens": args.max_new_tokens, "max_prompt_tokens": args.max_prompt_tokens}
+    info = write_packed(
+        samples, args.out, args.max_length, tokenizer_fingerprint(loaded.tokenizer), made_from
+    )
+    size = Path(args.out).stat().st_size / 2**20
+    print(f"packed {info.samples} samples, {info.tokens} tokens ({size:.1f} MiB) into {args.out}")
+
+
+def _split(
+    args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, for_eval: bool = False
+) -> tuple[list, list]:
     """Training and held-out samples: the held-out ones are the last by id, a stable choice.
 
-    Evaluation may hold out the whole file (a file of held-out samples only)."""
-    samples = sorted(load_responses(args.data, args.max_length), key=lambda s: s.sample_id)
+    Evaluation may hold out the whole file (a file of held-out samples only). A packed file brings
+    its own length (``--max-length`` may only repeat it) and must come from the target's tokenizer."""
+    if is_packed(args.data):
+        samples, info = read_packed(args.data)
+        args.max_length = args.max_length or info.max_length
+        check_packed_for(info, args.data, args.max_length, tokenizer_fingerprint(tokenizer))
+    else:
+        args.max_length = args.max_length or DEFAULT_MAX_LENGTH
+        samples = load_responses(args.data, args.max_length)
+    samples = sorted(samples, key=lambda s: s.sample_id)
     if for_eval and not 0 < args.held_out <= len(samples):
         raise InvalidRequestError(
             f"--held-out {args.held_out}: eval needs between 1 and the {len(samples)} samples of {args.data}"
@@ -488,7 +610,7 @@ def _run_fit(args: argparse.Namespace) -> None:
         fastest = fastest_dtype(default_device(args.device))
         args.dtype, args.compute_dtype = args.dtype or fastest, args.compute_dtype or fastest
         loaded = load_target(args.target, dtype=args.dtype, device=args.device)
-        train, _ = _split(args)
+        train, _ = _split(args, loaded.tokenizer)
         fields = {f.name for f in dataclasses.fields(TrainConfig)}
         config = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
         config.tokenizer_fingerprint = tokenizer_fingerprint(loaded.tokenizer)
@@ -533,7 +655,7 @@ def _run_fit(args: argparse.Namespace) -> None:
 
 def _run_capture(args: argparse.Namespace) -> None:
     loaded = load_target(args.target, dtype=args.dtype, device=args.device)
-    train, _ = _split(args)
+    train, _ = _split(args, loaded.tokenizer)
     captured = capture_features(
         TargetModel(loaded.model),
         args.target_layer_ids,
@@ -547,7 +669,7 @@ def _run_capture(args: argparse.Namespace) -> None:
 def _run_eval(args: argparse.Namespace) -> None:
     """One checkpoint, or every checkpoint of a run directory as a learning curve (tau vs tokens)."""
     loaded = load_target(args.target, dtype=args.dtype, device=args.device)
-    _, held_out = _split(args, for_eval=True)
+    _, held_out = _split(args, loaded.tokenizer, for_eval=True)
     target = TargetModel(loaded.model)
     checkpoints = saved_checkpoints(Path(args.drafter))
     dart = None

@@ -50,13 +50,24 @@ def load_responses(
                     f"{path}:{number} is not a regenerated sample (want a JSON object with id, "
                     f"prompt_token_ids and response_token_ids): {err}"
                 ) from err
-            prompt_room = max(min(len(prompt), max_length // 4), max_length - len(response))
-            prompt = prompt[len(prompt) - prompt_room :] if prompt_room < len(prompt) else prompt
-            ids = torch.tensor((prompt + response)[:max_length], dtype=torch.long)
-            if ids.shape[0] - len(prompt) >= min_response_tokens:
-                samples.append(TrainingSample(sample_id, ids, len(prompt)))
+            sample = training_sample(sample_id, prompt, response, max_length, min_response_tokens)
+            if sample is not None:
+                samples.append(sample)
     if not samples:
         raise InvalidRequestError(
             f"{path} holds no usable training sample (empty, or every response too short)"
         )
     return samples
+
+
+def training_sample(
+    sample_id: str, prompt: list[int], response: list[int], max_length: int, min_response_tokens: int = 2
+) -> TrainingSample | None:
+    """One sequence cut to ``max_length`` as :func:`load_responses` cuts it, or None when too little of
+    the response is left to learn from; one rule for every reader, so packed data trains the same."""
+    prompt_room = max(min(len(prompt), max_length // 4), max_length - len(response))
+    prompt = prompt[len(prompt) - prompt_room :] if prompt_room < len(prompt) else prompt
+    ids = torch.tensor((prompt + response)[:max_length], dtype=torch.long)
+    if ids.shape[0] - len(prompt) < min_response_tokens:
+        return None
+    return TrainingSample(sample_id, ids, len(prompt))

@@ -9,11 +9,11 @@ it to add volume next to regenerated data when compute is short. Records have th
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from diffdraft.loading import end_token_ids, load_target
-from diffdraft.train.prompts import Prompt
+from diffdraft.data.prompts import Prompt
+from diffdraft.loading import LoadedModel, end_token_ids, load_target
 from diffdraft.train.regenerate import (
     RegenerateReport,
     SampleWriter,
@@ -49,17 +49,33 @@ def write_source_replies(
         if not todo:
             return report
         loaded = load_target(target_spec, "float32", "cpu")
-        tokenizer = loaded.tokenizer
-        end_id = end_token_ids(loaded.model, tokenizer)[0]
-        with SampleWriter(out_path, tokenizer, report, len(todo), progress) as writer:
-            for prompt in todo:
-                prompt, prompt_ids = fit_history(tokenizer, prompt, max_prompt_tokens)
-                if len(prompt_ids) > max_prompt_tokens:
-                    report.too_long += 1
-                    continue
-                reply_ids = tokenizer.encode(prompt.reply, add_special_tokens=False)
-                finished = len(reply_ids) < max_new_tokens
-                response_ids = [*reply_ids, end_id] if finished else reply_ids[:max_new_tokens]
-                renamed = Prompt(prompt.id + REPLY_ID_SUFFIX, prompt.messages)
-                writer.write(renamed, prompt_ids, response_ids, "eos" if finished else "max_new_tokens")
+        with SampleWriter(out_path, loaded.tokenizer, report, len(todo), progress) as writer:
+            for reply in source_replies(loaded, todo, max_new_tokens, max_prompt_tokens, report):
+                writer.write(*reply)
         return report
+
+
+def source_replies(
+    loaded: LoadedModel,
+    prompts: Iterable[Prompt],
+    max_new_tokens: int,
+    max_prompt_tokens: int,
+    report: RegenerateReport,
+) -> Iterator[tuple[Prompt, list[int], list[int], str]]:
+    """(prompt renamed ``<id>:reply``, prompt ids, response ids, finish reason) for each prompt with a
+    reply whose history fits ``max_prompt_tokens`` (the others count as ``report.too_long``): the one
+    tokenization that the jsonl route and ``train pack`` share."""
+    tokenizer = loaded.tokenizer
+    end_id = end_token_ids(loaded.model, tokenizer)[0]
+    for prompt in prompts:
+        if prompt.reply is None:
+            continue
+        prompt, prompt_ids = fit_history(tokenizer, prompt, max_prompt_tokens)
+        if len(prompt_ids) > max_prompt_tokens:
+            report.too_long += 1
+            continue
+        reply_ids = tokenizer.encode(prompt.reply, add_special_tokens=False)
+        finished = len(reply_ids) < max_new_tokens
+        response_ids = [*reply_ids, end_id] if finished else reply_ids[:max_new_tokens]
+        renamed = Prompt(prompt.id + REPLY_ID_SUFFIX, prompt.messages)
+        yield renamed, prompt_ids, response_ids, "eos" if finished else "max_new_tokens"

@@ -258,8 +258,9 @@ class Trainer:
             step = self.state.step
             gamma = gamma_at(step, self.total_steps, gamma_0, gamma_max)
             batch = self._batch(step)
-            # summed on the device, read once per step: a read per sequence stalled the GPU each time
-            sums = torch.zeros(1 + 3 * self.positions, device=self.target.device)
+            # summed on the device and read once per step (a read per sequence stalled the GPU each
+            # time): loss, hits, agreements, counts, then rank 0's out-of-time flag and the grad norm
+            sums = torch.zeros(2 + 3 * self.positions, device=self.target.device)
             self.optimizer.zero_grad(set_to_none=True)
             micro_batches = self.micro_batches(batch)
             for i, samples in enumerate(micro_batches):
@@ -269,25 +270,29 @@ class Trainer:
                 with context:
                     loss, h, a, n = self.batch_loss(samples, step, gamma)
                     (loss * share).backward()
-                sums += torch.cat([(loss * share).detach().float()[None], h, a, n])
+                sums[:-1] += torch.cat([(loss * share).detach().float()[None], h, a, n])
                 self.state.tokens_seen += sum(int(s.token_ids.shape[0]) for s in samples) * self.world
-            # rank 0's clock decides for every rank whether the time is up (summed with the statistics)
-            out_of_time = self.rank == 0 and _minutes_since(started) >= c.max_minutes > 0
-            sums = torch.cat([sums, torch.tensor([float(out_of_time)], device=sums.device)])
+            # rank 0's clock decides for every rank whether the time is up (summed with the statistics);
+            # a fill, not a tensor built from a host value: that copy would wait for the GPU too
+            if self.rank == 0 and _minutes_since(started) >= c.max_minutes > 0:
+                sums[-1] = 1.0
             if self.world > 1:  # log the global batch, not rank 0's share
                 dist.all_reduce(sums)
                 sums[0] /= self.world
-            sums = sums.cpu()
-            out_of_time = bool(sums[-1] > 0)
+            # Clipped before the read so its norm comes back with the statistics. Clipping touches
+            # only the gradients: on a non-finite loss the error below still leaves the weights as
+            # they were. (Every rank holds the same reduced gradients, hence the same norm.)
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), c.grad_clip)
+            sums = torch.cat([sums, grad_norm.reshape(1).to(sums)]).cpu()
+            out_of_time = bool(sums[-2] > 0)
             total_loss = float(sums[0])
-            hits, agreements, counts = sums[1:-1].split(self.positions)
+            hits, agreements, counts = sums[1:-2].split(self.positions)
             if not math.isfinite(total_loss):  # before the step: the weights and checkpoints stay sound
                 raise TrainingDivergedError(
                     f"training diverged at step {step + 1} (loss {total_loss}); rerun to resume from the "
                     "last checkpoint with a lower --learning-rate (DEER stage 2: a lower alpha, --gamma-0; "
                     "the paper saw 1.05 diverge and 1.01 train)"
                 )
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), c.grad_clip)
             self.optimizer.step()
             self.scheduler.step()
             self.state.step += 1
@@ -299,7 +304,7 @@ class Trainer:
                     "loss": total_loss,
                     "gamma": gamma,
                     "lr": self.scheduler.get_last_lr()[0],
-                    "grad_norm": float(grad_norm),
+                    "grad_norm": float(sums[-1]),
                     "accuracy_by_position": accuracy,
                     **(
                         {"agreement_by_position": (agreements / counts.clamp_min(1))[1:].tolist()}

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -23,9 +22,7 @@ from transformers import PreTrainedModel
 from diffdraft.kernels.fused_projections import ProjectionSlice, StackedProjection
 from diffdraft.kernels.quantized.block_linear import has_block_layers
 from diffdraft.kernels.quantized.kernel_build import block_kernel
-
-if TYPE_CHECKING:
-    from diffdraft.kernels.lean_forward import Segment
+from diffdraft.kernels.segment import Segment
 
 MAX_HEAD_DIM = 256
 """The attention op's widest head (``kMaxPairs`` pairs of 32 lanes in decoder_ops.cpp)."""

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.utils.cpp_extension
 
-from diffdraft.default_model import cache_root
+from diffdraft.cache import cache_root
 from diffdraft.staging import temp_dir_beside
 
 SOURCE = Path(__file__).with_name("q4_1_matmul.cpp")

@@ -1,4 +1,5 @@
-"""Training prompts: read them from files or the built-in ShareGPT copy, and keep eval sets out of them.
+"""Prompts for training and the n-gram corpus: read them from files or the built-in ShareGPT copy, and
+keep eval sets out of them.
 
 Only prompts are trained on by default (DFlare A.1 keeps the original prompts and regenerates every
 response with the target), so a prompt is every turn up to and including the first user turn; the

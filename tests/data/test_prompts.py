@@ -8,8 +8,7 @@ import sys
 
 import pytest
 
-from diffdraft.errors import InvalidRequestError
-from diffdraft.train.prompts import (
+from diffdraft.data.prompts import (
     SHAREGPT,
     Prompt,
     ReadReport,
@@ -21,6 +20,7 @@ from diffdraft.train.prompts import (
     word_ngrams,
     write_prompts,
 )
+from diffdraft.errors import InvalidRequestError
 
 
 def write_jsonl(path, records):

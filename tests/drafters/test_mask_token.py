@@ -1,13 +1,12 @@
-"""Choosing the MASK token when the vocabulary has none, and refusing DEER data that contains it."""
+"""Choosing the MASK token when the vocabulary has none."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from diffdraft.drafters.mask_token import pick_mask_token
 from diffdraft.errors import InvalidRequestError
-from diffdraft.train.dataset import TrainingSample
-from diffdraft.train.mask_token import pick_mask_token, refuse_mask_in_data
 
 from conftest import tiny_tokenizer
 
@@ -93,16 +92,6 @@ def test_no_candidate_asks_for_an_explicit_id():
         InvalidRequestError, match=f"no row beyond the tokenizer's {n} tokens; pass --mask-token-id"
     ):
         pick_mask_token(tokenizer, [], embedding(n))
-
-
-def test_deer_data_that_contains_the_mask_id_is_refused_naming_the_id_and_the_fix():
-    samples = [TrainingSample(f"s{i}", torch.tensor([1, 2, 3 + i]), 1) for i in range(3)]
-    refuse_mask_in_data(samples, 9)
-    with pytest.raises(InvalidRequestError) as refused:
-        refuse_mask_in_data(samples, 4)
-    message = str(refused.value)
-    assert "the mask token id 4 occurs in 1 training samples (first: s1)" in message
-    assert "--mask-token-id" in message and "unused embedding row" in message
 
 
 @pytest.mark.real_model
