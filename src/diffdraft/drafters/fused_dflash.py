@@ -19,11 +19,8 @@ from torch import nn
 
 from diffdraft.drafters.dflash_model import DFLASH, DFlashDraftModel
 from diffdraft.drafters.draft_context import DraftContext, KeysAndValues
-from diffdraft.kernels.fused_projections import ProjectionSlice
-from diffdraft.kernels.quantized.decoder_ops import MAX_HEAD_DIM, decoder_ops
-
-Norm = tuple[torch.Tensor, float]
-"""An RMSNorm's weight and epsilon, as the fused ops take them."""
+from diffdraft.kernels.fused_projections import stacked_projection
+from diffdraft.kernels.quantized.decoder_ops import MAX_HEAD_DIM, Norm, decoder_ops, norm_weights
 
 
 @dataclass
@@ -53,35 +50,34 @@ class FusedDraftLayers:
         attention = model.layers[0].self_attn
         self.heads, self.kv_heads = attention.num_heads, attention.num_kv_heads
         next_norms = [layer.input_layernorm for layer in model.layers[1:]] + [model.norm]
-        self.first_norm = _norm(model.layers[0].input_layernorm)
+        self.first_norm = norm_weights(model.layers[0].input_layernorm)
         self.layers = [
             _layer(layer, next_norm, model.variant)
             for layer, next_norm in zip(model.layers, next_norms, strict=True)
         ]
         if model.variant == DFLASH:
-            self.fc, self.hidden_norm = model.fc, _norm(model.hidden_norm)
+            self.fc, self.hidden_norm = model.fc, norm_weights(model.hidden_norm)
         else:  # DFlare's per-layer mix of the taps, its softmax taken once
             self.tap_weights = model.fusion.weight.float().softmax(-1).to(torch.bfloat16)
-            self.context_norms = [_norm(layer.context_norm) for layer in model.layers]
+            self.context_norms = [norm_weights(layer.context_norm) for layer in model.layers]
         self.variant = model.variant
 
     @classmethod
     def build(cls, model: DFlashDraftModel) -> FusedDraftLayers | None:
         """The fused layers of a bfloat16 drafter whose q|k|v and gate|up projections are stacked
         (laid out beside an inference-only target) where the decoder ops run; None otherwise."""
-        if model.norm.weight.dtype != torch.bfloat16 or decoder_ops() is None:
-            return None
-        if getattr(model.config, "hidden_act", None) != "silu":
+        if model.norm.weight.dtype != torch.bfloat16 or getattr(model.config, "hidden_act", None) != "silu":
             return None
         for layer in model.layers:
             attention, mlp = layer.self_attn, layer.mlp
             if attention.head_dim > MAX_HEAD_DIM or attention.head_dim % 2:
                 return None
-            if not _stacked(attention.q_proj, attention.k_proj, attention.v_proj) or not _stacked(
-                mlp.gate_proj, mlp.up_proj
-            ):
+            qkv = stacked_projection(attention.q_proj, attention.k_proj, attention.v_proj)
+            if qkv is None or stacked_projection(mlp.gate_proj, mlp.up_proj) is None:
                 return None
-        return cls(model)
+        # last: the first call loads (or compiles) the kernel library, which a drafter not laid out
+        # on it has no use for
+        return cls(model) if decoder_ops() is not None else None
 
     def context_features(self, taps: torch.Tensor) -> list[torch.Tensor]:
         """Every layer's context rows [c, H] from target taps [c, T, H], as
@@ -137,18 +133,6 @@ class FusedDraftLayers:
         return normed
 
 
-def _norm(module: nn.Module) -> Norm:
-    return module.weight, module.variance_epsilon
-
-
-def _stacked(*siblings: nn.Module) -> bool:
-    """Whether ``siblings`` are, in order, all the columns of one stacked projection."""
-    if not all(isinstance(s, ProjectionSlice) for s in siblings):
-        return False
-    stacked = siblings[0].stacked
-    return all(s.stacked is stacked for s in siblings) and len(stacked.columns) == len(siblings)
-
-
 def _layer(layer: nn.Module, next_norm: nn.Module, variant: str) -> _Layer:
     attention = layer.self_attn
     qkv = attention.q_proj.stacked.linear
@@ -163,9 +147,9 @@ def _layer(layer: nn.Module, next_norm: nn.Module, variant: str) -> _Layer:
         context_heads=context_heads,
         head_norms=(attention.q_norm.weight, attention.k_norm.weight, attention.q_norm.variance_epsilon),
         output=attention.o_proj,
-        post_norm=_norm(layer.post_attention_layernorm),
+        post_norm=norm_weights(layer.post_attention_layernorm),
         gate_up=layer.mlp.gate_proj.stacked.linear,
         down=layer.mlp.down_proj,
-        next_norm=_norm(next_norm),
+        next_norm=norm_weights(next_norm),
         scaling=attention.head_dim**-0.5,
     )

@@ -104,3 +104,14 @@ def fuse_projections(model: nn.Module) -> int:
                 setattr(module, name, ProjectionSlice(projection, index))
             stacked += 1
     return stacked
+
+
+def stacked_projection(*siblings: nn.Module) -> StackedProjection | None:
+    """The stacked projection whose columns ``siblings`` are, all of them; None when they are not
+    slices of one (a model that was not laid out, or only some siblings stacked)."""
+    if not all(isinstance(sibling, ProjectionSlice) for sibling in siblings):
+        return None
+    stacked = siblings[0].stacked
+    if any(sibling.stacked is not stacked for sibling in siblings) or len(stacked.columns) != len(siblings):
+        return None
+    return stacked

@@ -26,7 +26,7 @@ from transformers.models.llama.modeling_llama import (
     rotate_half,
 )
 
-from diffdraft.kernels.fused_projections import ProjectionSlice, StackedProjection
+from diffdraft.kernels.fused_projections import StackedProjection, stacked_projection
 from diffdraft.kernels.quantized.block_linear import kernel_rows_only
 from diffdraft.kernels.quantized.decoder_ops import FusedDecoderLayers
 from diffdraft.kernels.segment import Segment
@@ -151,10 +151,9 @@ def segment_rows(segments: list[Segment]) -> list[slice]:
 def _stacked_qkv(attention: nn.Module) -> StackedProjection | None:
     """The layer's q|k|v projection when :mod:`diffdraft.kernels.fused_projections` stacked it and nothing
     stands between it and the rotation (Qwen3's per-head norms do), so q and k rotate as one."""
-    q, k, v = attention.q_proj, attention.k_proj, attention.v_proj
-    if not all(isinstance(p, ProjectionSlice) for p in (q, k, v)) or hasattr(attention, "q_norm"):
+    if hasattr(attention, "q_norm"):
         return None
-    return q.stacked if q.stacked is k.stacked is v.stacked else None
+    return stacked_projection(attention.q_proj, attention.k_proj, attention.v_proj)
 
 
 def _attention(

@@ -19,13 +19,15 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from diffdraft.kernels.fused_projections import ProjectionSlice, StackedProjection
+from diffdraft.kernels.fused_projections import StackedProjection, stacked_projection
 from diffdraft.kernels.quantized.block_linear import has_block_layers
 from diffdraft.kernels.quantized.kernel_build import block_kernel
 from diffdraft.kernels.segment import Segment
 
 MAX_HEAD_DIM = 256
 """The attention op's widest head (``kMaxPairs`` pairs of 32 lanes in decoder_ops.cpp)."""
+Norm = tuple[torch.Tensor, float]
+"""An RMSNorm's weight and epsilon."""
 RMS_NORMS = {"LlamaRMSNorm", "Qwen2RMSNorm"}
 """Norms computing Hugging Face's Llama RMSNorm: weight * bf16(x * rsqrt(mean(x^2) + eps))."""
 
@@ -42,16 +44,17 @@ class _Layer:
 
     qkv: nn.Module
     output: nn.Module
-    post_norm: tuple[torch.Tensor, float]
+    post_norm: Norm
     gate_up: nn.Module
     down: nn.Module
-    next_norm: tuple[torch.Tensor, float]
+    next_norm: Norm
     """The next layer's input norm, or the decoder's final norm: each layer ends with it."""
     cache_index: int
     scaling: float
 
 
-def _norm(module: nn.Module) -> tuple[torch.Tensor, float]:
+def norm_weights(module: nn.Module) -> Norm:
+    """An RMSNorm module's weight and epsilon, as the fused ops take them."""
     return module.weight, module.variance_epsilon
 
 
@@ -63,15 +66,15 @@ class FusedDecoderLayers:
         config = model.config
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         norms = [layer.input_layernorm for layer in layers[1:]] + [model.get_decoder().norm]
-        self.first_norm = _norm(layers[0].input_layernorm)
+        self.first_norm = norm_weights(layers[0].input_layernorm)
         self.layers = [
             _Layer(
                 stacked.linear,
                 layer.self_attn.o_proj,
-                _norm(layer.post_attention_layernorm),
+                norm_weights(layer.post_attention_layernorm),
                 layer.mlp.gate_proj.stacked.linear,
                 layer.mlp.down_proj,
-                _norm(next_norm),
+                norm_weights(next_norm),
                 layer.self_attn.layer_idx,
                 layer.self_attn.scaling,
             )
@@ -97,12 +100,8 @@ class FusedDecoderLayers:
         ]
         if not all(type(norm).__name__ in RMS_NORMS for norm in norms):
             return None
-        for layer in layers:
-            gate, up = layer.mlp.gate_proj, layer.mlp.up_proj
-            if not (isinstance(gate, ProjectionSlice) and isinstance(up, ProjectionSlice)):
-                return None
-            if gate.stacked is not up.stacked or len(gate.stacked.columns) != 2:
-                return None
+        if any(stacked_projection(layer.mlp.gate_proj, layer.mlp.up_proj) is None for layer in layers):
+            return None
         return cls(model, layers, qkv)
 
     def __call__(
