@@ -11,6 +11,7 @@ import torch
 from diffdraft.budget.cost import VerifyCostCurve
 from diffdraft.budget.planner import (
     MIN_TIMED_ROUNDS,
+    OWN_ROUNDS,
     PRIOR_ROUNDS,
     BudgetPlanner,
     ObservedRound,
@@ -135,6 +136,22 @@ def test_a_running_sequence_is_planned_from_its_own_surrogates_and_rounds():
     planner.observe_rounds(_rounds(3 * PRIOR_ROUNDS, 3, [1, 2, 3]), fixed_seconds=0.0)
     pooled = (3 * PRIOR_ROUNDS + PRIOR_ROUNDS * 0.3) / (4 * PRIOR_ROUNDS)
     assert np.diff(planner.expected_tau(sequence))[2] == pytest.approx(pooled / 2)
+
+
+def test_a_running_sequence_reads_only_its_latest_drafted_rounds():
+    planner = _linear_surrogate_planner()
+    sequence = GenerationStats(surrogates=[[1.0 + 0.3 * b for b in range(40)]])
+    for _ in range(OWN_ROUNDS):  # a stretch where the drafter's first guess was always wrong
+        _verified(sequence, 10, [])
+    assert np.diff(planner.expected_tau(sequence))[0] == pytest.approx(
+        0.3 * PRIOR_ROUNDS / (OWN_ROUNDS + PRIOR_ROUNDS)
+    )
+    for _ in range(OWN_ROUNDS):  # then one where it was always right: the wrong stretch is forgotten
+        _verified(sequence, 10, [1])
+        _verified(sequence, 0, [])  # rounds that drafted nothing neither count nor push rounds out
+    assert np.diff(planner.expected_tau(sequence))[0] == pytest.approx(
+        (OWN_ROUNDS + 0.3 * PRIOR_ROUNDS) / (OWN_ROUNDS + PRIOR_ROUNDS)
+    )
 
 
 def test_the_rounds_own_verification_times_rescale_the_cached_curve():

@@ -69,11 +69,11 @@ def test_the_plan_is_near_the_brute_force_optimum_on_small_batches():
 def test_a_sequence_alone_decodes_plainly_once_its_drafts_do_not_pay():
     # the forward costs 10 ms plus 10 ms per extra token, drafting 20 ms: no drafted node pays
     curve = VerifyCostCurve(sizes=[1, 64], contexts=[512], seconds=[[0.01, 0.64]])
-    rounds = RoundBudgetPlanner(BudgetPlanner(curve), explore_every=4)
+    rounds = RoundBudgetPlanner(BudgetPlanner(curve), explore_alone=4)
     rounds._draft_seconds[True].append(0.02)
     stats = GenerationStats(surrogates=[[1.0 + 0.3 * b for b in range(20)]])
     assert rounds.plan([RoundSequence(stats, 100, can_draft=True)]) == [0]
-    stats.tree_sizes = [3, 0, 0, 0, 0]  # nothing drafted for the last 4 rounds: it explores
+    stats.tree_sizes = [3, 0, 0, 0, 0]  # nothing drafted for the last 4 rounds alone: it explores
     assert rounds.plan([RoundSequence(stats, 100, can_draft=True)]) == [1]
     cheap = RoundBudgetPlanner(
         BudgetPlanner(VerifyCostCurve(sizes=[1, 64], contexts=[512], seconds=[[0.01, 0.01]]))
@@ -81,10 +81,12 @@ def test_a_sequence_alone_decodes_plainly_once_its_drafts_do_not_pay():
     assert cheap.plan([RoundSequence(GenerationStats(surrogates=stats.surrogates), 100, True)]) == [19]
 
 
-def losing_planner(explore_every: int = 4) -> RoundBudgetPlanner:
+def losing_planner(explore_every: int = 4, explore_alone: int = 4) -> RoundBudgetPlanner:
     """Drafting never pays: the forward costs 10 ms plus 10 ms per extra token, drafting 20 ms."""
     curve = VerifyCostCurve(sizes=[1, 64], contexts=[512], seconds=[[0.01, 0.64]])
-    rounds = RoundBudgetPlanner(BudgetPlanner(curve), explore_every=explore_every)
+    rounds = RoundBudgetPlanner(
+        BudgetPlanner(curve), explore_every=explore_every, explore_alone=explore_alone
+    )
     rounds._draft_seconds[True].append(0.02)
     return rounds
 
@@ -95,9 +97,10 @@ def drafted_once(plain_rounds: int) -> GenerationStats:
     return GenerationStats(surrogates=[surrogate], tree_sizes=[3] + [0] * plain_rounds)
 
 
-def test_a_batch_explores_about_as_often_as_one_sequence_alone():
-    rounds = losing_planner(explore_every=4)
-    assert rounds.plan([RoundSequence(drafted_once(4), 100, True)]) == [1]
+def test_a_batch_explores_about_once_per_explore_every_rounds_and_a_sequence_alone_more_often():
+    rounds = losing_planner(explore_every=4, explore_alone=2)
+    assert rounds.plan([RoundSequence(drafted_once(1), 100, True)]) == [0]
+    assert rounds.plan([RoundSequence(drafted_once(2), 100, True)]) == [1]
     pair = [RoundSequence(drafted_once(4), 100, True), RoundSequence(drafted_once(7), 100, True)]
     assert rounds.plan(pair) == [0, 0]  # a pair waits 8 plain rounds each
     pair.append(RoundSequence(drafted_once(8), 100, True))
@@ -128,6 +131,26 @@ def test_a_round_like_the_last_reuses_its_plan(monkeypatch):
     stats.tree_sizes.extend([2] * rounds.refresh)  # drafted rounds: a new acceptance estimate
     rounds.plan([RoundSequence(stats, 100 + rounds.context_step, True)])
     assert len(planned) == 3
+
+
+def test_a_sequence_that_stopped_drafting_re_estimates_after_one_exploring_round():
+    rounds = losing_planner()
+    stats = drafted_once(3)
+    stats.rounds, stats.accepted_nodes = 4, [[]] * 4
+    stats.verify_contexts, stats.verify_seconds, stats.verify_forwards = (
+        [100] * 4,
+        [0.0] * 4,
+        [(1, 1, 100)] * 4,
+    )
+    first = rounds.expected_tau(stats)
+    assert rounds.expected_tau(stats) is first  # plain rounds taught it nothing
+    stats.rounds += 1  # an exploring round whose first node was accepted
+    stats.tree_sizes.append(2)
+    stats.accepted_nodes.append([1])
+    stats.verify_contexts.append(104)
+    stats.verify_seconds.append(0.0)
+    stats.verify_forwards.append((1, 3, 104))
+    assert rounds.expected_tau(stats)[1] > first[1]
 
 
 def test_finished_sequences_teach_the_stage_costs_and_the_shared_forwards_scale():

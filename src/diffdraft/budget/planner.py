@@ -112,6 +112,10 @@ def rounds_of(stats: GenerationStats) -> list[ObservedRound]:
 PRIOR_ROUNDS = 16
 """Weight, in rounds, of a prior estimate of a node rank's gain against the rounds that measured it:
 the surrogate's promise against the finished rounds, and that estimate against a sequence's own."""
+OWN_ROUNDS = 32
+"""A running sequence's drafted rounds its estimate reads, the latest: what the drafter gets right
+changes along a text (prose, then a list, then code), and a sequence that stopped drafting must be
+able to start again from the few rounds it drafts to explore."""
 MIN_TIMED_ROUNDS = 4
 """Rounds of one verified size before their times recalibrate the cost curve."""
 
@@ -131,9 +135,9 @@ class BudgetPlanner:
 
     Per sequence: the planner learns from finished sequences only, and chooses for one running
     sequence from its own record (:class:`~diffdraft.stats.GenerationStats`): that sequence's
-    surrogates replace the recent ones as the prior, and its own verified rounds outweigh the
-    finished rounds' estimate as they add up, so sequences the drafter serves well and badly get
-    different budgets in one batch, each the one it would get alone.
+    surrogates replace the recent ones as the prior, and its own latest drafted rounds
+    (:data:`OWN_ROUNDS`) outweigh the finished rounds' estimate as they add up, so sequences the
+    drafter serves well and badly get different budgets in one batch, each the one it would get alone.
 
     Cost: the cached curve was measured once, in isolation, and its shape can differ from what the
     same forwards cost inside a decoding loop (seen here: 0.4 vs 1 ms per extra token on a CPU). The
@@ -159,6 +163,9 @@ class BudgetPlanner:
         self._timed: deque[tuple[int, float]] = deque(maxlen=timed_rounds)  # (q, measured / curve)
         self.fixed_seconds = 0.0
         """Seconds per round outside verification (see choose_budget)."""
+        self._finished_gains: tuple[np.ndarray, np.ndarray, float] | None = None
+        """The finished rounds' per-rank gains, counts and growth calibration, until they change
+        (every running sequence's estimate reads them, so they are computed once per change)."""
 
     @property
     def has_proposals(self) -> bool:
@@ -167,6 +174,7 @@ class BudgetPlanner:
 
     def observe_proposal(self, surrogate: Sequence[float]) -> None:
         self._surrogates.append(self._padded(surrogate))
+        self._finished_gains = None
 
     def _padded(self, surrogate: Sequence[float]) -> list[float]:
         """``surrogate`` cut or extended (flat) to budgets 0..max_budget."""
@@ -177,6 +185,7 @@ class BudgetPlanner:
         """Verified rounds, and the mean seconds per round spent outside verification. Only rounds
         verified alone rescale the curve: a shared forward's time is not its tree's."""
         self._rounds.extend(rounds)
+        self._finished_gains = None
         self._timed.extend(
             (r.budget + 1, r.seconds / self.curve(r.budget + 1, r.context))
             for r in rounds
@@ -221,19 +230,25 @@ class BudgetPlanner:
     def growth_calibration(self) -> float:
         """Realized / surrogate-promised gain over the upper half of the ranks at least
         :data:`PRIOR_ROUNDS` rounds verified, at most 1; 1 before that."""
-        observed, counts = self.rank_gains() if self._rounds else (np.zeros(0), np.zeros(0))
-        return _growth(np.diff(self.surrogate()), observed, counts)
+        return self._finished()[2]
+
+    def _finished(self) -> tuple[np.ndarray, np.ndarray, float]:
+        """:meth:`rank_gains` and :meth:`growth_calibration`, computed once per change of the record."""
+        if self._finished_gains is None:
+            observed, counts = self.rank_gains() if self._rounds else (np.zeros(0), np.zeros(0))
+            self._finished_gains = (observed, counts, _growth(np.diff(self.surrogate()), observed, counts))
+        return self._finished_gains
 
     def expected_tau(self, sequence: GenerationStats | None = None) -> list[float]:
         """Expected acceptance length per budget 0..max_budget (see the class docstring), for the
         running ``sequence`` (its record so far) or, without one, for the recent finished rounds."""
         gains = np.diff(self.surrogate(sequence))
         if self._rounds:
-            observed, counts = self.rank_gains()
-            prior = gains * _growth(np.diff(self.surrogate()), observed, counts)
-            gains = (observed + PRIOR_ROUNDS * prior) / (counts + PRIOR_ROUNDS)
+            observed, counts, growth = self._finished()
+            gains = (observed + PRIOR_ROUNDS * gains * growth) / (counts + PRIOR_ROUNDS)
         if sequence is not None and sequence.rounds:
-            observed, counts = _rank_gains(rounds_of(sequence), self.max_budget)
+            own = [r for r in rounds_of(sequence) if r.budget > 0][-OWN_ROUNDS:]
+            observed, counts = _rank_gains(own, self.max_budget)
             gains = (observed + PRIOR_ROUNDS * gains) / (counts + PRIOR_ROUNDS)
         return [1.0, *(1.0 + np.cumsum(gains)).tolist()]
 

@@ -124,14 +124,20 @@ class RoundBudgetPlanner:
 
     A sequence drafts on its first round when it runs alone, or while no finished sequence drafted
     (nothing else could guide it; in a batch the others' record stands in), and whenever it has not
-    drafted for ``explore_every`` rounds times the sequences in the round: plain decoding teaches
-    nothing about acceptance, and what pays changes as sequences join and leave, but each exploration
-    costs a drafting sequence's time, so a batch explores about once per ``explore_every`` rounds
-    whatever its size (at batch 8 every sequence exploring every 32 rounds cost 6-8% of the batch's
-    throughput). A sequence's acceptance estimate is refreshed after ``refresh`` drafted rounds, with
-    each new surrogate and when a finished sequence taught the planner, not every round (it reads its
-    whole record); a round whose inputs did not change but for contexts within ``context_step`` tokens
-    reuses the last plan (planning took ~2 ms of a 20 ms round at batch 8).
+    drafted for ``explore_every`` rounds times the sequences in the round (``explore_alone`` rounds
+    when it runs alone): plain decoding teaches nothing about acceptance, and what pays changes along
+    a text and as sequences join and leave, but each exploration costs a drafting sequence's time, so
+    a batch explores about once per ``explore_every`` rounds whatever its size (at batch 8 every
+    sequence exploring every 32 rounds cost 6-8% of the batch's throughput). Alone, a drafting round
+    costs about what it gains even where drafting does not pay, and a sequence that stopped drafting
+    on a hard stretch of text must notice soon that drafting pays again (at an interval of 32 rounds,
+    two of 12 sequences drafted in 65 and 97 rounds of 99 and 116).
+
+    A sequence's acceptance estimate is refreshed after ``refresh`` drafted rounds, after any drafted
+    round once it stopped drafting (an exploration is news), with each new surrogate and when a
+    finished sequence taught the planner, not every round (it reads the sequence's latest rounds); a
+    round whose inputs did not change but for contexts within ``context_step`` tokens reuses the last
+    plan (planning took ~2 ms of a 20 ms round at batch 8).
     """
 
     def __init__(
@@ -139,6 +145,7 @@ class RoundBudgetPlanner:
         planner: BudgetPlanner,
         batch_cost: BatchCostCurve | Callable[[], BatchCostCurve] | None = None,
         explore_every: int = 32,
+        explore_alone: int = 8,
         refresh: int = 8,
         window: int = 64,
         timed_rounds: int = 128,
@@ -149,6 +156,7 @@ class RoundBudgetPlanner:
         self.planner = planner
         self._batch_cost = batch_cost
         self.explore_every = explore_every
+        self.explore_alone = explore_alone
         self.refresh = refresh
         self._draft_seconds: dict[bool, deque[float]] = {
             alone: deque(maxlen=window) for alone in (True, False)
@@ -157,8 +165,11 @@ class RoundBudgetPlanner:
         self._commit_seconds: dict[bool, deque[float]] = {
             alone: deque(maxlen=window) for alone in (True, False)
         }
-        self._batch_scales: deque[tuple[int, float]] = deque(maxlen=timed_rounds)
-        """(sequences, measured / batch curve seconds) of finished sequences' shared forwards."""
+        self._batch_scales: dict[tuple[tuple[int, int, int], float], tuple[int, float]] = {}
+        """(sequences, measured / batch curve seconds) of the latest ``timed_rounds`` shared forwards
+        of finished sequences, by forward (shape and seconds): every sequence of a round recorded it,
+        and it counts once."""
+        self.timed_rounds = timed_rounds
         self.context_step = context_step
         self._learned = 0
         """Finished sequences observed: a new one makes every estimate and plan stale."""
@@ -198,10 +209,13 @@ class RoundBudgetPlanner:
             self._commit_seconds[alone].append(sum(stats.timings[s] for s in COMMIT_STAGES) / stats.rounds)
         shared = [r for r in rounds_of(stats) if r.forward is not None and r.seconds > 0]
         if shared and self.batch_cost is not None:
-            self._batch_scales.extend(
-                (r.forward[0], r.seconds / self.batch_cost(r.forward[1], r.forward[0], r.forward[2]))
-                for r in shared
-            )
+            for r in shared:
+                key = (r.forward, r.seconds)
+                if key not in self._batch_scales:
+                    scale = r.seconds / self.batch_cost(r.forward[1], r.forward[0], r.forward[2])
+                    self._batch_scales[key] = (r.forward[0], scale)
+            for oldest in list(self._batch_scales)[: len(self._batch_scales) - self.timed_rounds]:
+                del self._batch_scales[oldest]
 
     def verify_seconds(self, tokens: np.ndarray, sequences: int, context: float) -> np.ndarray:
         """The forward's seconds for each total of ``tokens`` shared by ``sequences`` over ``context``
@@ -215,10 +229,11 @@ class RoundBudgetPlanner:
     def batch_scale(self, sequences: int) -> float:
         """Median measured / curve time of finished forwards shared by ``sequences`` sequences (of
         any shared forward while too few of that size finished; 1 before any)."""
-        same = [scale for n, scale in self._batch_scales if n == sequences]
+        scales = self._batch_scales.values()
+        same = [scale for n, scale in scales if n == sequences]
         if len(same) >= MIN_TIMED_ROUNDS:
             return float(np.median(same))
-        return float(np.median([scale for _, scale in self._batch_scales])) if self._batch_scales else 1.0
+        return float(np.median([scale for _, scale in scales])) if scales else 1.0
 
     def plan(self, sequences: Sequence[RoundSequence]) -> list[int]:
         """Each sequence's node budget this round (0: it verifies its pending token alone)."""
@@ -242,13 +257,14 @@ class RoundBudgetPlanner:
     def expected_tau(self, stats: GenerationStats) -> list[float]:
         """:meth:`BudgetPlanner.expected_tau` of the sequence, re-estimated when stale: after
         ``refresh`` drafted rounds (a round at budget 0 adds nothing to its record), a new surrogate or
-        a newly finished sequence. The same list object while fresh (:meth:`plan` compares by identity)."""
+        a newly finished sequence, or after any drafted round once it skipped drafting. The same list
+        object while fresh (:meth:`plan` compares by identity)."""
         estimate = stats.tau_estimate
-        fresh = (
-            estimate is not None
-            and estimate[1:3] == (len(stats.surrogates), self._learned)
-            and sum(size > 0 for size in stats.tree_sizes[estimate[0] :]) < self.refresh
-        )
+        fresh = estimate is not None and estimate[1:3] == (len(stats.surrogates), self._learned)
+        if fresh:
+            drafted = sum(size > 0 for size in stats.tree_sizes[estimate[0] :])
+            skipped = 0 in stats.tree_sizes[max(0, estimate[0] - 1) :]  # around or since the estimate
+            fresh = drafted < (1 if skipped else self.refresh)
         if not fresh:
             stats.tau_estimate = estimate = (
                 len(stats.tree_sizes),
@@ -261,7 +277,7 @@ class RoundBudgetPlanner:
     def _must_explore(self, stats: GenerationStats, sequences: int) -> bool:
         if not stats.surrogates:
             return sequences == 1 or not self.planner.has_proposals
-        interval = self.explore_every * sequences
+        interval = self.explore_alone if sequences == 1 else self.explore_every * sequences
         recent = stats.tree_sizes[-interval:]
         return len(recent) == interval and not any(recent)
 
