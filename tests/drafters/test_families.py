@@ -9,6 +9,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 import diffdraft
+from diffdraft.decoding.method_table import METHODS, Drafting, Method, TreeRule
 from diffdraft.drafters.base import ForksByCopy, Proposal
 from diffdraft.drafters.checkpoint import load_draft_model, save_draft_model
 from diffdraft.drafters.dart import DARTDrafter
@@ -28,9 +29,8 @@ from diffdraft.drafters.families import (
     variants,
 )
 from diffdraft.errors import IncompatibleDrafterError, InvalidRequestError
-from diffdraft.loading import load_target
-from diffdraft.method_table import METHODS, Drafting, Method, TreeRule
-from diffdraft.target import TargetModel
+from diffdraft.target.loading import load_target
+from diffdraft.target.model import TargetModel
 
 from conftest import make_checkpoint, tiny_dart, tiny_drafter, tiny_target
 

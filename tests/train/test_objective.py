@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from diffdraft.drafters.dflash_model import DFLARE
-from diffdraft.target import TargetModel
+from diffdraft.target.model import TargetModel
 from diffdraft.train.batch import TrainingBatch, pad_right
 from diffdraft.train.blocks import make_blocks
 from diffdraft.train.objective import BlockObjective

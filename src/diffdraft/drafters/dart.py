@@ -16,7 +16,7 @@ from diffdraft.drafters.base import ForksByCopy, Proposal
 from diffdraft.drafters.compatibility import check_fits_target
 from diffdraft.drafters.dart_model import DARTDraftModel
 from diffdraft.kernels.packed_linear import has_packed_layers, pack_linear_layers
-from diffdraft.target import TargetModel
+from diffdraft.target.model import TargetModel
 
 
 class DARTDrafter(ForksByCopy):

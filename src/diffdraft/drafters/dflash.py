@@ -23,7 +23,7 @@ from diffdraft.errors import IncompatibleDrafterError
 from diffdraft.kernels.fused_projections import fuse_projections
 from diffdraft.kernels.packed_linear import has_packed_layers, pack_linear, pack_linear_layers
 from diffdraft.kernels.quantized.block_linear import BlockQuantizedLinear, q8_linear, runs_int8_kernel
-from diffdraft.target import TargetModel
+from diffdraft.target.model import TargetModel
 
 
 class DFlashDrafter(ForksByCopy):

@@ -21,7 +21,7 @@ from diffdraft.drafters.deer import DEERDrafter
 from diffdraft.drafters.deer_model import DEER, DEERDraftModel, deer_config_from, is_deer_config
 from diffdraft.drafters.dflash import DFlashDrafter
 from diffdraft.drafters.dflash_model import DFLARE, DFLASH, DFlashDraftModel, dflash_config_from
-from diffdraft.target import TargetModel
+from diffdraft.target.model import TargetModel
 
 DraftModel = nn.Module
 """A draft network of any registered family. Each has ``config``, ``variant`` (one of its family's

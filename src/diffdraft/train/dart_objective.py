@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from diffdraft.drafters.dart_model import DARTDraftModel, make_dart_config
-from diffdraft.target import TargetModel
+from diffdraft.target.model import TargetModel
 from diffdraft.train.batch import TrainingBatch, pad_right, pad_square_masks
 from diffdraft.train.config import TrainConfig
 from diffdraft.train.loss import draft_loss

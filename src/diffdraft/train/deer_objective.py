@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from diffdraft.drafters.deer_model import DEERDraftModel, deer_from_causal_lm
-from diffdraft.target import TargetModel
+from diffdraft.target.model import TargetModel
 from diffdraft.train.batch import TrainingBatch, pad_right, pad_square_masks
 from diffdraft.train.config import TrainConfig
 from diffdraft.train.loss import mean_of_sequences, position_counts, position_hits, row_losses, target_rows

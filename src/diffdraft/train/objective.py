@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from diffdraft.drafters.dflash_model import DFlashDraftModel, draft_head, make_draft_config
-from diffdraft.target import TargetModel
+from diffdraft.target.model import TargetModel
 from diffdraft.train.batch import TrainingBatch
 from diffdraft.train.blocks import IGNORE, batch_blocks
 from diffdraft.train.config import TrainConfig

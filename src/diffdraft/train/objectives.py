@@ -17,7 +17,7 @@ from diffdraft.drafters.dart_model import DART
 from diffdraft.drafters.deer_model import DEER
 from diffdraft.drafters.dflash_model import DFLASH
 from diffdraft.drafters.families import DraftModel, family_of, family_with_variant
-from diffdraft.target import TargetModel
+from diffdraft.target.model import TargetModel
 from diffdraft.train.config import TrainConfig
 from diffdraft.train.dart_objective import DARTObjective, new_dart_drafter
 from diffdraft.train.deer_objective import DEERObjective, new_deer_drafter

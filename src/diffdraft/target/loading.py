@@ -25,13 +25,13 @@ from transformers import (
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from diffdraft.default_model import MODEL_NAME, default_cache_dir, default_gguf_path
 from diffdraft.errors import CheckpointError, InvalidRequestError
 from diffdraft.kernels.fused_projections import fuse_projections
 from diffdraft.kernels.grouped_attention import use_grouped_attention
 from diffdraft.kernels.packed_linear import pack_linear_layers
 from diffdraft.kernels.quantized.gguf_weights import block_weights_supported, use_gguf_blocks
-from diffdraft.staging import temp_dir_beside
+from diffdraft.target.default_model import MODEL_NAME, default_cache_dir, default_gguf_path
+from diffdraft.util.staging import temp_dir_beside
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The names from_pretrained looks for; anything else in the directory is not loadable weights.

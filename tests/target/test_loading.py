@@ -9,16 +9,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from diffdraft.engine import SpeculativeEngine
+from diffdraft.decoding.engine import SpeculativeEngine
 from diffdraft.errors import CheckpointError, InvalidRequestError
 from diffdraft.kernels.fused_projections import ProjectionSlice
 from diffdraft.kernels.grouped_attention import NAME
 from diffdraft.kernels.packed_linear import has_packed_layers, packing_supported
-from diffdraft.loading import LoadedModel, end_token_ids, fastest_dtype, load_target, native_bfloat16
-from diffdraft.sampling import SamplingParams
-from diffdraft.stats import GenerationStats
-from diffdraft.stopping import StopConditions
-from diffdraft.target import TargetModel
+from diffdraft.runtime.sampling import SamplingParams
+from diffdraft.runtime.stats import GenerationStats
+from diffdraft.runtime.stopping import StopConditions
+from diffdraft.target.loading import LoadedModel, end_token_ids, fastest_dtype, load_target, native_bfloat16
+from diffdraft.target.model import TargetModel
 from diffdraft.trees import ChainBuilder
 
 from conftest import CHECKPOINT_VOCAB as VOCAB
@@ -76,7 +76,7 @@ def test_dtype(
 @pytest.mark.parametrize("native", [True, False])
 def test_auto_loads_gguf_targets_in_bfloat16_where_the_device_computes_it(monkeypatch, native) -> None:
     """A GGUF records no dtype, and its quantized blocks run fastest in bf16 (float32 is 4x slower)."""
-    from diffdraft import loading
+    from diffdraft.target import loading
 
     asked = []
     monkeypatch.setattr(loading, "native_bfloat16", lambda device: native)

@@ -11,11 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
-from diffdraft import verify
+from diffdraft.decoding import verify
+from diffdraft.decoding.verify import accept
 from diffdraft.drafters.base import Proposal
-from diffdraft.sampling import SamplingParams
+from diffdraft.runtime.sampling import SamplingParams
 from diffdraft.trees import ChainBuilder, DDTreeBuilder, DraftTree, TreeBuilder
-from diffdraft.verify import accept
 
 VOCAB = 5
 DEPTH = 3

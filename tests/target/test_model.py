@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from diffdraft.errors import IncompatibleDrafterError
-from diffdraft.target import TargetModel
+from diffdraft.target.model import TargetModel
 from diffdraft.trees import DraftTree
 
 from conftest import tiny_target

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import argparse
 
+from diffdraft.decoding.method_table import METHODS, TreeRule
 from diffdraft.generator import SpeculativeGenerator, load
-from diffdraft.method_table import METHODS, TreeRule
 
 
 def budget_argument(value: str) -> int | str:

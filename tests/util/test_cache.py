@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from diffdraft.cache import cache_root
+from diffdraft.util.cache import cache_root
 
 
 def test_cache_root_precedence(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from diffdraft.atomic_write import write_text_atomically
+from diffdraft.util.atomic_write import write_text_atomically
 
 
 def test_the_file_is_replaced_and_nothing_else_is_left(tmp_path):

@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from diffdraft.model_options import add_model_arguments
+from diffdraft.commands.model_options import add_model_arguments
 
 
 @pytest.mark.parametrize(("value", "budget"), [("auto", "auto"), ("6", 6)])

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from diffdraft.staging import staged_directory
+from diffdraft.util.staging import staged_directory
 
 
 def test_a_finished_write_replaces_the_old_directory(tmp_path):

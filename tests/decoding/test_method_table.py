@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from diffdraft.decoding.method_table import METHODS, Drafting, TreeRule, auto_budget_methods, method_named
 from diffdraft.drafters.checkpoint import resolve_drafter_path
 from diffdraft.drafters.families import FAMILIES
 from diffdraft.errors import InvalidRequestError
-from diffdraft.method_table import METHODS, Drafting, TreeRule, auto_budget_methods, method_named
 
 
 def test_rows_are_keyed_by_their_names_and_name_families_that_exist():

@@ -16,14 +16,14 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from diffdraft.decoding.verify import accept
 from diffdraft.drafters.base import Drafter, Proposal, propose_together
-from diffdraft.logprobs import LogprobRecorder
-from diffdraft.sampling import SamplingParams, greedy_tokens, sample_from
-from diffdraft.stats import GenerationStats, StageTimer
-from diffdraft.stopping import StopConditions, StopDecision
-from diffdraft.target import TargetModel, TargetOutput, VerifyInput
+from diffdraft.runtime.logprobs import LogprobRecorder
+from diffdraft.runtime.sampling import SamplingParams, greedy_tokens, sample_from
+from diffdraft.runtime.stats import GenerationStats, StageTimer
+from diffdraft.runtime.stopping import StopConditions, StopDecision
+from diffdraft.target.model import TargetModel, TargetOutput, VerifyInput
 from diffdraft.trees import DraftTree, RoundPlanner, RoundSequence, TreeBuilder
-from diffdraft.verify import accept
 
 
 class SpeculativeEngine:

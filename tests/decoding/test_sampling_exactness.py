@@ -17,8 +17,8 @@ from diffdraft.drafters.deer_model import DEERDraftModel, deer_from_causal_lm
 from diffdraft.drafters.dflash import DFlashDrafter
 from diffdraft.drafters.lookup_boost import LookupBoostedDrafter
 from diffdraft.drafters.prompt_lookup import PromptLookupDrafter
-from diffdraft.sampling import SamplingParams
-from diffdraft.target import TargetModel
+from diffdraft.runtime.sampling import SamplingParams
+from diffdraft.target.model import TargetModel
 from diffdraft.trees import ChainBuilder, DDTreeBuilder
 from diffdraft.trees.dart import DartTreeBuilder, DartTreeSettings
 
@@ -148,14 +148,14 @@ def test_the_holed_deer_drafter_has_no_mass_where_the_target_has_some():
 
 
 def test_the_check_catches_a_verifier_that_accepts_every_draft(monkeypatch):
-    import diffdraft.engine
-    from diffdraft.verify import Acceptance
+    import diffdraft.decoding.engine
+    from diffdraft.decoding.verify import Acceptance
 
     def accept_everything(tree, logits, sampling, generator):
         path = list(range(tree.tokens.shape[0]))
         return Acceptance(path, int(torch.multinomial(sampling.probs(logits[-1]), 1, generator=generator)))
 
-    monkeypatch.setattr(diffdraft.engine, "accept", accept_everything)
+    monkeypatch.setattr(diffdraft.decoding.engine, "accept", accept_everything)
     model = tiny_target("qwen3", seed=5, vocab=VOCAB, init_std=0.05)
     drafter, builder = methods(model)["rejection-chain"]
     sampling = SamplingParams(temperature=1.0)

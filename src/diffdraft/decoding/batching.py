@@ -17,11 +17,11 @@ import time
 
 import torch
 
-from diffdraft.engine import SequenceRun, SpeculativeEngine, draft_round
-from diffdraft.logprobs import LogprobRecorder
-from diffdraft.sampling import SamplingParams
-from diffdraft.stats import GenerationStats
-from diffdraft.stopping import StopConditions
+from diffdraft.decoding.engine import SequenceRun, SpeculativeEngine, draft_round
+from diffdraft.runtime.logprobs import LogprobRecorder
+from diffdraft.runtime.sampling import SamplingParams
+from diffdraft.runtime.stats import GenerationStats
+from diffdraft.runtime.stopping import StopConditions
 
 
 class BatchEngine:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from diffdraft.progress import LOG_INTERVAL_SECONDS, progress_bar
+from diffdraft.util.progress import LOG_INTERVAL_SECONDS, progress_bar
 
 
 def test_off_a_terminal_the_bar_redraws_at_most_every_few_seconds():

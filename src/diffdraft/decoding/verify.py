@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from diffdraft.sampling import SamplingParams, greedy_tokens, sample_from
+from diffdraft.runtime.sampling import SamplingParams, greedy_tokens, sample_from
 from diffdraft.trees.tree import DraftTree
 
 

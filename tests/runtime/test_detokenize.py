@@ -8,7 +8,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from diffdraft.detokenize import IncrementalDecoder
+from diffdraft.runtime.detokenize import IncrementalDecoder
 
 from conftest import tiny_tokenizer
 

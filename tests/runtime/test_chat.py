@@ -6,9 +6,9 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from diffdraft.chat import encode_chat, encode_prompt
-from diffdraft.default_model import default_gguf_path
 from diffdraft.errors import InvalidRequestError
+from diffdraft.runtime.chat import encode_chat, encode_prompt
+from diffdraft.target.default_model import default_gguf_path
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 ID = {word: i for i, word in enumerate([*SPECIALS, "hello", "world", "system", "user", "assistant", "tool"])}

@@ -9,24 +9,24 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from diffdraft.batching import BatchEngine
 from diffdraft.budget.auto_budget import AutoBudgetBuilder
 from diffdraft.budget.cost import VerifyCostCurve
 from diffdraft.budget.planner import BudgetPlanner
+from diffdraft.decoding.batching import BatchEngine
+from diffdraft.decoding.engine import SpeculativeEngine
 from diffdraft.drafters.base import Proposal
 from diffdraft.drafters.dart import DARTDrafter
 from diffdraft.drafters.deer import DEERDrafter
 from diffdraft.drafters.deer_model import deer_from_causal_lm
-from diffdraft.engine import SpeculativeEngine
-from diffdraft.sampling import SamplingParams
-from diffdraft.stats import GenerationStats
-from diffdraft.stopping import StopConditions
-from diffdraft.target import TargetModel, VerifyInput
+from diffdraft.runtime.sampling import SamplingParams
+from diffdraft.runtime.stats import GenerationStats
+from diffdraft.runtime.stopping import StopConditions
+from diffdraft.target.model import TargetModel, VerifyInput
 from diffdraft.trees import ChainBuilder, DDTreeBuilder
 from diffdraft.trees.dart import DartTreeBuilder, DartTreeSettings
 
 from conftest import tiny_dart, tiny_target
-from test_engine import make_method
+from decoding.test_engine import make_method
 
 
 def requests_for(target, seed: int, count: int) -> list[tuple[list[int], int, int]]:

