@@ -2,7 +2,7 @@
 
 One optimizer step = ``batch_size`` sequences (global, over all processes). Each sequence gives
 many anchored drafts trained in one drafter forward under a sparse mask (each family's objective:
-``objective.py``, ``dart_objective.py``, ``deer_objective.py``). The target's embedding (and for
+``dflash_objective.py``, ``dart_objective.py``, ``deer_objective.py``). The target's embedding (and for
 DFlash its LM head) is shared and frozen; only the drafter learns (DEER owns its embedding and head).
 
 Everything random is derived from (seed, epoch, sample), so the run is reproducible, resumes

@@ -9,7 +9,7 @@ from diffdraft.drafters.dflash_model import DFLARE
 from diffdraft.target.model import TargetModel
 from diffdraft.train.batch import TrainingBatch, pad_right
 from diffdraft.train.blocks import make_blocks
-from diffdraft.train.objective import BlockObjective
+from diffdraft.train.dflash_objective import BlockObjective
 
 from conftest import tiny_drafter, tiny_target
 

@@ -11,6 +11,7 @@ from diffdraft.train.batch import TrainingBatch
 from diffdraft.train.blocks import IGNORE, batch_blocks
 from diffdraft.train.config import TrainConfig
 from diffdraft.train.loss import draft_loss, position_weights
+from diffdraft.train.recipe import TrainingRecipe
 from diffdraft.train.target_init import copy_target_layers
 
 
@@ -121,3 +122,12 @@ def new_block_drafter(
     with torch.no_grad():
         drafter.norm.weight.fill_(float(head.norm(dim=1).pow(2).mean().rsqrt()))
     return drafter
+
+
+RECIPE = TrainingRecipe(
+    objective=lambda drafter, target_model, stage, max_suffix: BlockObjective(drafter, target_model),
+    new_model=new_block_drafter,
+    gamma_0=4.5,
+    fixed_gamma=False,
+)
+"""DFlash / DFlare's recipe: DFlare's weighting exp(-(k-1)/gamma), gamma rising 1 per epoch from 4.5."""
