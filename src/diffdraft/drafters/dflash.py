@@ -147,10 +147,7 @@ class DFlashDrafter(ForksByCopy):
     def _proposal(self, log_probs: torch.Tensor) -> Proposal:
         """The proposal of drafted rows ``log_probs`` [depth, draft vocabulary]: tokens outside the
         draft vocabulary get probability 0."""
-        vocab = self.model.draft_vocab
-        if vocab is not None:
-            return Proposal.restricted(log_probs, vocab, self.vocab_size)
-        return Proposal(log_probs=log_probs)
+        return Proposal.restricted(log_probs, self.model.draft_vocab, self.vocab_size)
 
 
 def _drafting_head(lm_head: nn.Module, draft_vocab: torch.Tensor | None, laid_out: bool) -> nn.Module:
