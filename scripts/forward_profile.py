@@ -28,11 +28,11 @@ import torch
 
 from diffdraft.bench.gguf_precision import dense_gguf
 from diffdraft.bench.llamacpp import INSTALL
-from diffdraft.default_model import default_gguf_path
 from diffdraft.kernels.packed_linear import PackedLinear
 from diffdraft.kernels.quantized.block_linear import ACTIVATIONS, BlockQuantizedLinear, has_block_layers
-from diffdraft.loading import load_target
-from diffdraft.target import TargetModel
+from diffdraft.target.default_model import default_gguf_path
+from diffdraft.target.loading import load_target
+from diffdraft.target.model import TargetModel
 from diffdraft.trees.tree import DraftTree
 
 

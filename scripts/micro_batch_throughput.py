@@ -30,8 +30,8 @@ from diffdraft.drafters.checkpoint import load_draft_model
 from diffdraft.drafters.dart_model import DART
 from diffdraft.drafters.deer_model import DEER
 from diffdraft.drafters.dflash_model import DFLARE
-from diffdraft.loading import load_target
-from diffdraft.target import TargetModel
+from diffdraft.target.loading import load_target
+from diffdraft.target.model import TargetModel
 from diffdraft.train.config import TrainConfig
 from diffdraft.train.dataset import TrainingSample, load_responses
 from diffdraft.train.trainer import Trainer

@@ -24,18 +24,18 @@ import numpy as np
 import torch
 
 from diffdraft.bench.datasets import load_samples
-from diffdraft.chat import encode_chat
+from diffdraft.decoding.engine import SpeculativeEngine
 from diffdraft.drafters.base import Drafter
 from diffdraft.drafters.checkpoint import load_draft_model
 from diffdraft.drafters.families import make_drafter
-from diffdraft.engine import SpeculativeEngine
-from diffdraft.loading import load_target
-from diffdraft.progress import progress_bar
-from diffdraft.sampling import SamplingParams
-from diffdraft.stats import GenerationStats
-from diffdraft.stopping import StopConditions
-from diffdraft.target import TargetModel
+from diffdraft.runtime.chat import encode_chat
+from diffdraft.runtime.sampling import SamplingParams
+from diffdraft.runtime.stats import GenerationStats
+from diffdraft.runtime.stopping import StopConditions
+from diffdraft.target.loading import load_target
+from diffdraft.target.model import TargetModel
 from diffdraft.trees import DraftTree
+from diffdraft.util.progress import progress_bar
 
 TOP_K = 64
 """Candidates kept per depth: more than any 32-node tree uses (DDTree's Lemma 1: at most B per depth)."""

@@ -7,13 +7,13 @@ import json
 
 import pytest
 
-import diffdraft.model_options
+import diffdraft.commands.model_options
 from diffdraft.cli import main
 from diffdraft.drafters.checkpoint import save_draft_model
 from diffdraft.drafters.deer_model import deer_from_causal_lm
 from diffdraft.errors import CheckpointError
-from diffdraft.fingerprint import tokenizer_fingerprint
-from diffdraft.loading import load_target
+from diffdraft.target.loading import load_target
+from diffdraft.util.fingerprint import tokenizer_fingerprint
 
 from conftest import make_checkpoint, tiny_drafter
 
@@ -145,7 +145,7 @@ def test_the_default_drafter_follows_the_method(monkeypatch, capsys, target, met
         asked.update(target=target, drafter=drafter, method=method)
         raise CheckpointError(f"the {drafter} drafter is missing from this installation")
 
-    monkeypatch.setattr(diffdraft.model_options, "load", load)
+    monkeypatch.setattr(diffdraft.commands.model_options, "load", load)
     assert main(["generate", "--target", target, "--method", method, "--prompt", "hi"]) == 2
     assert asked == {"target": target, "drafter": drafter, "method": method}
     assert capsys.readouterr().out == ""

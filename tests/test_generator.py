@@ -11,10 +11,10 @@ import diffdraft
 from diffdraft.budget import cost
 from diffdraft.budget.auto_budget import AutoBudgetBuilder
 from diffdraft.budget.planner import BudgetPlanner, rounds_of
+from diffdraft.decoding.method_table import METHODS
 from diffdraft.drafters.checkpoint import save_draft_model
 from diffdraft.drafters.deer_model import deer_from_causal_lm
-from diffdraft.fingerprint import tokenizer_fingerprint
-from diffdraft.method_table import METHODS
+from diffdraft.util.fingerprint import tokenizer_fingerprint
 
 from conftest import hf_greedy, make_checkpoint, save_tiny_drafter, tiny_dart, tiny_drafter
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from diffdraft.drafters.checkpoint import load_draft_model, save_draft_model
-from diffdraft.loading import load_target
+from diffdraft.target.loading import load_target
 from diffdraft.train.trainer import METRICS_FILE, latest_checkpoint
 
 SKIPPED_STEPS = 3

@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.data.is_file():
         raise SystemExit(f"stage: {args.data} does not exist; make it with `diffdraft train pack` first")
     if args.gguf is None:
-        from diffdraft.default_model import default_gguf_path
+        from diffdraft.target.default_model import default_gguf_path
 
         args.gguf = default_gguf_path()
     tree = travelling_files()

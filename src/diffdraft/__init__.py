@@ -1,5 +1,6 @@
 """diffdraft: lossless speculative decoding with one-pass parallel drafters and optimal draft trees."""
 
+from diffdraft.decoding.method_table import METHODS
 from diffdraft.errors import CheckpointError, DiffdraftError, IncompatibleDrafterError, InvalidRequestError
 from diffdraft.generator import (
     GenerationChunk,
@@ -8,10 +9,9 @@ from diffdraft.generator import (
     SpeculativeGenerator,
     load,
 )
-from diffdraft.logprobs import TokenLogprob
-from diffdraft.method_table import METHODS
-from diffdraft.sampling import SamplingParams
-from diffdraft.stats import GenerationStats
+from diffdraft.runtime.logprobs import TokenLogprob
+from diffdraft.runtime.sampling import SamplingParams
+from diffdraft.runtime.stats import GenerationStats
 
 __all__ = [
     "METHODS",

@@ -9,10 +9,10 @@ import json
 import sys
 
 from diffdraft.bench.cli import add_bench_parser, run_bench
+from diffdraft.commands.model_options import add_model_arguments, load_generator
 from diffdraft.drafters.deer_cli import add_deer_parser, run_deer
 from diffdraft.errors import DiffdraftError, InvalidRequestError
 from diffdraft.export.cli import add_export_parser, run_export
-from diffdraft.model_options import add_model_arguments, load_generator
 from diffdraft.ngram.cli import add_ngram_parser, run_ngram
 from diffdraft.serve.cli import add_serve_load_parser, add_serve_parser, run_serve, run_serve_load
 from diffdraft.train.cli import add_train_parser, run_train

@@ -15,28 +15,28 @@ from dataclasses import dataclass, field
 
 import torch
 
-from diffdraft.batching import BatchEngine
 from diffdraft.budget.auto_budget import AutoBudgetBuilder
 from diffdraft.budget.batch_cost import load_or_measure_batch_cost
 from diffdraft.budget.cost import load_or_measure
 from diffdraft.budget.planner import BudgetPlanner
-from diffdraft.chat import encode_chat, encode_prompt
-from diffdraft.detokenize import INCOMPLETE, IncrementalDecoder
+from diffdraft.decoding.batching import BatchEngine
+from diffdraft.decoding.engine import SequenceRun, SpeculativeEngine
+from diffdraft.decoding.method_table import Drafting, Method, TreeRule, auto_budget_methods, method_named
 from diffdraft.drafters.base import Drafter
 from diffdraft.drafters.checkpoint import load_draft_model
 from diffdraft.drafters.families import FAMILIES, DraftModel, family_of, make_drafter
 from diffdraft.drafters.lookup_boost import LookupBoostedDrafter
 from diffdraft.drafters.prompt_lookup import PromptLookupDrafter
-from diffdraft.engine import SequenceRun, SpeculativeEngine
 from diffdraft.errors import InvalidRequestError
-from diffdraft.loading import LoadedModel, end_token_ids, load_target
-from diffdraft.logprobs import MAX_TOP_LOGPROBS, LogprobRecorder, TokenLogprob
-from diffdraft.method_table import Drafting, Method, TreeRule, auto_budget_methods, method_named
 from diffdraft.ngram.shipped import load_ngram
-from diffdraft.sampling import SamplingParams
-from diffdraft.stats import GenerationStats
-from diffdraft.stopping import StopConditions
-from diffdraft.target import TargetModel
+from diffdraft.runtime.chat import encode_chat, encode_prompt
+from diffdraft.runtime.detokenize import INCOMPLETE, IncrementalDecoder
+from diffdraft.runtime.logprobs import MAX_TOP_LOGPROBS, LogprobRecorder, TokenLogprob
+from diffdraft.runtime.sampling import SamplingParams
+from diffdraft.runtime.stats import GenerationStats
+from diffdraft.runtime.stopping import StopConditions
+from diffdraft.target.loading import LoadedModel, end_token_ids, load_target
+from diffdraft.target.model import TargetModel
 from diffdraft.trees import ChainBuilder, DDTreeBuilder, TreeBuilder
 from diffdraft.trees.dart import DartTreeBuilder, DartTreeSettings
 

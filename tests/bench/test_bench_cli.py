@@ -14,7 +14,7 @@ from diffdraft.bench.journal import JOURNAL
 from diffdraft.bench.methods import MethodSpec, OursRunner, register
 from diffdraft.drafters.checkpoint import save_draft_model
 from diffdraft.errors import InvalidRequestError
-from diffdraft.loading import load_target
+from diffdraft.target.loading import load_target
 
 from conftest import make_checkpoint, tiny_drafter
 

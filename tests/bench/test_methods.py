@@ -21,9 +21,9 @@ from diffdraft.bench.methods import (
 from diffdraft.drafters.checkpoint import save_draft_model
 from diffdraft.drafters.deer_model import deer_from_causal_lm
 from diffdraft.errors import InvalidRequestError
-from diffdraft.fingerprint import tokenizer_fingerprint
-from diffdraft.loading import load_target
 from diffdraft.ngram.build import build_from_sources
+from diffdraft.target.loading import load_target
+from diffdraft.util.fingerprint import tokenizer_fingerprint
 
 from conftest import make_checkpoint, tiny_dart, tiny_drafter
 

@@ -9,8 +9,8 @@ from diffdraft.budget.auto_budget import AutoBudgetBuilder
 from diffdraft.budget.cost import VerifyCostCurve
 from diffdraft.budget.planner import BudgetPlanner, rounds_of
 from diffdraft.drafters.base import Proposal
-from diffdraft.sampling import SamplingParams
-from diffdraft.stats import GenerationStats
+from diffdraft.runtime.sampling import SamplingParams
+from diffdraft.runtime.stats import GenerationStats
 from diffdraft.trees import DDTreeBuilder, RoundSequence
 
 from test_planner import _verified

@@ -8,7 +8,7 @@ import torch
 
 from diffdraft.budget import batch_cost
 from diffdraft.budget.batch_cost import BatchCostCurve, load_or_measure_batch_cost, measure_batch_cost
-from diffdraft.target import TargetModel
+from diffdraft.target.model import TargetModel
 
 from conftest import tiny_target
 

@@ -9,7 +9,7 @@ import torch
 
 from diffdraft.budget import cost
 from diffdraft.budget.cost import VerifyCostCurve, load_or_measure, measure_verify_cost
-from diffdraft.target import TargetModel
+from diffdraft.target.model import TargetModel
 
 from conftest import tiny_target
 

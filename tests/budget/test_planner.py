@@ -19,8 +19,8 @@ from diffdraft.budget.planner import (
     surrogate_acceptance,
 )
 from diffdraft.drafters.base import Proposal
-from diffdraft.sampling import SamplingParams
-from diffdraft.stats import GenerationStats
+from diffdraft.runtime.sampling import SamplingParams
+from diffdraft.runtime.stats import GenerationStats
 from diffdraft.trees import DDTreeBuilder
 
 

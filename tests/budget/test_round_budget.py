@@ -12,15 +12,15 @@ import pytest
 from diffdraft.budget.cost import VerifyCostCurve
 from diffdraft.budget.planner import BudgetPlanner
 from diffdraft.budget.round_budget import RoundBudgetPlanner, plan_budgets
-from diffdraft.engine import SpeculativeEngine
-from diffdraft.sampling import SamplingParams
-from diffdraft.stats import GenerationStats
-from diffdraft.target import TargetModel
+from diffdraft.decoding.engine import SpeculativeEngine
+from diffdraft.runtime.sampling import SamplingParams
+from diffdraft.runtime.stats import GenerationStats
+from diffdraft.target.model import TargetModel
 from diffdraft.trees import ChainBuilder, DDTreeBuilder, RoundSequence
 
 from conftest import tiny_target
-from test_batching import alone, batched, requests_for
-from test_engine import make_method
+from decoding.test_batching import alone, batched, requests_for
+from decoding.test_engine import make_method
 
 
 def concave_tau(largest: int, per_node: float) -> list[float]:

@@ -16,12 +16,12 @@ from diffdraft.drafters.checkpoint import load_draft_model, save_draft_model
 from diffdraft.drafters.dart import DARTDrafter
 from diffdraft.drafters.dart_model import eagle3_layer_ids
 from diffdraft.errors import CheckpointError, IncompatibleDrafterError
-from diffdraft.target import TargetModel
+from diffdraft.target.model import TargetModel
 from diffdraft.trees import ChainBuilder, DDTreeBuilder
 from diffdraft.trees.dart import DartTreeBuilder, DartTreeSettings
 
 from conftest import PerContextLookups, hf_greedy, tiny_dart, tiny_target
-from test_engine import OracleDrafter, run_engine
+from decoding.test_engine import OracleDrafter, run_engine
 
 RELEASED_KEYS = {
     "fc.weight",

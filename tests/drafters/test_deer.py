@@ -20,13 +20,13 @@ from diffdraft.drafters.deer import DEERDrafter
 from diffdraft.drafters.deer_model import DEERDraftModel, deer_from_causal_lm
 from diffdraft.drafters.families import make_drafter
 from diffdraft.errors import CheckpointError, IncompatibleDrafterError
-from diffdraft.fingerprint import tokenizer_fingerprint
-from diffdraft.target import TargetModel
+from diffdraft.target.model import TargetModel
 from diffdraft.trees import ChainBuilder, DDTreeBuilder
 from diffdraft.trees.dart import DartTreeBuilder, DartTreeSettings
+from diffdraft.util.fingerprint import tokenizer_fingerprint
 
 from conftest import hf_greedy, tiny_target, tiny_tokenizer
-from test_engine import run_engine
+from decoding.test_engine import run_engine
 
 DEER_CONFIG_KEYS = {
     "block_size",

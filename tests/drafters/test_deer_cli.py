@@ -9,7 +9,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from diffdraft.cli import main
 from diffdraft.drafters.checkpoint import load_draft_model, save_draft_model
 from diffdraft.drafters.deer_model import DEERDraftModel
-from diffdraft.fingerprint import tokenizer_fingerprint
+from diffdraft.util.fingerprint import tokenizer_fingerprint
 
 from conftest import CHECKPOINT_VOCAB, make_checkpoint, tiny_drafter, tiny_target
 

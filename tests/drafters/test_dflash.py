@@ -12,7 +12,7 @@ from diffdraft.drafters.checkpoint import load_draft_model, save_draft_model
 from diffdraft.drafters.dflash import DFlashDrafter
 from diffdraft.drafters.dflash_model import DFLARE, DFLASH, default_target_layer_ids, make_draft_config
 from diffdraft.errors import CheckpointError, IncompatibleDrafterError
-from diffdraft.target import TargetModel
+from diffdraft.target.model import TargetModel
 
 from conftest import tiny_drafter, tiny_target
 
@@ -268,7 +268,7 @@ def _forks_with_contexts(drafter, lengths: list[int], seed: int, hidden_size: in
 @pytest.mark.parametrize("draft_vocab", [None, list(range(0, 64, 2))])
 def test_one_forward_drafts_every_fork_as_each_drafts_alone(variant, draft_vocab):
     from diffdraft.drafters.base import propose_together
-    from diffdraft.sampling import SamplingParams
+    from diffdraft.runtime.sampling import SamplingParams
     from diffdraft.trees import DDTreeBuilder
 
     target = tiny_target("qwen3", seed=3)

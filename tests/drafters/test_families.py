@@ -1,7 +1,11 @@
 """The family registry: each family's record answers for it, and a new family is its own classes plus
-one registry entry (a toy family, registered for one test, runs end to end)."""
+one registry entry (a toy family, registered for one test, runs end to end); its training recipe is
+found in its own objective module, by name."""
 
 from __future__ import annotations
+
+import sys
+from types import ModuleType
 
 import pytest
 import torch
@@ -9,6 +13,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 import diffdraft
+from diffdraft.decoding.method_table import METHODS, Drafting, Method, TreeRule
 from diffdraft.drafters.base import ForksByCopy, Proposal
 from diffdraft.drafters.checkpoint import load_draft_model, save_draft_model
 from diffdraft.drafters.dart import DARTDrafter
@@ -28,14 +33,18 @@ from diffdraft.drafters.families import (
     variants,
 )
 from diffdraft.errors import IncompatibleDrafterError, InvalidRequestError
-from diffdraft.loading import load_target
-from diffdraft.method_table import METHODS, Drafting, Method, TreeRule
-from diffdraft.target import TargetModel
+from diffdraft.target.loading import load_target
+from diffdraft.target.model import TargetModel
+from diffdraft.train.config import TrainConfig
+from diffdraft.train.objectives import make_objective, recipe_for, recipe_for_variant
+from diffdraft.train.recipe import TrainingRecipe
 
 from conftest import make_checkpoint, tiny_dart, tiny_drafter, tiny_target
 
 TOY = "toy"
 TOY_ARCHITECTURE = "ToyDraftModel"
+TOY_OBJECTIVE = "diffdraft.train.toy_objective"
+"""Where training finds the toy family's recipe: ``diffdraft.train.<family key>_objective``."""
 
 
 class ToyDraftModel(nn.Module):
@@ -90,9 +99,41 @@ TOY_FAMILY = DrafterFamily(
 )
 
 
+class ToyObjective(nn.Module):
+    """The toy's training objective; only what finding it needs (training a bigram is not tested here)."""
+
+    def __init__(self, drafter: ToyDraftModel) -> None:
+        super().__init__()
+        self.drafter = drafter
+
+
+def new_toy_model(run: TrainConfig, target: TargetModel, draft_vocab: torch.Tensor | None) -> ToyDraftModel:
+    config = PretrainedConfig(vocab_size=target.vocab_size, block_size=run.block_size)
+    config.architectures = [TOY_ARCHITECTURE]
+    return ToyDraftModel(config)
+
+
+TOY_RECIPE = TrainingRecipe(
+    objective=lambda drafter, target_model, stage, max_suffix: ToyObjective(drafter),
+    new_model=new_toy_model,
+    gamma_0=1.0,
+    fixed_gamma=True,
+    needs_mask_token=False,
+)
+
+
+def toy_objective_module() -> ModuleType:
+    """The toy family's own training file (a family ships it as ``train/toy_objective.py``): its RECIPE."""
+    module = ModuleType(TOY_OBJECTIVE)
+    module.RECIPE = TOY_RECIPE
+    return module
+
+
 @pytest.fixture
 def toy_registered(monkeypatch):
-    """The toy family's one registry entry, and a method that takes its drafters only."""
+    """The toy family: its own objects and training module, plus its one registry entry; and, as any
+    method of its own would, a method row that takes its drafters only."""
+    monkeypatch.setitem(sys.modules, TOY_OBJECTIVE, toy_objective_module())
     monkeypatch.setitem(FAMILIES, TOY, TOY_FAMILY)
     method = Method("toy-tree", Drafting.MODEL, TreeRule.DDTREE, family=TOY, default_budget=6)
     monkeypatch.setitem(METHODS, method.name, method)
@@ -122,6 +163,8 @@ def test_a_registered_family_runs_end_to_end_token_identical_to_plain_decoding(
     assert isinstance(model, ToyDraftModel) and family_of(model) is TOY_FAMILY
     assert isinstance(make_drafter(model, target, loaded.tokenizer), ToyDrafter)
     assert TOY in variants() and family_with_variant(TOY) is TOY_FAMILY
+    assert recipe_for(model) is TOY_RECIPE and recipe_for_variant(TOY) is TOY_RECIPE  # found by name
+    assert isinstance(make_objective(model, loaded.model), ToyObjective)
 
     prompt = dict(prompt="hello world, the quick", max_new_tokens=16, ignore_eos=True)
     plain = diffdraft.SpeculativeGenerator(loaded, "ar").generate(**prompt)
@@ -142,6 +185,16 @@ def test_without_its_registry_entry_a_family_is_nobody_s():
     with pytest.raises(TypeError, match="ToyDraftModel is the network of no registered drafter family"):
         family_of(model)
     assert family_of_config({"architectures": [TOY_ARCHITECTURE]}) is DFLASH_FAMILY  # the unclaimed default
+
+
+def test_a_family_without_its_objective_module_says_which_module_it_needs(monkeypatch):
+    monkeypatch.setitem(FAMILIES, TOY, TOY_FAMILY)
+    missing = r"the Toy drafter family has no training recipe: its module diffdraft\.train\.toy_objective"
+    with pytest.raises(ModuleNotFoundError, match=missing):
+        recipe_for_variant(TOY)
+    monkeypatch.setitem(sys.modules, TOY_OBJECTIVE, ModuleType(TOY_OBJECTIVE))
+    with pytest.raises(TypeError, match=r"diffdraft\.train\.toy_objective defines no RECIPE"):
+        recipe_for_variant(TOY)
 
 
 def test_each_shipped_family_is_its_networks_and_configs_family():

@@ -9,7 +9,7 @@ import torch
 from diffdraft.drafters.dflash import DFlashDrafter
 from diffdraft.drafters.dflash_model import DFLARE, DFLASH
 from diffdraft.kernels.fused_projections import fuse_projections
-from diffdraft.target import TargetModel
+from diffdraft.target.model import TargetModel
 
 from conftest import needs_block_kernel, q4_1_target, tiny_drafter
 

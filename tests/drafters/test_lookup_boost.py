@@ -96,7 +96,7 @@ def test_a_copy_longer_than_the_drafter_block_extends_the_proposal():
 def test_boosted_forks_draft_together_as_each_alone():
     from diffdraft.drafters.base import propose_together
     from diffdraft.drafters.dflash import DFlashDrafter
-    from diffdraft.target import TargetModel
+    from diffdraft.target.model import TargetModel
 
     from conftest import tiny_drafter, tiny_target
     from drafters.test_dflash import _forks_with_contexts

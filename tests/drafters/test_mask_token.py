@@ -96,7 +96,7 @@ def test_no_candidate_asks_for_an_explicit_id():
 
 @pytest.mark.real_model
 def test_smollm2_gets_a_control_token_it_never_emits_in_chat():
-    from diffdraft.loading import load_target
+    from diffdraft.target.loading import load_target
 
     loaded = load_target("default")
     chosen = pick_mask_token(loaded.tokenizer, [2], loaded.model.get_input_embeddings().weight)

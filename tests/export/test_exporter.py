@@ -14,7 +14,7 @@ from diffdraft.drafters.deer_model import deer_from_causal_lm
 from diffdraft.drafters.dflash_model import DFLARE
 from diffdraft.errors import ExportError, IncompatibleDrafterError, InvalidRequestError
 from diffdraft.export import ENGINES, export_drafter
-from diffdraft.loading import load_target
+from diffdraft.target.loading import load_target
 
 from conftest import make_checkpoint, tiny_dart, tiny_drafter, tiny_target
 

@@ -47,7 +47,7 @@ def engine_captures(target: torch.nn.Module, config: dict, input_ids: torch.Tens
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_exported_ids_make_the_engines_capture_the_states_the_drafter_was_trained_on(family):
-    """diffdraft taps id ``i`` as Hugging Face ``hidden_states[i + 1]`` (src/diffdraft/target.py); an
+    """diffdraft taps id ``i`` as Hugging Face ``hidden_states[i + 1]`` (src/diffdraft/target/model.py); an
     engine reading the exported ids must capture exactly those tensors. Writing the ids shifted by
     one either way (the off-by-one DESIGN.md warns of) makes this fail."""
     target = tiny_target(family, layers=5)

@@ -11,7 +11,7 @@ import torch
 
 from diffdraft.errors import ExportError
 from diffdraft.export.vllm import build, launch
-from diffdraft.loading import load_target
+from diffdraft.target.loading import load_target
 
 from conftest import make_checkpoint, tiny_drafter, tiny_target
 

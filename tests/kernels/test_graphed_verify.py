@@ -6,15 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from diffdraft.decoding.engine import SpeculativeEngine
 from diffdraft.drafters.dflash import DFlashDrafter
-from diffdraft.engine import SpeculativeEngine
 from diffdraft.errors import UnsupportedModelError
 from diffdraft.kernels import kv_cache
 from diffdraft.kernels.graphed_verify import GraphedVerify
-from diffdraft.sampling import SamplingParams
-from diffdraft.stats import GenerationStats
-from diffdraft.stopping import StopConditions
-from diffdraft.target import TargetModel
+from diffdraft.runtime.sampling import SamplingParams
+from diffdraft.runtime.stats import GenerationStats
+from diffdraft.runtime.stopping import StopConditions
+from diffdraft.target.model import TargetModel
 from diffdraft.trees import ChainBuilder, DDTreeBuilder, DraftTree
 
 from conftest import hf_greedy, tiny_drafter, tiny_target

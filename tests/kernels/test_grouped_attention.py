@@ -11,7 +11,7 @@ from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from diffdraft.kernels.grouped_attention import NAME, grouped_sdpa_attention, use_grouped_attention
-from diffdraft.target import TargetModel
+from diffdraft.target.model import TargetModel
 
 from conftest import tiny_target
 

@@ -12,7 +12,7 @@ from transformers import DynamicCache
 from diffdraft.kernels import kv_cache
 from diffdraft.kernels.grouped_attention import use_grouped_attention
 from diffdraft.kernels.kv_cache import GrowableLayer, growable_cache
-from diffdraft.target import TargetModel
+from diffdraft.target.model import TargetModel
 
 from conftest import tiny_target
 

@@ -11,7 +11,7 @@ from diffdraft.kernels.fused_projections import fuse_projections
 from diffdraft.kernels.grouped_attention import use_grouped_attention
 from diffdraft.kernels.lean_forward import LeanForward
 from diffdraft.kernels.packed_linear import pack_linear_layers
-from diffdraft.target import TargetModel
+from diffdraft.target.model import TargetModel
 from diffdraft.trees import DraftTree
 
 from conftest import needs_packing, tiny_target

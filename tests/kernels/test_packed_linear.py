@@ -8,19 +8,19 @@ import pytest
 import torch
 from torch import nn
 
+from diffdraft.decoding.engine import SpeculativeEngine
 from diffdraft.drafters.dflash import DFlashDrafter
 from diffdraft.drafters.dflash_model import DFLARE
-from diffdraft.engine import SpeculativeEngine
 from diffdraft.kernels.packed_linear import (
     PackedLinear,
     has_packed_layers,
     pack_linear_layers,
     packing_supported,
 )
-from diffdraft.sampling import SamplingParams
-from diffdraft.stats import GenerationStats
-from diffdraft.stopping import StopConditions
-from diffdraft.target import TargetModel
+from diffdraft.runtime.sampling import SamplingParams
+from diffdraft.runtime.stats import GenerationStats
+from diffdraft.runtime.stopping import StopConditions
+from diffdraft.target.model import TargetModel
 from diffdraft.trees import DDTreeBuilder
 
 from conftest import needs_packing, tiny_drafter, tiny_target

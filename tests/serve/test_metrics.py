@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from diffdraft.runtime.stats import GenerationStats
 from diffdraft.serve.metrics import ServerMetrics
-from diffdraft.stats import GenerationStats
 
 
 def samples(metrics: ServerMetrics) -> dict:

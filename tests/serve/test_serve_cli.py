@@ -17,7 +17,7 @@ import openai
 import pytest
 import uvicorn
 
-import diffdraft.model_options
+import diffdraft.commands.model_options
 from diffdraft.cli import main
 from diffdraft.errors import CheckpointError
 from diffdraft.serve.cli import add_serve_parser, served_model_name
@@ -70,7 +70,7 @@ def no_load(monkeypatch):
         asked.update(target=target, drafter=drafter, method=method)
         raise CheckpointError(f"the {drafter} drafter is missing from this installation")
 
-    monkeypatch.setattr(diffdraft.model_options, "load", load)
+    monkeypatch.setattr(diffdraft.commands.model_options, "load", load)
     return asked
 
 

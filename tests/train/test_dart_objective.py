@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from diffdraft.drafters.dart import DARTDrafter
-from diffdraft.target import TargetModel
+from diffdraft.target.model import TargetModel
 from diffdraft.train.dart_objective import DARTObjective, dart_weights, prefix_shared_mask
 
 from conftest import assert_batch_matches_each_sequence, sequences_batch, tiny_dart, tiny_target

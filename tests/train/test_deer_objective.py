@@ -8,7 +8,7 @@ import torch
 
 from diffdraft.drafters.deer import DEERDrafter
 from diffdraft.drafters.deer_model import deer_from_causal_lm
-from diffdraft.target import TargetModel
+from diffdraft.target.model import TargetModel
 from diffdraft.train.deer_objective import DEERObjective, _block_rows, _visibility
 
 from conftest import assert_batch_matches_each_sequence, sequences_batch, tiny_target

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffdraft.target import TargetModel
+from diffdraft.target.model import TargetModel
 from diffdraft.train.features import CachedFeatures, OnlineFeatures, capture_features
 
 from conftest import tiny_target

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from diffdraft.drafters.checkpoint import load_draft_model
-from diffdraft.fingerprint import tokenizer_fingerprint
-from diffdraft.loading import load_target
+from diffdraft.target.loading import load_target
+from diffdraft.util.fingerprint import tokenizer_fingerprint
 
 from conftest import make_checkpoint, save_tiny_drafter
 
@@ -172,7 +172,7 @@ def test_export_brings_back_the_latest_checkpoint_in_bfloat16(lease, tmp_path):
 
 @pytest.mark.real_model
 def test_the_device_s_converted_target_has_the_tokenizer_packs_are_made_with(lease, tmp_path):
-    from diffdraft.default_model import default_gguf_path
+    from diffdraft.target.default_model import default_gguf_path
 
     lease["device"].convert(default_gguf_path(), tmp_path / "target")
     converted = load_target(tmp_path / "target", dtype="float32", device="cpu").tokenizer

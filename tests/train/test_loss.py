@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from diffdraft.train.blocks import IGNORE
+from diffdraft.train.dflash_objective import head_rows
 from diffdraft.train.loss import block_loss, gamma_at, position_weights, target_rows
-from diffdraft.train.objective import head_rows
 
 
 def test_gamma_grows_linearly_from_gamma_0_to_gamma_max():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -9,18 +11,19 @@ from diffdraft.drafters.dart_model import DART
 from diffdraft.drafters.deer_model import DEER
 from diffdraft.drafters.dflash_model import DFLARE, DFLASH
 from diffdraft.drafters.families import FAMILIES, family_of, family_with_variant
-from diffdraft.target import TargetModel
+from diffdraft.target.model import TargetModel
 from diffdraft.train.config import TrainConfig
 from diffdraft.train.dart_objective import DARTObjective
 from diffdraft.train.deer_objective import DEERObjective
-from diffdraft.train.objective import BlockObjective
-from diffdraft.train.objectives import RECIPES, make_objective, recipe_for, recipe_for_variant
+from diffdraft.train.dflash_objective import BlockObjective
+from diffdraft.train.objectives import family_recipe, make_objective, recipe_for, recipe_for_variant
 
 from conftest import tiny_target
 
 
-def test_every_family_has_a_recipe():
-    assert set(RECIPES) == set(FAMILIES)
+def test_every_family_has_a_recipe_in_its_own_objective_module():
+    for key, family in FAMILIES.items():
+        assert family_recipe(family) is importlib.import_module(f"diffdraft.train.{key}_objective").RECIPE
 
 
 @pytest.mark.parametrize(

@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from diffdraft.chat import encode_chat
 from diffdraft.data.prompts import Prompt
 from diffdraft.errors import InvalidRequestError
+from diffdraft.runtime.chat import encode_chat
 from diffdraft.train import regenerate as regen_module
 from diffdraft.train.regenerate import (
     SampleWriter,

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoConfig
 
-from diffdraft.loading import default_model_dir
+from diffdraft.target.loading import default_model_dir
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "micro_batch_throughput.py"
 

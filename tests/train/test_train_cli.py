@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 from diffdraft.data.samples import Sample
 from diffdraft.drafters.checkpoint import load_draft_model
 from diffdraft.errors import InvalidRequestError
-from diffdraft.loading import fastest_dtype
+from diffdraft.target.loading import fastest_dtype
 from diffdraft.train import cli as train_cli
 from diffdraft.train.cli import process_group_backend, run_train
 

@@ -17,7 +17,7 @@ from diffdraft.drafters.dart_model import DART
 from diffdraft.drafters.deer_model import DEER
 from diffdraft.drafters.dflash_model import DFLARE, DFLASH
 from diffdraft.errors import InvalidRequestError, TrainingDivergedError
-from diffdraft.target import TargetModel
+from diffdraft.target.model import TargetModel
 from diffdraft.train.config import TrainConfig
 from diffdraft.train.dataset import TrainingSample
 from diffdraft.train.draft_vocab import frequent_tokens

@@ -1,7 +1,7 @@
 import torch
 
 from diffdraft.drafters.base import Proposal
-from diffdraft.sampling import SamplingParams
+from diffdraft.runtime.sampling import SamplingParams
 from diffdraft.trees import ChainBuilder, TreeBuilder
 
 GREEDY = SamplingParams()

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from diffdraft.drafters.base import Proposal
 from diffdraft.errors import InvalidRequestError
-from diffdraft.sampling import SamplingParams
+from diffdraft.runtime.sampling import SamplingParams
 from diffdraft.trees import TreeBuilder
 from diffdraft.trees.dart import DartTreeBuilder, DartTreeSettings
 

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from diffdraft.drafters.base import Proposal
 from diffdraft.errors import InvalidRequestError
-from diffdraft.sampling import SamplingParams
+from diffdraft.runtime.sampling import SamplingParams
 from diffdraft.trees import DDTreeBuilder, DraftTree, TreeBuilder
 
 GREEDY = SamplingParams()
@@ -165,3 +165,12 @@ def test_a_draft_vocabulary_proposal_builds_the_tree_of_its_full_rows(draft, see
         score(p, table) for p in prefixes(expected)
     )
     assert set(tree.tokens[1:].tolist()) <= set(vocab.tolist())
+
+
+def test_a_proposal_restricted_to_no_draft_vocabulary_is_its_full_rows() -> None:
+    """Without a draft vocabulary the scored rows are the whole vocabulary's, handed over as they are."""
+    scored = torch.randn(3, 6).log_softmax(-1)
+    proposal = Proposal.restricted(scored, None, 6)
+    assert proposal.log_probs is scored
+    values, tokens = proposal.top(2)
+    assert torch.equal(tokens, scored.topk(2, dim=-1).indices) and torch.equal(values, scored.topk(2).values)

@@ -27,8 +27,8 @@ from diffdraft.bench.lossless import LosslessChecker
 from diffdraft.bench.methods import REFERENCE, OursRunner
 from diffdraft.errors import InvalidRequestError
 from diffdraft.generator import GenerationRequest
-from diffdraft.progress import progress_bar
-from diffdraft.target import TargetModel, VerifyInput
+from diffdraft.target.model import TargetModel, VerifyInput
+from diffdraft.util.progress import progress_bar
 
 COST_TREE_SIZES = (1, 9, 17, 33)
 """Tokens per sequence in the verify-cost table: plain decoding, and trees of 8, 16 and 32 nodes."""

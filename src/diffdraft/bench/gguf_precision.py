@@ -17,8 +17,8 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
 from gguf.quants import dequantize, quantize
 
-from diffdraft.cache import cache_root
 from diffdraft.errors import CheckpointError
+from diffdraft.util.cache import cache_root
 
 DENSE_TYPES = {
     "bf16": (GGMLQuantizationType.BF16, LlamaFileType.MOSTLY_BF16),

@@ -48,26 +48,26 @@ from diffdraft.bench.runner_api import (
 from diffdraft.budget.auto_budget import AutoBudgetBuilder
 from diffdraft.budget.cost import VerifyCostCurve, load_or_measure
 from diffdraft.budget.planner import BudgetPlanner
-from diffdraft.default_model import default_gguf_path
+from diffdraft.decoding.method_table import METHODS, TreeRule
 from diffdraft.drafters.checkpoint import load_draft_model, resolve_drafter_path
 from diffdraft.drafters.dart_model import DART
 from diffdraft.drafters.deer_model import DEER
 from diffdraft.drafters.families import FAMILIES, DraftModel, family_of
 from diffdraft.errors import CheckpointError, InvalidRequestError
 from diffdraft.generator import SpeculativeGenerator
-from diffdraft.loading import DTYPES, LoadedModel, end_token_ids, load_target
-from diffdraft.method_table import METHODS, TreeRule
 from diffdraft.ngram import NgramTrie
 from diffdraft.ngram.shipped import load_ngram
-from diffdraft.stats import STAGES
-from diffdraft.target import TargetModel
+from diffdraft.runtime.stats import STAGES
+from diffdraft.target.default_model import default_gguf_path
+from diffdraft.target.loading import DTYPES, LoadedModel, end_token_ids, load_target
+from diffdraft.target.model import TargetModel
 from diffdraft.trees.dart import DartTreeBuilder, DartTreeSettings
 
 REFERENCE = "ar"
 """The method every other is timed and checked against."""
 DART_PAPER_TREE_SIZE = 59
 """The DART paper's tree size: what the dart methods of the benchmark run when given no argument (the
-generator's own default, the dart row of :data:`diffdraft.method_table.METHODS`, is smaller to pay on
+generator's own default, the dart row of :data:`diffdraft.decoding.method_table.METHODS`, is smaller to pay on
 a CPU)."""
 FAMILY_DRAFTER_OPTIONS = {DART: ("--dart-drafter", "default-dart"), DEER: ("--deer-drafter", "default-deer")}
 """The option naming a family's own drafter, whose methods run beside ``--drafter``'s (any family's),

@@ -18,10 +18,10 @@ from diffdraft.bench.journal import Journal
 from diffdraft.bench.lossless import LosslessChecker
 from diffdraft.bench.methods import REFERENCE, Completion, MethodRunner, MethodSpec, Request
 from diffdraft.bench.records import Record, TurnKey
-from diffdraft.chat import encode_chat, encode_prompt
 from diffdraft.data.samples import Sample
 from diffdraft.errors import InvalidRequestError
-from diffdraft.progress import progress_bar
+from diffdraft.runtime.chat import encode_chat, encode_prompt
+from diffdraft.util.progress import progress_bar
 
 
 @dataclass

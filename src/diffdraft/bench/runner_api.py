@@ -12,7 +12,7 @@ from typing import Protocol
 import torch
 
 from diffdraft.errors import InvalidRequestError
-from diffdraft.loading import DTYPES
+from diffdraft.target.loading import DTYPES
 
 STAGE_NAMES = (
     "prefill",

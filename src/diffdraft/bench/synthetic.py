@@ -11,7 +11,7 @@ Every run reports its tau and compares its tokens with plain decoding's, so a se
 loops different weights or inputs shows.
 
 A round is timed from the end of one verification forward to the end of the next: what one more round
-adds to a generation. Our loop also splits it by stage (:class:`~diffdraft.stats.StageTimer`). The
+adds to a generation. Our loop also splits it by stage (:class:`~diffdraft.runtime.stats.StageTimer`). The
 official loop is the package's own ``dflash_generate``, run on the same target object with the same
 drafter weights and observed through a forward hook on the target: none of its code is copied.
 """
@@ -33,14 +33,14 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen3Config
 
 from diffdraft.bench.lossless import first_divergence
 from diffdraft.bench.machine import cpu_name
+from diffdraft.decoding.engine import SpeculativeEngine
 from diffdraft.drafters.dflash import DFlashDrafter
 from diffdraft.drafters.dflash_model import DFlashDraftModel, make_draft_config
-from diffdraft.engine import SpeculativeEngine
-from diffdraft.loading import DTYPES as LOAD_DTYPES
-from diffdraft.sampling import SamplingParams
-from diffdraft.stats import STAGES, GenerationStats
-from diffdraft.stopping import StopConditions
-from diffdraft.target import TargetModel
+from diffdraft.runtime.sampling import SamplingParams
+from diffdraft.runtime.stats import STAGES, GenerationStats
+from diffdraft.runtime.stopping import StopConditions
+from diffdraft.target.loading import DTYPES as LOAD_DTYPES
+from diffdraft.target.model import TargetModel
 from diffdraft.trees import ChainBuilder, DDTreeBuilder, TreeBuilder
 
 ROUND_STAGES = tuple(stage for stage in STAGES if stage != "prefill")

@@ -11,8 +11,8 @@ from diffdraft.budget.batch_cost import BatchCostCurve
 from diffdraft.budget.planner import BudgetPlanner, rounds_of, surrogate_acceptance
 from diffdraft.budget.round_budget import RoundBudgetPlanner
 from diffdraft.drafters.base import Proposal
-from diffdraft.sampling import SamplingParams
-from diffdraft.stats import GenerationStats
+from diffdraft.runtime.sampling import SamplingParams
+from diffdraft.runtime.stats import GenerationStats
 from diffdraft.trees import DDTreeBuilder, DraftTree, RoundSequence
 
 

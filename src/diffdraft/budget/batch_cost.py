@@ -18,13 +18,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from diffdraft.atomic_write import write_text_atomically
 from diffdraft.budget.cost import blend_rows, curve_key, interpolate, monotone_fit, synthetic_tree
-from diffdraft.cache import cache_root
-from diffdraft.progress import progress_bar
-from diffdraft.sampling import SamplingParams
-from diffdraft.target import TargetModel, VerifyInput
-from diffdraft.verify import accept
+from diffdraft.decoding.verify import accept
+from diffdraft.runtime.sampling import SamplingParams
+from diffdraft.target.model import TargetModel, VerifyInput
+from diffdraft.util.atomic_write import write_text_atomically
+from diffdraft.util.cache import cache_root
+from diffdraft.util.progress import progress_bar
 
 BATCHES = (2, 4, 8)
 """Sequences per forward; one alone is the single-sequence curve's."""

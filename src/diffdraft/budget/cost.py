@@ -24,17 +24,17 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from diffdraft.atomic_write import write_text_atomically
-from diffdraft.cache import cache_root
+from diffdraft.decoding.verify import accept
 from diffdraft.kernels.fused_projections import ProjectionSlice
 from diffdraft.kernels.grouped_attention import ROW_DTYPES
 from diffdraft.kernels.packed_linear import has_packed_layers
 from diffdraft.kernels.quantized.block_linear import block_kernels
-from diffdraft.progress import progress_bar
-from diffdraft.sampling import SamplingParams
-from diffdraft.target import TargetModel
+from diffdraft.runtime.sampling import SamplingParams
+from diffdraft.target.model import TargetModel
 from diffdraft.trees import DraftTree
-from diffdraft.verify import accept
+from diffdraft.util.atomic_write import write_text_atomically
+from diffdraft.util.cache import cache_root
+from diffdraft.util.progress import progress_bar
 
 DEFAULT_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 DEFAULT_CONTEXTS = (128, 256, 512, 1024)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from diffdraft.budget.cost import MAX_BUDGET, VerifyCostCurve
-from diffdraft.stats import GenerationStats
+from diffdraft.runtime.stats import GenerationStats
 from diffdraft.trees import DraftTree
 
 

@@ -27,7 +27,7 @@ import numpy as np
 
 from diffdraft.budget.batch_cost import BatchCostCurve
 from diffdraft.budget.planner import MIN_TIMED_ROUNDS, BudgetPlanner, rounds_of
-from diffdraft.stats import GenerationStats
+from diffdraft.runtime.stats import GenerationStats
 from diffdraft.trees import RoundSequence
 
 DRAFT_STAGES = ("draft", "tree", "mask")

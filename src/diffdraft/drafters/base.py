@@ -43,9 +43,13 @@ class Proposal:
         self._vocab_size = 0
 
     @classmethod
-    def restricted(cls, scored: torch.Tensor, vocab: torch.Tensor, vocab_size: int) -> Proposal:
+    def restricted(cls, scored: torch.Tensor, vocab: torch.Tensor | None, vocab_size: int) -> Proposal:
         """A proposal over token ids ``vocab`` only: ``scored`` [depth, len(vocab)] are
-        their log-probabilities, and every other of the ``vocab_size`` tokens has probability 0."""
+        their log-probabilities, and every other of the ``vocab_size`` tokens has probability 0.
+        ``vocab`` None (a drafter without a draft vocabulary): ``scored`` [depth, vocab_size] score
+        every token, and they are the proposal's ``log_probs``."""
+        if vocab is None:
+            return cls(log_probs=scored)
         proposal = cls()
         proposal._scored, proposal._vocab, proposal._vocab_size = scored, vocab, vocab_size
         return proposal

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from diffdraft.errors import IncompatibleDrafterError
-from diffdraft.target import TargetModel
+from diffdraft.target.model import TargetModel
 
 
 def check_fits_target(

@@ -16,7 +16,7 @@ from diffdraft.drafters.base import ForksByCopy, Proposal
 from diffdraft.drafters.compatibility import check_fits_target
 from diffdraft.drafters.dart_model import DARTDraftModel
 from diffdraft.kernels.packed_linear import has_packed_layers, pack_linear_layers
-from diffdraft.target import TargetModel
+from diffdraft.target.model import TargetModel
 
 
 class DARTDrafter(ForksByCopy):
@@ -67,9 +67,8 @@ class DARTDrafter(ForksByCopy):
             mask[None, None],
         )
         log_probs = model.logits(hidden[0]).float().log_softmax(-1)
-        if self._draft_vocab is not None:  # tokens outside the draft vocabulary get probability 0
-            return Proposal.restricted(log_probs, self._draft_vocab, self.vocab_size)
-        return Proposal(log_probs=log_probs)
+        # tokens outside the draft vocabulary (if any) get probability 0
+        return Proposal.restricted(log_probs, self._draft_vocab, self.vocab_size)
 
     def _add_prefix_rows(self, token_ids: torch.Tensor) -> None:
         """Turn the waiting taps (positions ``root - n .. root - 1``) into cached prefix rows."""

@@ -1,7 +1,7 @@
 """DEER as a :class:`~diffdraft.drafters.base.Drafter`: one forward of a small diffusion LM drafts a block.
 
 The drafter keeps its own KV cache of the committed tokens (it taps nothing of the target), runs
-as a :class:`~diffdraft.target.TargetModel` (same cache handling and CPU kernels as the target),
+as a :class:`~diffdraft.target.model.TargetModel` (same cache handling and CPU kernels as the target),
 and per round feeds the tokens committed since the last round, causally, followed by the mask
 rows; then it drops the mask rows from its cache again. Row layout: :mod:`.deer_model`.
 """
@@ -13,11 +13,11 @@ import torch
 from diffdraft.drafters.base import ForksByCopy, Proposal
 from diffdraft.drafters.deer_model import DEERDraftModel
 from diffdraft.errors import IncompatibleDrafterError
-from diffdraft.fingerprint import tokenizer_fingerprint
 from diffdraft.kernels.fused_projections import fuse_projections
 from diffdraft.kernels.grouped_attention import use_grouped_attention
 from diffdraft.kernels.packed_linear import has_packed_layers, pack_linear_layers
-from diffdraft.target import TargetModel
+from diffdraft.target.model import TargetModel
+from diffdraft.util.fingerprint import tokenizer_fingerprint
 
 
 class DEERDrafter(ForksByCopy):

@@ -10,14 +10,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from diffdraft.default_model import MODEL_NAME
 from diffdraft.drafters.checkpoint import load_draft_model, save_draft_model
 from diffdraft.drafters.deer_model import DEERDraftModel, deer_from_causal_lm
 from diffdraft.drafters.mask_token import pick_mask_token
 from diffdraft.errors import CheckpointError, InvalidRequestError
-from diffdraft.fingerprint import tokenizer_fingerprint
-from diffdraft.loading import DTYPES, end_token_ids, load_target
-from diffdraft.staging import staged_directory
+from diffdraft.target.default_model import MODEL_NAME
+from diffdraft.target.loading import DTYPES, end_token_ids, load_target
+from diffdraft.util.fingerprint import tokenizer_fingerprint
+from diffdraft.util.staging import staged_directory
 
 DEFAULT_BLOCK_SIZE = 16
 

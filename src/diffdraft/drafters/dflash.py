@@ -23,7 +23,7 @@ from diffdraft.errors import IncompatibleDrafterError
 from diffdraft.kernels.fused_projections import fuse_projections
 from diffdraft.kernels.packed_linear import has_packed_layers, pack_linear, pack_linear_layers
 from diffdraft.kernels.quantized.block_linear import BlockQuantizedLinear, q8_linear, runs_int8_kernel
-from diffdraft.target import TargetModel
+from diffdraft.target.model import TargetModel
 
 
 class DFlashDrafter(ForksByCopy):
@@ -147,10 +147,7 @@ class DFlashDrafter(ForksByCopy):
     def _proposal(self, log_probs: torch.Tensor) -> Proposal:
         """The proposal of drafted rows ``log_probs`` [depth, draft vocabulary]: tokens outside the
         draft vocabulary get probability 0."""
-        vocab = self.model.draft_vocab
-        if vocab is not None:
-            return Proposal.restricted(log_probs, vocab, self.vocab_size)
-        return Proposal(log_probs=log_probs)
+        return Proposal.restricted(log_probs, self.model.draft_vocab, self.vocab_size)
 
 
 def _drafting_head(lm_head: nn.Module, draft_vocab: torch.Tensor | None, laid_out: bool) -> nn.Module:

@@ -1,7 +1,8 @@
 """One record per drafter family (DFlash/DFlare, DART, DEER): how a checkpoint's config says it is
 the family's, which network it builds, which drafter runs it and what it must fit. Everything that
-needs to know a family asks this registry (training asks :mod:`diffdraft.train.objectives`), so a new
-family is its own files plus one entry here, and no ``isinstance`` elsewhere learns its name.
+needs to know a family asks this registry (training asks :mod:`diffdraft.train.objectives`, which
+finds the family's recipe in its own ``diffdraft.train.<key>_objective`` by name), so a new family is
+its own files plus one entry here, and no ``isinstance`` elsewhere learns its name.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from diffdraft.drafters.deer import DEERDrafter
 from diffdraft.drafters.deer_model import DEER, DEERDraftModel, deer_config_from, is_deer_config
 from diffdraft.drafters.dflash import DFlashDrafter
 from diffdraft.drafters.dflash_model import DFLARE, DFLASH, DFlashDraftModel, dflash_config_from
-from diffdraft.target import TargetModel
+from diffdraft.target.model import TargetModel
 
 DraftModel = nn.Module
 """A draft network of any registered family. Each has ``config``, ``variant`` (one of its family's

@@ -14,8 +14,8 @@ from diffdraft.drafters.families import check_compatible
 from diffdraft.export import sglang, vllm
 from diffdraft.export.layout import Engine, Export, check_family, check_taps
 from diffdraft.export.output import check_out_dir, write_export
-from diffdraft.loading import load_target
-from diffdraft.target import TargetModel
+from diffdraft.target.loading import load_target
+from diffdraft.target.model import TargetModel
 
 ENGINES: dict[str, Engine] = {"vllm": vllm.ENGINE, "sglang": sglang.ENGINE}
 """The --format choices."""

@@ -25,7 +25,7 @@ import torch
 from diffdraft.drafters.dflash_model import DFLARE, DFlashDraftModel
 from diffdraft.drafters.families import DFLASH_FAMILY, DraftModel, family_of
 from diffdraft.errors import ExportError
-from diffdraft.loading import LoadedModel
+from diffdraft.target.loading import LoadedModel
 
 ARCHITECTURE = "DFlashDraftModel"
 """The architecture name both engines map to their DFlash draft model."""

@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 
 from diffdraft.errors import InvalidRequestError
 from diffdraft.export.layout import Export
-from diffdraft.staging import staged_directory
+from diffdraft.util.staging import staged_directory
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"

@@ -40,7 +40,7 @@ import torch
 from diffdraft.drafters.dflash_model import DFlashDraftModel
 from diffdraft.errors import ExportError
 from diffdraft.export.layout import Engine, Export, serving_config, serving_weights
-from diffdraft.loading import LoadedModel
+from diffdraft.target.loading import LoadedModel
 
 
 def build(model: DFlashDraftModel, target: LoadedModel | None) -> Export:

@@ -28,7 +28,6 @@ from pathlib import Path
 import numpy as np
 
 from diffdraft.errors import CheckpointError, InvalidRequestError
-from diffdraft.fingerprint import tokenizer_fingerprint
 from diffdraft.ngram.trie import (
     ALPHA,
     BACKOFF_RULE,
@@ -42,8 +41,9 @@ from diffdraft.ngram.trie import (
     tokenizer_vocab_size,
     tokens_file,
 )
-from diffdraft.progress import progress_bar
-from diffdraft.staging import staged_directory
+from diffdraft.util.fingerprint import tokenizer_fingerprint
+from diffdraft.util.progress import progress_bar
+from diffdraft.util.staging import staged_directory
 
 DEFAULT_ORDER = 3
 DEFAULT_MIN_COUNT = 2
@@ -498,8 +498,8 @@ def target_tokenizer(target: str | os.PathLike):
     Returns ``(tokenizer, name)``. The default target's tokenizer is read from its GGUF file, which
     gives the same vocabulary and added tokens as the converted cache that ``load_target`` uses.
     """
-    from diffdraft.default_model import MODEL_NAME, default_gguf_path
-    from diffdraft.loading import _load_tokenizer
+    from diffdraft.target.default_model import MODEL_NAME, default_gguf_path
+    from diffdraft.target.loading import _load_tokenizer
 
     if str(target) == "default":
         gguf = default_gguf_path()

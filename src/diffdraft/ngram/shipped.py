@@ -11,9 +11,9 @@ from __future__ import annotations
 import os
 import sys
 
-from diffdraft.cache import cache_root
 from diffdraft.ngram.build import build_from_sources, target_tokenizer
 from diffdraft.ngram.trie import NgramTrie
+from diffdraft.util.cache import cache_root
 
 DEFAULT_SOURCE = "sharegpt"
 DEFAULT_ORDER = 3

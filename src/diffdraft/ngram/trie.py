@@ -8,7 +8,7 @@ On-disk format (a directory, format ``diffdraft-ngram-trie`` version 1)
 ------------------------------------------------------------------------
 ``ngram.json``
     ``format``, ``version``, ``order`` (N), ``vocab_size``, ``tokenizer_hash`` (see
-    :func:`~diffdraft.fingerprint.tokenizer_fingerprint`), ``tokenizer`` (``name``, ``class``),
+    :func:`~diffdraft.util.fingerprint.tokenizer_fingerprint`), ``tokenizer`` (``name``, ``class``),
     ``corpus`` (sources and what was read, dropped and kept), ``token_count`` (corpus tokens = sum of
     unigram counts), ``nodes_per_level`` (list of N ints), ``backoff`` (``rule``, ``alpha``, ``eps``),
     ``min_count`` (pruning of the top level) and ``arrays`` (file name -> dtype, for reading only).
@@ -51,7 +51,7 @@ from pathlib import Path
 import numpy as np
 
 from diffdraft.errors import CheckpointError, IncompatibleDrafterError
-from diffdraft.fingerprint import tokenizer_fingerprint
+from diffdraft.util.fingerprint import tokenizer_fingerprint
 
 FORMAT_NAME = "diffdraft-ngram-trie"
 FORMAT_VERSION = 1

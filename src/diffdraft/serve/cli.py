@@ -12,9 +12,9 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from diffdraft.default_model import MODEL_NAME
+from diffdraft.commands.model_options import add_model_arguments, load_generator
 from diffdraft.errors import DiffdraftError
-from diffdraft.model_options import add_model_arguments, load_generator
+from diffdraft.target.default_model import MODEL_NAME
 
 API_KEY_VARIABLE = "DIFFDRAFT_API_KEY"
 """Where ``serve`` and ``serve-load`` read the API key when no --api-key is given."""

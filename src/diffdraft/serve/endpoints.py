@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from diffdraft.generator import GenerationRequest, GenerationResult
-from diffdraft.logprobs import TokenLogprob
+from diffdraft.runtime.logprobs import TokenLogprob
 from diffdraft.serve.protocol import (
     FINISH_REASONS,
     AssistantMessage,

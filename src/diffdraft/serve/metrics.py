@@ -6,8 +6,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from diffdraft.runtime.stats import GenerationStats
 from diffdraft.serve.scheduler import Scheduler
-from diffdraft.stats import GenerationStats
 
 CLIENT_CLOSED = 499
 """The status recorded for a request whose client went away before it finished (nginx's code)."""

@@ -22,7 +22,7 @@ from pydantic import (
     model_serializer,
 )
 
-from diffdraft.logprobs import MAX_TOP_LOGPROBS
+from diffdraft.runtime.logprobs import MAX_TOP_LOGPROBS
 
 FINISH_REASONS = {
     "eos": "stop",

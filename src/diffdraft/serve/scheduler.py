@@ -14,9 +14,9 @@ import threading
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
 
-from diffdraft.batching import BatchEngine
 from diffdraft.budget.auto_budget import AutoBudgetBuilder
-from diffdraft.engine import SequenceRun
+from diffdraft.decoding.batching import BatchEngine
+from diffdraft.decoding.engine import SequenceRun
 from diffdraft.errors import DiffdraftError
 from diffdraft.generator import GenerationChunk, GenerationRequest, PreparedRequest, SpeculativeGenerator
 

@@ -33,10 +33,9 @@ from diffdraft.drafters.checkpoint import load_draft_model
 from diffdraft.drafters.families import family_of, variants
 from diffdraft.drafters.mask_token import pick_mask_token
 from diffdraft.errors import InvalidRequestError
-from diffdraft.fingerprint import tokenizer_fingerprint
-from diffdraft.loading import default_device, end_token_ids, fastest_dtype, load_target
 from diffdraft.ngram.shipped import load_ngram
-from diffdraft.target import TargetModel
+from diffdraft.target.loading import default_device, end_token_ids, fastest_dtype, load_target
+from diffdraft.target.model import TargetModel
 from diffdraft.train.config import COMPUTE_DTYPES, INIT_LAYERS, LABELS, TrainConfig
 from diffdraft.train.dataset import load_responses
 from diffdraft.train.draft_vocab import coverage
@@ -66,6 +65,7 @@ from diffdraft.train.regenerate import (
 )
 from diffdraft.train.source_replies import write_source_replies
 from diffdraft.train.trainer import Trainer, saved_checkpoints, tokens_seen_at
+from diffdraft.util.fingerprint import tokenizer_fingerprint
 
 
 def load_config(path: str | Path) -> dict:

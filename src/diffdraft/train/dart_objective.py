@@ -15,11 +15,12 @@ import torch
 from torch import nn
 
 from diffdraft.drafters.dart_model import DARTDraftModel, make_dart_config
-from diffdraft.target import TargetModel
+from diffdraft.target.model import TargetModel
 from diffdraft.train.batch import TrainingBatch, pad_right, pad_square_masks
 from diffdraft.train.config import TrainConfig
+from diffdraft.train.dflash_objective import head_rows
 from diffdraft.train.loss import draft_loss
-from diffdraft.train.objective import head_rows
+from diffdraft.train.recipe import TrainingRecipe
 
 
 def dart_weights(max_depth: int, gamma: float) -> torch.Tensor:
@@ -47,7 +48,7 @@ def prefix_shared_mask(anchor_rows: torch.Tensor, draft_length: int, prefix_rows
 class DARTObjective(nn.Module):
     """DART drafter + the target's frozen embedding -> (loss, hits, agreements, counts) of a batch.
 
-    Same contract as :class:`~diffdraft.train.objective.BlockObjective`; the per-depth arrays have
+    Same contract as :class:`~diffdraft.train.dflash_objective.BlockObjective`; the per-depth arrays have
     ``max_depth + 1`` entries (index 0 unused). ``anchors`` are sampled like DFlash's (the root
     token's position), so anchor ``a`` is prefix row ``a - 1``. The whole batch is one drafter
     forward: each sequence's rows are its ``L - 1`` prefix rows (``L`` the padded length; rows past
@@ -145,3 +146,14 @@ def new_dart_drafter(
     with torch.no_grad():
         model.lm_head.weight.copy_(head[model.draft_vocab.to(head.device)].cpu())
     return model
+
+
+RECIPE = TrainingRecipe(
+    objective=lambda drafter, target_model, stage, max_suffix: DARTObjective(drafter, target_model),
+    new_model=new_dart_drafter,
+    gamma_0=0.6,
+    fixed_gamma=True,
+    needs_mask_token=False,
+)
+"""DART's recipe: its weighting gamma ** (t-1), gamma fixed at 0.6 (its Table 4); it learns its mask
+embeddings, so a new network needs no mask token."""

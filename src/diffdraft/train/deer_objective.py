@@ -30,10 +30,11 @@ import torch
 from torch import nn
 
 from diffdraft.drafters.deer_model import DEERDraftModel, deer_from_causal_lm
-from diffdraft.target import TargetModel
+from diffdraft.target.model import TargetModel
 from diffdraft.train.batch import TrainingBatch, pad_right, pad_square_masks
 from diffdraft.train.config import TrainConfig
 from diffdraft.train.loss import mean_of_sequences, position_counts, position_hits, row_losses, target_rows
+from diffdraft.train.recipe import TrainingRecipe
 
 
 class DEERObjective(nn.Module):
@@ -214,3 +215,14 @@ def new_deer_drafter(
         config.tokenizer_fingerprint,
         f"first {config.num_layers} layers of the training target",
     )
+
+
+RECIPE = TrainingRecipe(
+    objective=lambda drafter, target_model, stage, max_suffix: DEERObjective(drafter, stage, max_suffix),
+    new_model=new_deer_drafter,
+    gamma_0=1.01,
+    fixed_gamma=True,
+    reads_mask_as_text=True,
+)
+"""DEER's recipe: its stage-2 weighting alpha ** (R-i), alpha fixed at 1.01 (its Fig. 6: 1.05
+diverged)."""

@@ -11,14 +11,13 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from diffdraft.decoding.engine import SpeculativeEngine
 from diffdraft.drafters.families import DraftModel, make_drafter
-from diffdraft.engine import SpeculativeEngine
 from diffdraft.ngram import NgramTrie
-from diffdraft.progress import progress_bar
-from diffdraft.sampling import SamplingParams
-from diffdraft.stats import GenerationStats
-from diffdraft.stopping import StopConditions
-from diffdraft.target import TargetModel
+from diffdraft.runtime.sampling import SamplingParams
+from diffdraft.runtime.stats import GenerationStats
+from diffdraft.runtime.stopping import StopConditions
+from diffdraft.target.model import TargetModel
 from diffdraft.train.batch import TrainingBatch
 from diffdraft.train.blocks import sample_anchors
 from diffdraft.train.dataset import TrainingSample
@@ -26,6 +25,7 @@ from diffdraft.train.features import OnlineFeatures
 from diffdraft.train.objectives import make_objective
 from diffdraft.trees import ChainBuilder, DDTreeBuilder
 from diffdraft.trees.dart import DartTreeBuilder, DartTreeSettings
+from diffdraft.util.progress import progress_bar
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from diffdraft.atomic_write import write_text_atomically
-from diffdraft.progress import progress_bar
-from diffdraft.target import TargetModel
+from diffdraft.target.model import TargetModel
+from diffdraft.util.atomic_write import write_text_atomically
+from diffdraft.util.progress import progress_bar
 
 INDEX = "index.json"
 

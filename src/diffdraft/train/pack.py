@@ -23,11 +23,11 @@ from safetensors.numpy import save_file
 
 from diffdraft.data.prompts import Prompt, ReadReport, read_source
 from diffdraft.errors import InvalidRequestError
-from diffdraft.loading import LoadedModel
-from diffdraft.progress import progress_bar
+from diffdraft.target.loading import LoadedModel
 from diffdraft.train.dataset import TrainingSample, load_responses, training_sample
 from diffdraft.train.regenerate import RegenerateReport
 from diffdraft.train.source_replies import source_replies
+from diffdraft.util.progress import progress_bar
 
 FORMAT = "diffdraft-packed-samples/1"
 SUFFIX = ".safetensors"

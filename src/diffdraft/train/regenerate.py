@@ -19,11 +19,11 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig, PreTrainedTokenizerBase, StoppingCriteria, StoppingCriteriaList
 
-from diffdraft.chat import encode_chat, encode_prompt
 from diffdraft.data.prompts import Prompt
 from diffdraft.errors import InvalidRequestError
-from diffdraft.loading import end_token_ids, load_target
-from diffdraft.progress import progress_bar
+from diffdraft.runtime.chat import encode_chat, encode_prompt
+from diffdraft.target.loading import end_token_ids, load_target
+from diffdraft.util.progress import progress_bar
 
 # Measured with SmolLM2-135M on the shared 2-core CPU (1 thread, real ShareGPT prompts, 384 new tokens):
 # response tokens/s bfloat16 batch 4: 33, 8: 55-66, 16: 51-65, 32: 47-61; float32 batch 16: 42. Batch

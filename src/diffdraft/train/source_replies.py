@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from diffdraft.data.prompts import Prompt
-from diffdraft.loading import LoadedModel, end_token_ids, load_target
+from diffdraft.target.loading import LoadedModel, end_token_ids, load_target
 from diffdraft.train.regenerate import (
     RegenerateReport,
     SampleWriter,

@@ -2,7 +2,7 @@
 
 One optimizer step = ``batch_size`` sequences (global, over all processes). Each sequence gives
 many anchored drafts trained in one drafter forward under a sparse mask (each family's objective:
-``objective.py``, ``dart_objective.py``, ``deer_objective.py``). The target's embedding (and for
+``dflash_objective.py``, ``dart_objective.py``, ``deer_objective.py``). The target's embedding (and for
 DFlash its LM head) is shared and frozen; only the drafter learns (DEER owns its embedding and head).
 
 Everything random is derived from (seed, epoch, sample), so the run is reproducible, resumes
@@ -27,12 +27,10 @@ import torch
 from torch import distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from diffdraft.atomic_write import write_text_atomically
 from diffdraft.drafters.checkpoint import load_draft_model, save_draft_model
 from diffdraft.drafters.families import DraftModel, check_compatible
 from diffdraft.errors import InvalidRequestError, TrainingDivergedError
-from diffdraft.progress import progress_bar
-from diffdraft.target import TargetModel
+from diffdraft.target.model import TargetModel
 from diffdraft.train.batch import TrainingBatch, pad_right
 from diffdraft.train.blocks import sample_anchors
 from diffdraft.train.config import COMPUTE_DTYPES, TrainConfig
@@ -41,6 +39,8 @@ from diffdraft.train.draft_vocab import frequent_tokens
 from diffdraft.train.features import CachedFeatures, OnlineFeatures
 from diffdraft.train.loss import gamma_at
 from diffdraft.train.objectives import make_objective, recipe_for, recipe_for_variant
+from diffdraft.util.atomic_write import write_text_atomically
+from diffdraft.util.progress import progress_bar
 
 STATE_FILE = "training_state.pt"
 METRICS_FILE = "metrics.jsonl"

@@ -9,8 +9,8 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from diffdraft.drafters.base import Proposal
-from diffdraft.sampling import SamplingParams
-from diffdraft.stats import GenerationStats
+from diffdraft.runtime.sampling import SamplingParams
+from diffdraft.runtime.stats import GenerationStats
 from diffdraft.trees.chain import ChainBuilder
 from diffdraft.trees.ddtree import DDTreeBuilder
 from diffdraft.trees.tree import DraftTree

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from diffdraft.drafters.base import Proposal
-from diffdraft.sampling import SamplingParams, sample_from
-from diffdraft.stats import GenerationStats
+from diffdraft.runtime.sampling import SamplingParams, sample_from
+from diffdraft.runtime.stats import GenerationStats
 from diffdraft.trees.tree import DraftTree
 
 

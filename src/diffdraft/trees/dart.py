@@ -24,8 +24,8 @@ import torch
 
 from diffdraft.drafters.base import Proposal
 from diffdraft.errors import InvalidRequestError
-from diffdraft.sampling import SamplingParams
-from diffdraft.stats import GenerationStats
+from diffdraft.runtime.sampling import SamplingParams
+from diffdraft.runtime.stats import GenerationStats
 from diffdraft.trees.tree import DraftTree
 
 if TYPE_CHECKING:

@@ -8,16 +8,16 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from diffdraft.decoding.engine import SpeculativeEngine
 from diffdraft.drafters.dflash import DFlashDrafter
-from diffdraft.engine import SpeculativeEngine
 from diffdraft.kernels.fused_projections import fuse_projections
 from diffdraft.kernels.packed_linear import pack_linear_layers
 from diffdraft.kernels.quantized import decoder_ops as decoder_ops_module
 from diffdraft.kernels.quantized.decoder_ops import decoder_ops
-from diffdraft.sampling import SamplingParams
-from diffdraft.stats import GenerationStats
-from diffdraft.stopping import StopConditions
-from diffdraft.target import TargetModel, VerifyInput
+from diffdraft.runtime.sampling import SamplingParams
+from diffdraft.runtime.stats import GenerationStats
+from diffdraft.runtime.stopping import StopConditions
+from diffdraft.target.model import TargetModel, VerifyInput
 from diffdraft.trees import ChainBuilder, DDTreeBuilder, DraftTree
 
 from conftest import needs_block_kernel, q4_1_target, tiny_drafter

@@ -91,7 +91,7 @@ def test_a_tensor_that_does_not_match_the_weights_leaves_its_layer_dense(tmp_pat
 @needs_block_kernel
 @pytest.mark.real_model
 def test_the_default_target_keeps_its_gguf_blocks():
-    from diffdraft.loading import load_target
+    from diffdraft.target.loading import load_target
 
     loaded = load_target("default", dtype="bfloat16", optimize=True)
     layers = loaded.model.model.layers

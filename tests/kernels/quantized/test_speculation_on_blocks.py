@@ -8,16 +8,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from diffdraft.bench.lossless import TIE_TOLERANCE, LosslessChecker
+from diffdraft.decoding.engine import SpeculativeEngine
 from diffdraft.drafters.dflash import DFlashDrafter
 from diffdraft.drafters.dflash_model import DFLARE
 from diffdraft.drafters.lookup_boost import LookupBoostedDrafter
-from diffdraft.engine import SpeculativeEngine
 from diffdraft.kernels.fused_projections import fuse_projections
 from diffdraft.kernels.quantized.block_linear import BlockQuantizedLinear, Q8Weight
-from diffdraft.sampling import SamplingParams
-from diffdraft.stats import GenerationStats
-from diffdraft.stopping import StopConditions
-from diffdraft.target import TargetModel
+from diffdraft.runtime.sampling import SamplingParams
+from diffdraft.runtime.stats import GenerationStats
+from diffdraft.runtime.stopping import StopConditions
+from diffdraft.target.model import TargetModel
 from diffdraft.trees import ChainBuilder, DDTreeBuilder
 
 from conftest import needs_block_kernel, q4_1_target, tiny_drafter

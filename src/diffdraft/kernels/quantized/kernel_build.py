@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 import torch.utils.cpp_extension
 
-from diffdraft.cache import cache_root
-from diffdraft.staging import temp_dir_beside
+from diffdraft.util.cache import cache_root
+from diffdraft.util.staging import temp_dir_beside
 
 SOURCE = Path(__file__).with_name("q4_1_matmul.cpp")
 INT8_SOURCE = Path(__file__).with_name("int8_matmul.cpp")

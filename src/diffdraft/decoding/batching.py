@@ -1,0 +1,77 @@
+"""Several sequences through the speculative loop at once, with one target forward per round.
+
+Every sequence keeps its own KV cache, drafter context (a fork of the engine's drafter: shared
+weights), random stream, tree and statistics; a round plans every sequence's budget together when
+the tree builder plans rounds (the auto budget: a sequence may skip drafting when speculation does
+not pay), drafts every drafting sequence in one drafter call (one forward for the DFlash / DFlare
+family), builds each tree, verifies all trees in one packed forward
+(:meth:`TargetModel.verify_batch`), then accepts and commits per sequence. Sequences join between
+rounds (their prompt is prefilled when they join) and leave when they stop or are cancelled:
+continuous batching. Because each sequence sees only its own cache and its own random stream, its
+output is the one it would get alone (its tree sizes may differ: the plan weighs the whole batch).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from diffdraft.decoding.engine import SequenceRun, SpeculativeEngine, draft_round
+from diffdraft.runtime.logprobs import LogprobRecorder
+from diffdraft.runtime.sampling import SamplingParams
+from diffdraft.runtime.stats import GenerationStats
+from diffdraft.runtime.stopping import StopConditions
+
+
+class BatchEngine:
+    def __init__(self, engine: SpeculativeEngine) -> None:
+        self.engine = engine
+        self.active: list[SequenceRun] = []
+        """Sequences still generating, in the order they joined."""
+
+    def add(
+        self,
+        prompt_ids: list[int],
+        stop: StopConditions,
+        sampling: SamplingParams,
+        stats: GenerationStats,
+        seed: int | None = None,
+        logprobs: LogprobRecorder | None = None,
+    ) -> tuple[SequenceRun, list[int]]:
+        """Prefill a new sequence and let it join the next round; returns it and its first token
+        (it does not join when that token already ends it)."""
+        drafter = self.engine.drafter.fork() if self.engine.drafter is not None else None
+        sequence = self.engine.start(prompt_ids, stop, sampling, stats, seed, drafter, logprobs)
+        first = sequence.prefill()
+        if not sequence.done:
+            self.active.append(sequence)
+        return sequence, first
+
+    def remove(self, sequence: SequenceRun) -> None:
+        """Drop a sequence before it stops (its request was cancelled); its cache is freed with it."""
+        if sequence in self.active:
+            self.active.remove(sequence)
+
+    def step(self) -> list[tuple[SequenceRun, list[int]]]:
+        """One round for every active sequence: (sequence, tokens it committed) each; sequences that
+        stopped leave the batch."""
+        sequences = list(self.active)
+        if not sequences:
+            return []
+        contexts = [sequence.context for sequence in sequences]
+        inputs = draft_round(sequences, self.engine.plan(sequences))
+        target = self.engine.target
+        begin = time.perf_counter()
+        outputs = target.verify_batch(inputs, self.engine.layer_ids)
+        if target.device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - begin
+        tokens = sum(i.token_ids.shape[0] for i in inputs)
+        forward = (len(inputs), tokens, round(sum(contexts) / len(contexts)))
+        committed = []
+        for sequence, output in zip(sequences, outputs, strict=True):
+            sequence.stats.timings["verify"] += seconds  # the shared forward, as each sequence waited for it
+            committed.append((sequence, sequence.commit(output, seconds, forward)))
+        self.active = [sequence for sequence in self.active if not sequence.done]
+        return committed

@@ -1,0 +1,228 @@
+"""The speculative loop: draft, build a tree, verify it in one target forward, keep what is accepted.
+
+One loop serves every method; drafters, tree builders and verifiers are plugged in. Plain
+autoregressive decoding is the same loop with no drafter (every tree is just the root).
+
+A round is split around its target forward (:class:`SequenceRun`: ``draft`` before, ``commit``
+after), so :class:`SpeculativeEngine` runs one sequence's rounds and
+:class:`~diffdraft.batching.BatchEngine` verifies several sequences' trees in one forward with the
+same per-sequence code.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from diffdraft.decoding.verify import accept
+from diffdraft.drafters.base import Drafter, Proposal, propose_together
+from diffdraft.runtime.logprobs import LogprobRecorder
+from diffdraft.runtime.sampling import SamplingParams, greedy_tokens, sample_from
+from diffdraft.runtime.stats import GenerationStats, StageTimer
+from diffdraft.runtime.stopping import StopConditions, StopDecision
+from diffdraft.target.model import TargetModel, TargetOutput, VerifyInput
+from diffdraft.trees import DraftTree, RoundPlanner, RoundSequence, TreeBuilder
+
+
+class SpeculativeEngine:
+    def __init__(self, target: TargetModel, drafter: Drafter | None, builder: TreeBuilder) -> None:
+        self.target = target
+        self.drafter = drafter
+        self.builder = builder
+        self.layer_ids = list(drafter.target_layer_ids) if drafter is not None else []
+        target.check_layer_ids(self.layer_ids)
+        if drafter is not None:
+            target.check_speculation_supported()
+
+    def start(
+        self,
+        prompt_ids: list[int],
+        stop: StopConditions,
+        sampling: SamplingParams,
+        stats: GenerationStats,
+        seed: int | None = None,
+        drafter: Drafter | None = None,
+        logprobs: LogprobRecorder | None = None,
+    ) -> SequenceRun:
+        """A new sequence; ``drafter``: its own (a fork of the engine's) when several run at once;
+        ``logprobs``: gets the target's log-probability of every token the sequence commits."""
+        return SequenceRun(self, prompt_ids, stop, sampling, stats, seed, drafter or self.drafter, logprobs)
+
+    def run(
+        self,
+        prompt_ids: list[int],
+        stop: StopConditions,
+        sampling: SamplingParams,
+        stats: GenerationStats,
+        seed: int | None = None,
+        logprobs: LogprobRecorder | None = None,
+    ) -> Iterator[list[int]]:
+        """Yield the tokens committed by the prefill and by each round, until a stop condition holds."""
+        sequence = self.start(prompt_ids, stop, sampling, stats, seed, logprobs=logprobs)
+        yield sequence.prefill()
+        while not sequence.done:
+            [step] = draft_round([sequence], self.plan([sequence]))
+            with sequence.timer("verify"):
+                out = self.target.verify(
+                    step.cache, step.token_ids, step.position_ids, step.mask, self.layer_ids
+                )
+            yield sequence.commit(out, sequence.timer.last)
+
+    def plan(self, sequences: Sequence[SequenceRun]) -> list[int | None]:
+        """Each sequence's node budget this round, when the tree builder plans rounds
+        (:class:`~diffdraft.trees.RoundPlanner`); None each (the builder's own size) otherwise."""
+        if not isinstance(self.builder, RoundPlanner):
+            return [None] * len(sequences)
+        return self.builder.plan([RoundSequence(s.stats, s.context, s.draft_depth() > 0) for s in sequences])
+
+
+def draft_round(sequences: Sequence[SequenceRun], budgets: Sequence[int | None]) -> list[VerifyInput]:
+    """Draft and build every sequence's tree of a round: one drafter call for all that draft (the
+    drafter's forks draft them in one forward where the family can, :func:`propose_together`), its
+    time shared evenly among them. Budget 0: the sequence verifies its pending token alone."""
+    depths = [s.draft_depth(budget) for s, budget in zip(sequences, budgets, strict=True)]
+    drafting = [i for i, depth in enumerate(depths) if depth > 0]
+    token_ids = [sequences[i].token_ids() for i in drafting]
+    proposals = [Proposal() for _ in sequences]
+    if drafting:
+        timer = StageTimer([sequences[i].stats for i in drafting], sequences[0].target.device)
+        with timer("draft"):
+            drafted = propose_together(
+                [sequences[i].drafter for i in drafting], token_ids, [depths[i] for i in drafting]
+            )
+        for i, ids, proposal in zip(drafting, token_ids, drafted, strict=True):
+            proposal.prefix = ids
+            proposals[i] = proposal
+    return [s.build(p, budget) for s, p, budget in zip(sequences, proposals, budgets, strict=True)]
+
+
+class SequenceRun:
+    """One sequence's state in the loop: its KV cache, drafter context, random stream and stats."""
+
+    def __init__(
+        self,
+        engine: SpeculativeEngine,
+        prompt_ids: list[int],
+        stop: StopConditions,
+        sampling: SamplingParams,
+        stats: GenerationStats,
+        seed: int | None,
+        drafter: Drafter | None,
+        logprobs: LogprobRecorder | None = None,
+    ) -> None:
+        self.engine = engine
+        self.logprobs = logprobs
+        self.target = engine.target
+        self.drafter = drafter
+        self.stop = stop
+        self.sampling = sampling
+        self.stats = stats
+        self.timer = StageTimer(stats, self.target.device)
+        self.generator = None
+        if seed is not None:
+            self.generator = torch.Generator(device=self.target.device).manual_seed(seed)
+        self.prompt_ids = torch.tensor(prompt_ids, dtype=torch.long, device=self.target.device)
+        self.cache = self.target.new_cache()
+        self.generated: list[int] = []
+        self.decision: StopDecision | None = None
+        self._round: tuple[DraftTree, Proposal, int] | None = None  # the tree awaiting verification
+        self._begin = time.perf_counter()
+
+    @property
+    def done(self) -> bool:
+        return self.decision is not None
+
+    def prefill(self) -> list[int]:
+        """Run the prompt through the target; returns the first token."""
+        self._begin = time.perf_counter()
+        if self.drafter is not None:
+            self.drafter.reset()
+        with self.timer("prefill"):
+            out = self.target.prefill(self.cache, self.prompt_ids, self.engine.layer_ids)
+            if self.drafter is not None:
+                self.drafter.extend_context(out.hidden, 0)
+            first = _pick(out.logits[-1], self.sampling, self.generator)
+        return self._extend([first], out.logits[-1:])
+
+    @property
+    def context(self) -> int:
+        """Tokens in the cache: the absolute position of this round's root."""
+        return len(self.prompt_ids) + len(self.generated) - 1
+
+    def token_ids(self) -> torch.Tensor:
+        """Every committed token, this round's root (not yet in the cache) last."""
+        return torch.cat([self.prompt_ids, torch.tensor(self.generated, device=self.prompt_ids.device)])
+
+    def draft_depth(self, budget: int | None = None) -> int:
+        """Positions this round drafts: none without a drafter, at budget 0 (plain decoding) or when
+        only the root's own next token is left to generate."""
+        if self.drafter is None or budget == 0:
+            return 0
+        return max(0, min(self.drafter.max_depth, self.stop.remaining(len(self.generated)) - 1))
+
+    def build(self, proposal: Proposal, budget: int | None = None) -> VerifyInput:
+        """Build this round's tree from the drafter's ``proposal`` (empty: the root alone) at the
+        round plan's ``budget`` (None: the builder's own size); the returned input is what the target
+        must verify."""
+        start = self.context
+        with self.timer("tree"):
+            builder = self.engine.builder
+            root = self.generated[-1]
+            if proposal.depth == 0:
+                tree = DraftTree.root_only(root, self.target.device)
+            elif budget is None:
+                tree = builder.build(root, proposal, self.sampling, self.generator, start, self.stats)
+            else:
+                tree = builder.build(root, proposal, self.sampling, self.generator, start, self.stats, budget)
+        with self.timer("mask"):
+            mask = self.target.attention_mask(self.cache, tree.ancestor_mask()) if tree.num_nodes else None
+        self._round = (tree, proposal, start)
+        return VerifyInput(self.cache, tree.tokens, tree.position_ids(start), mask)
+
+    def commit(
+        self, out: TargetOutput, verify_seconds: float, forward: tuple[int, int, int] | None = None
+    ) -> list[int]:
+        """Accept from the verified tree, keep its accepted path; returns the tokens this round added
+        (cut at a stop condition). ``verify_seconds``: the forward's time, recorded in the stats with
+        its ``forward`` shape (sequences, tokens, mean cached tokens; None: this tree alone)."""
+        tree, proposal, start = self._round
+        self._round = None
+        self.stats.verify_seconds.append(verify_seconds)
+        self.stats.verify_forwards.append(forward or (1, tree.num_nodes + 1, start))
+        with self.timer("accept"):
+            result = accept(tree, out.logits, self.sampling, self.generator)
+        with self.timer("commit"):
+            self.target.keep_path(self.cache, start, result.path)
+            if self.drafter is not None:
+                hidden = out.hidden[result.path] if out.hidden is not None else None
+                self.drafter.extend_context(hidden, start)
+            new = [*tree.tokens[result.path[1:]].tolist(), result.next_token]
+        stats = self.stats
+        stats.rounds += 1
+        stats.acceptance_lengths.append(len(new))
+        stats.accepted_nodes.append(result.path[1:])
+        stats.draft_depths.append(proposal.depth)
+        stats.tree_sizes.append(tree.num_nodes)
+        stats.verify_contexts.append(start)
+        return self._extend(new, out.logits[result.path] if self.logprobs is not None else None)
+
+    def _extend(self, new: list[int], logits: torch.Tensor | None) -> list[int]:
+        """Commit ``new`` (cut at a stop condition); ``logits`` [len(new), V]: the distribution each
+        was committed from (needed only when log-probabilities are recorded)."""
+        self.generated.extend(new)
+        self.decision = self.stop.check(self.generated, len(new))
+        if self.decision is not None:
+            new = new[: max(0, len(new) - (len(self.generated) - self.decision.keep))]
+            self.stats.stop_reason = self.decision.reason
+            self.stats.total_seconds = time.perf_counter() - self._begin
+        if self.logprobs is not None:
+            self.logprobs.record(logits, new)
+        return new
+
+
+def _pick(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> int:
+    if sampling.greedy:
+        return int(greedy_tokens(logits))
+    return int(sample_from(sampling.probs(logits), generator))

@@ -1,0 +1,2 @@
+"""The values the decoding loop passes around and hands back: sampling parameters, stop conditions, stats,
+logprobs, chat prompts and incremental detokenization."""

@@ -1,0 +1,163 @@
+"""The loop's promise: every method reproduces the target's own greedy output token for token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from diffdraft.decoding.engine import SpeculativeEngine
+from diffdraft.drafters.base import Proposal
+from diffdraft.drafters.dflash import DFlashDrafter
+from diffdraft.drafters.dflash_model import DFLARE, DFLASH
+from diffdraft.drafters.lookup_boost import LookupBoostedDrafter
+from diffdraft.drafters.prompt_lookup import PromptLookupDrafter
+from diffdraft.errors import UnsupportedModelError
+from diffdraft.runtime.sampling import SamplingParams
+from diffdraft.runtime.stats import GenerationStats
+from diffdraft.runtime.stopping import StopConditions
+from diffdraft.target.model import TargetModel
+from diffdraft.trees import ChainBuilder, DDTreeBuilder
+
+from conftest import hf_greedy, tiny_drafter, tiny_target
+
+METHODS = [
+    "ar",
+    "pld",
+    "chain",
+    "ddtree-1",
+    "ddtree-4",
+    "ddtree-32",
+    "ddtree-256",
+    "oracle-ddtree",
+    "oracle-chain",
+    "chain+pld",
+    "ddtree-8+pld",
+]
+
+
+class OracleDrafter:
+    """Knows the right continuation and ranks it first or second at random, so trees get accepted
+    along paths that are not prefixes (exercising KV compaction), and chains get long accepts."""
+
+    target_layer_ids: list[int] = []  # noqa: RUF012
+
+    def __init__(self, reference: list[int], prompt_len: int, vocab: int, max_depth: int, seed: int) -> None:
+        self.reference, self.prompt_len, self.vocab, self.max_depth = reference, prompt_len, vocab, max_depth
+        self.rng = torch.Generator().manual_seed(seed)
+
+    def reset(self) -> None:
+        pass
+
+    def extend_context(self, hidden, start: int) -> None:
+        pass
+
+    def propose(self, token_ids: torch.Tensor, depth: int) -> Proposal:
+        done = token_ids.shape[0] - self.prompt_len
+        logits = torch.randn(depth, self.vocab, generator=self.rng, dtype=torch.float64)
+        for d in range(depth):
+            if done + d < len(self.reference):
+                boost = 8.0 if torch.rand((), generator=self.rng) < 0.7 else 4.0
+                logits[d, self.reference[done + d]] += boost
+                if boost < 8.0:
+                    logits[d, torch.randint(self.vocab, (), generator=self.rng)] += 6.0
+        return Proposal(log_probs=logits.float().log_softmax(-1))
+
+
+def run_engine(target, drafter, builder, prompt, max_new_tokens, eos, sampling=None, seed=None):
+    stats = GenerationStats()
+    stop = StopConditions([eos], max_new_tokens, target.config.max_position_embeddings, len(prompt))
+    engine = SpeculativeEngine(TargetModel(target), drafter, builder)
+    out = [t for chunk in engine.run(prompt, stop, sampling or SamplingParams(), stats, seed) for t in chunk]
+    return out, stats
+
+
+def make_method(method: str, target, reference, prompt, block_size, seed):
+    if method == "ar":
+        return None, ChainBuilder()
+    if method == "pld":
+        return PromptLookupDrafter(max_depth=block_size - 1), ChainBuilder()
+    if method.startswith("oracle"):
+        drafter = OracleDrafter(reference, len(prompt), target.config.vocab_size, block_size - 1, seed)
+        return drafter, DDTreeBuilder(8) if method == "oracle-ddtree" else ChainBuilder()
+    variant = DFLARE if seed % 2 else DFLASH
+    vocab = target.config.vocab_size
+    # every third drafter scores only a random half of the vocabulary (a draft vocabulary)
+    draft_vocab = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))[: vocab // 2]
+    drafter = DFlashDrafter(
+        tiny_drafter(
+            target,
+            seed,
+            block_size=block_size,
+            variant=variant,
+            draft_vocab=draft_vocab.tolist() if seed % 3 == 0 else None,
+        ),
+        TargetModel(target),
+    )
+    if method.endswith("+pld"):
+        drafter, method = LookupBoostedDrafter(drafter), method.removesuffix("+pld")
+    if method == "chain":
+        return drafter, ChainBuilder()
+    return drafter, DDTreeBuilder(int(method.split("-")[1]))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    family=st.sampled_from(["llama", "qwen2", "qwen3"]),
+    seed=st.integers(0, 10_000),
+    method=st.sampled_from(METHODS),
+    prompt_len=st.integers(1, 24),
+    block_size=st.integers(2, 7),
+    max_new_tokens=st.integers(1, 40),
+    eos_is_frequent=st.booleans(),
+)
+def test_greedy_output_identical_to_transformers_generate(
+    family, seed, method, prompt_len, block_size, max_new_tokens, eos_is_frequent
+):
+    target = tiny_target(family, seed=seed, vocab=48 if eos_is_frequent else 96)
+    g = torch.Generator().manual_seed(seed)
+    # repeat a short motif so prompt lookup finds matches
+    motif = torch.randint(1, target.config.vocab_size - 1, (max(1, prompt_len // 3),), generator=g).tolist()
+    prompt = (motif * 3 + [5])[:prompt_len]
+    eos = target.config.vocab_size - 1
+    reference = hf_greedy(target, prompt, max_new_tokens, eos)
+    drafter, builder = make_method(method, target, reference, prompt, block_size, seed)
+    ours, stats = run_engine(target, drafter, builder, prompt, max_new_tokens, eos)
+    assert ours == reference
+    assert sum(stats.acceptance_lengths) + 1 >= len(ours)
+    assert stats.stop_reason == ("eos" if reference[-1] == eos else "max_new_tokens")
+
+
+@pytest.mark.parametrize("method", ["chain", "ddtree-4", "oracle-chain", "oracle-ddtree"])
+def test_oracle_and_drafters_accept_more_than_one_token_per_round(method):
+    target = tiny_target("qwen3", seed=3)
+    prompt = [3, 4, 5, 6, 7, 3, 4, 5]
+    reference = hf_greedy(target, prompt, 30, None)
+    drafter, builder = make_method(method, target, reference, prompt, 5, seed=3)
+    ours, stats = run_engine(target, drafter, builder, prompt, 30, target.config.vocab_size - 1)
+    assert ours == reference[: len(ours)]
+    if method.startswith("oracle"):
+        assert stats.tau > 2.0, stats.acceptance_histogram
+
+
+def test_stop_on_context_length():
+    target = tiny_target("llama", seed=1, max_positions=20)
+    prompt = list(range(1, 15))
+    ours, stats = run_engine(target, PromptLookupDrafter(3), ChainBuilder(), prompt, 100, eos=10_000)
+    assert len(prompt) + len(ours) == 20
+    assert stats.stop_reason == "context_length"
+    reference = hf_greedy(target, prompt, 6, None)
+    n = min(len(ours), len(reference))
+    assert ours[:n] == reference[:n]
+
+
+def test_sliding_window_target_is_refused_before_generation_but_runs_plain_decoding():
+    target = tiny_target("qwen2", seed=1, use_sliding_window=True, sliding_window=8, max_window_layers=2)
+    wrapped = TargetModel(target)
+    assert wrapped.sliding_window_layers == [2, 3]
+    refused = r"sliding-window attention in layers \[2, 3\].*method 'ar'"
+    with pytest.raises(UnsupportedModelError, match=refused):
+        SpeculativeEngine(wrapped, PromptLookupDrafter(3), ChainBuilder())
+    ours, _ = run_engine(target, None, ChainBuilder(), [3, 9, 4, 1], 12, eos=10_000)
+    assert ours == hf_greedy(target, [3, 9, 4, 1], 12, None)

@@ -1,0 +1,170 @@
+"""Sampling is exact: speculative decoding draws from the same distribution as plain sampling.
+
+On an 8-token vocabulary the exact distribution of generated tokens 2 and 3 (the ones a
+verification round decides) is computed by enumeration and compared with a chi-square test.
+Seeds are fixed, so the test is deterministic; it fails only on a real bias.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from diffdraft.drafters.dart import DARTDrafter
+from diffdraft.drafters.deer import DEERDrafter
+from diffdraft.drafters.deer_model import DEERDraftModel, deer_from_causal_lm
+from diffdraft.drafters.dflash import DFlashDrafter
+from diffdraft.drafters.lookup_boost import LookupBoostedDrafter
+from diffdraft.drafters.prompt_lookup import PromptLookupDrafter
+from diffdraft.runtime.sampling import SamplingParams
+from diffdraft.target.model import TargetModel
+from diffdraft.trees import ChainBuilder, DDTreeBuilder
+from diffdraft.trees.dart import DartTreeBuilder, DartTreeSettings
+
+from conftest import tiny_dart, tiny_drafter, tiny_target
+from test_engine import run_engine
+
+VOCAB = 8
+PROMPT = [1, 2, 3, 1, 2]
+RUNS = 1500
+HOLES = [1, 4, 7]
+"""Tokens the holed DEER drafter gives no probability."""
+
+
+def exact_pair_distribution(model, sampling: SamplingParams) -> torch.Tensor:
+    """P(token 2, token 3) with token 1 marginalized, by enumerating every prefix."""
+
+    def next_probs(prefix):
+        return sampling.probs(model(torch.tensor([prefix])).logits[0, -1]).double()
+
+    joint = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
+    with torch.no_grad():
+        p1 = next_probs(PROMPT)
+        for t1 in range(VOCAB):
+            if p1[t1] == 0:
+                continue
+            p2 = next_probs([*PROMPT, t1])
+            for t2 in range(VOCAB):
+                if p2[t2] > 0:
+                    joint[t2] += p1[t1] * p2[t2] * next_probs([*PROMPT, t1, t2])
+    return joint.flatten()
+
+
+def sampled_pair_counts(model, drafter, builder, sampling: SamplingParams) -> torch.Tensor:
+    counts = torch.zeros(VOCAB * VOCAB, dtype=torch.float64)
+    for seed in range(RUNS):
+        out, _ = run_engine(model, drafter, builder, PROMPT, 3, eos=-1, sampling=sampling, seed=seed)
+        counts[out[1] * VOCAB + out[2]] += 1
+    return counts
+
+
+def assert_same_distribution(counts: torch.Tensor, probs: torch.Tensor) -> None:
+    expected = probs / probs.sum() * counts.sum()  # float32 warping leaves ~1e-7 of slack
+    big = expected >= 5  # pool sparse cells so the chi-square approximation holds
+    observed = torch.cat([counts[big], counts[~big].sum().view(1)])
+    expected = torch.cat([expected[big], expected[~big].sum().view(1)])
+    if expected[-1] == 0:
+        observed, expected = observed[:-1], expected[:-1]
+    result = chisquare(observed.numpy(), expected.numpy())
+    assert result.pvalue > 1e-3, f"sampled distribution differs from the target's (p={result.pvalue:.2e})"
+
+
+def deer_drafter(model, holes: list[int] = ()) -> DEERDraftModel:
+    """DEER cut from the target's first 2 of 4 layers (q near p, not equal), its head giving ``holes``
+    a logit of about -1e4 at every position: hidden dimension 0 is made a positive constant (1 in
+    every embedding, written to by no layer) and the holes' head rows read only it, negated."""
+    deer = deer_from_causal_lm(model, 2, 3, VOCAB - 2, None, "the exactness test's target")
+    if holes:
+        with torch.no_grad():
+            deer.model.embed_tokens.weight[:, 0] = 1.0
+            for layer in deer.model.layers:
+                layer.self_attn.o_proj.weight[0] = 0.0
+                layer.mlp.down_proj.weight[0] = 0.0
+            deer.model.norm.weight[0] = 1.0
+            deer.lm_head.weight[holes] = 0.0
+            deer.lm_head.weight[holes, 0] = -1e4
+    return deer
+
+
+def methods(model):
+    target = TargetModel(model)
+    drafter = DFlashDrafter(tiny_drafter(model, seed=1, block_size=3), target)
+    # a drafter that can never propose three of the eight tokens: the residual must supply them
+    restricted = DFlashDrafter(tiny_drafter(model, seed=1, block_size=3, draft_vocab=[0, 2, 3, 5, 6]), target)
+    return {
+        "rejection-chain": (drafter, ChainBuilder()),
+        "rejection-chain-draft-vocab": (restricted, ChainBuilder()),
+        "rejection-chain-lookup-boost": (LookupBoostedDrafter(drafter), ChainBuilder()),
+        "walk-ddtree": (drafter, DDTreeBuilder(6)),
+        "walk-pld-chain": (PromptLookupDrafter(max_depth=2), ChainBuilder()),
+        # DART's drafter and beam tree, its head restricted to five tokens (holes in q's support)
+        "walk-dart-tree": (
+            DARTDrafter(tiny_dart(model, seed=1, draft_length=1, draft_vocab=[0, 2, 3, 5, 6]), target),
+            DartTreeBuilder(DartTreeSettings(tree_size=6, top_k=3, beam_width=2)),
+        ),
+        # DEER's decoding (generator method deer): its chain, rejection sampled (DEER Eq. 5-6)
+        "rejection-deer-chain": (DEERDrafter(deer_drafter(model), target), ChainBuilder()),
+        # q with holes where p has mass: only the residual max(0, p - q) can emit those tokens
+        "rejection-deer-chain-holes": (DEERDrafter(deer_drafter(model, HOLES), target), ChainBuilder()),
+        # method deer-tree: DDTree over DEER's distributions, holes never in the tree
+        "walk-deer-tree-holes": (DEERDrafter(deer_drafter(model, HOLES), target), DDTreeBuilder(6)),
+    }
+
+
+@pytest.mark.parametrize(
+    "method",
+    [
+        "rejection-chain",
+        "rejection-chain-draft-vocab",
+        "rejection-chain-lookup-boost",
+        "walk-ddtree",
+        "walk-pld-chain",
+        "walk-dart-tree",
+        "rejection-deer-chain",
+        "rejection-deer-chain-holes",
+        "walk-deer-tree-holes",
+    ],
+)
+@pytest.mark.parametrize(
+    "sampling", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9)]
+)
+def test_speculative_sampling_matches_plain_sampling(method, sampling):
+    model = tiny_target("qwen3", seed=5, vocab=VOCAB, init_std=0.05)
+    drafter, builder = methods(model)[method]
+    counts = sampled_pair_counts(model, drafter, builder, sampling)
+    assert_same_distribution(counts, exact_pair_distribution(model, sampling))
+
+
+def test_the_holed_deer_drafter_has_no_mass_where_the_target_has_some():
+    model = tiny_target("qwen3", seed=5, vocab=VOCAB, init_std=0.05)
+    drafter = DEERDrafter(deer_drafter(model, HOLES), TargetModel(model))
+    q = drafter.propose(torch.tensor(PROMPT), 3).log_probs.exp()
+    with torch.no_grad():
+        p = model(torch.tensor([PROMPT])).logits[0, -1].softmax(-1)
+    assert q[:, HOLES].max() < 1e-12
+    assert p[HOLES].min() > 0.05  # the target does emit them: the residual must supply them
+    assert q[:, [0, 2, 3, 5, 6]].min() > 1e-3  # every other token can still be drafted
+
+
+def test_the_check_catches_a_verifier_that_accepts_every_draft(monkeypatch):
+    import diffdraft.decoding.engine
+    from diffdraft.decoding.verify import Acceptance
+
+    def accept_everything(tree, logits, sampling, generator):
+        path = list(range(tree.tokens.shape[0]))
+        return Acceptance(path, int(torch.multinomial(sampling.probs(logits[-1]), 1, generator=generator)))
+
+    monkeypatch.setattr(diffdraft.decoding.engine, "accept", accept_everything)
+    model = tiny_target("qwen3", seed=5, vocab=VOCAB, init_std=0.05)
+    drafter, builder = methods(model)["rejection-chain"]
+    sampling = SamplingParams(temperature=1.0)
+    counts = sampled_pair_counts(model, drafter, builder, sampling)
+    with pytest.raises(AssertionError, match="differs"):
+        assert_same_distribution(counts, exact_pair_distribution(model, sampling))
+
+
+def test_exact_distribution_enumeration_is_normalized():
+    model = tiny_target("qwen3", seed=5, vocab=VOCAB, init_std=0.05)
+    total = exact_pair_distribution(model, SamplingParams(temperature=0.7, top_k=5)).sum()
+    assert abs(float(total) - 1.0) < 1e-6
