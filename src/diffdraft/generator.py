@@ -96,7 +96,7 @@ class GenerationRequest:
     ignore_eos: bool = False
     logprobs: int | None = None
     """K: also return the target's log-probability of every generated token and the K most likely
-    tokens at its position (0 to 20; :mod:`diffdraft.logprobs`); None: none."""
+    tokens at its position (0 to 20; :mod:`diffdraft.runtime.logprobs`); None: none."""
 
 
 @dataclass
@@ -220,7 +220,7 @@ class SpeculativeGenerator:
         caller, used instead of the one ``method``, ``budget`` and ``ngram`` make (the benchmark's
         auto budget plans over its own cost curve, its dart tree times each trie lookup); an auto
         budget given here learns from every finished request like the one made here. ``cuda_graphs``:
-        verify by replaying CUDA graphs (:class:`~diffdraft.target.TargetModel`), for CUDA targets."""
+        verify by replaying CUDA graphs (:class:`~diffdraft.target.model.TargetModel`), for CUDA targets."""
         row = method_named(method)
         self.loaded = target
         self.tokenizer = target.tokenizer
@@ -367,7 +367,7 @@ def load(
     ``budget="auto"`` (the default for ddtree, ddtree+pld and deer-tree) picks the DDTree budget from
     this machine's measured verification cost (measured once per model shape and device, about a
     minute on a 2-core CPU, then cached); for ``method="dart"`` the budget is the tree size (default
-    32, its row of :data:`~diffdraft.method_table.METHODS`) and ``ngram`` the N-gram trie directory
+    32, its row of :data:`~diffdraft.decoding.method_table.METHODS`) and ``ngram`` the N-gram trie directory
     (``"default"``: the one shipped for the default target; None: no N-gram term).
     ``method="deer"`` / ``"deer-tree"`` need a DEER drafter (e.g. ``"default-deer"``).
     On CPU the target runs diffdraft's inference kernels (same outputs, faster), so the loaded

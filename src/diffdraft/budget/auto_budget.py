@@ -30,7 +30,7 @@ class AutoBudgetBuilder:
     planned budget directly, so the surrogate's cost is paid once in ``refresh`` trees.
 
     The builder itself holds settings and what finished sequences taught: a sequence's budgets,
-    refresh rounds and surrogates live in its own :class:`~diffdraft.stats.GenerationStats`.
+    refresh rounds and surrogates live in its own :class:`~diffdraft.runtime.stats.GenerationStats`.
     """
 
     def __init__(

@@ -134,7 +134,7 @@ class BudgetPlanner:
     verifies a bigger tree now and then so the ranks just past the budget get measured too.
 
     Per sequence: the planner learns from finished sequences only, and chooses for one running
-    sequence from its own record (:class:`~diffdraft.stats.GenerationStats`): that sequence's
+    sequence from its own record (:class:`~diffdraft.runtime.stats.GenerationStats`): that sequence's
     surrogates replace the recent ones as the prior, and its own latest drafted rounds
     (:data:`OWN_ROUNDS`) outweigh the finished rounds' estimate as they add up, so sequences the
     drafter serves well and badly get different budgets in one batch, each the one it would get alone.

@@ -5,7 +5,7 @@ autoregressive decoding is the same loop with no drafter (every tree is just the
 
 A round is split around its target forward (:class:`SequenceRun`: ``draft`` before, ``commit``
 after), so :class:`SpeculativeEngine` runs one sequence's rounds and
-:class:`~diffdraft.batching.BatchEngine` verifies several sequences' trees in one forward with the
+:class:`~diffdraft.decoding.batching.BatchEngine` verifies several sequences' trees in one forward with the
 same per-sequence code.
 """
 

@@ -1,4 +1,4 @@
-"""Requests from many clients onto one :class:`~diffdraft.batching.BatchEngine`.
+"""Requests from many clients onto one :class:`~diffdraft.decoding.batching.BatchEngine`.
 
 A worker thread owns the models: between rounds it admits waiting requests into the batch (up to
 ``max_batch_size``), drops cancelled ones, runs one round for all, and hands each request the text
