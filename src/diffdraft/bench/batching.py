@@ -50,7 +50,9 @@ class BatchPoint:
 
     @property
     def tokens_per_second(self) -> float:
-        return self.tokens / float(np.mean(self.seconds)) if self.seconds else float("nan")
+        """Over the median repeat: on a shared machine a pass that another process slowed down (one
+        batch-1 pass took 15.6 s where the other two took 8.9 and 8.6) must not move the row."""
+        return self.tokens / float(np.median(self.seconds)) if self.seconds else float("nan")
 
 
 def run_batch_benchmark(
@@ -180,8 +182,8 @@ def batch_markdown(header: dict, points: Sequence[BatchPoint], cost: BatchVerify
         "",
         f"- {header['machine']}; {header['started']}, {header['elapsed_seconds']:.0f} s",
         f"- {header['prompts']} prompts, {header['max_new_tokens']} new tokens each, greedy, "
-        f"{header['repeats']} repeats; a batch size of B keeps up to B sequences in every round "
-        "(continuous batching: a waiting prompt joins when one finishes)",
+        f"{header['repeats']} repeats (the median repeat's time counts); a batch size of B keeps up to "
+        "B sequences in every round (continuous batching: a waiting prompt joins when one finishes)",
         "",
         "Tokens/s of the whole batch (speedup over `ar` at the same batch size in brackets; tau = "
         "mean tokens per sequence per round):",

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Serve-load rows (issue 32): three servers up at once on the default target (ar, ddtree:auto,
+# ddtree+pld:auto), each warmed up, then for every client count 1-8 and each of PASSES passes the
+# three are loaded one after another, so drift of this shared machine hits every method alike.
+# Writes <method>-c<clients>-p<pass>.json here; summarize with summary.py.
+set -euo pipefail
+cd "$(dirname "$0")"
+PASSES=${PASSES:-2}
+PER_CLIENT=${PER_CLIENT:-6}
+declare -A PORT=([ar]=8013 [ddtree-auto]=8014 [ddtree+pld-auto]=8015)
+declare -A ARGS=([ar]="--method ar" [ddtree-auto]="--method ddtree --budget auto"
+                 [ddtree+pld-auto]="--method ddtree+pld --budget auto")
+pids=()
+trap 'kill "${pids[@]}" 2>/dev/null || true' EXIT
+for m in ar ddtree-auto ddtree+pld-auto; do
+  # one at a time: an auto server measures (or spot-checks) the batch cost curve before it serves,
+  # and two measuring at once would each time the other's load
+  # shellcheck disable=SC2086
+  diffdraft serve --target default ${ARGS[$m]} --dtype bfloat16 --port "${PORT[$m]}" --max-batch-size 8 \
+    > "server-$m.log" 2>&1 &
+  pids+=($!)
+  until curl -sf "http://127.0.0.1:${PORT[$m]}/v1/models" > /dev/null; do sleep 2; done
+done
+load() {  # method clients requests json
+  diffdraft serve-load --url "http://127.0.0.1:${PORT[$1]}" --concurrency "$2" --requests "$3" \
+    --max-tokens 64 --ignore-eos --stream --json "$4" > /dev/null
+}
+for m in ar ddtree-auto ddtree+pld-auto; do load "$m" 8 32 /dev/null; done  # warm-up, not kept
+for c in 1 2 3 4 5 6 7 8; do
+  for p in $(seq 1 "$PASSES"); do
+    for m in ar ddtree-auto ddtree+pld-auto; do
+      load "$m" "$c" $((PER_CLIENT * c)) "$m-c$c-p$p.json"
+      echo "$(date +%T) $m clients $c pass $p"
+    done
+  done
+done
