@@ -34,7 +34,7 @@ from diffdraft.runtime.stats import GenerationStats
 from diffdraft.runtime.stopping import StopConditions
 from diffdraft.target.loading import load_target
 from diffdraft.target.model import TargetModel
-from diffdraft.trees import DraftTree
+from diffdraft.trees import DraftTree, TreeRound
 from diffdraft.util.progress import progress_bar
 
 TOP_K = 64
@@ -63,8 +63,8 @@ class RecordingBuilder:
         self.count = 0
         self.depth = depth
 
-    def build(self, root_token, proposal, sampling, generator, context=0) -> DraftTree:
-        log_probs = proposal.log_probs.float()
+    def build(self, tree_round: TreeRound) -> DraftTree:
+        log_probs = tree_round.proposal.log_probs.float()
         if log_probs.shape[0] == self.depth:  # the last rounds draft less: left out
             top = log_probs.topk(TOP_K, dim=-1)
             self.values[self.count] = top.values.cpu().numpy()
@@ -74,7 +74,7 @@ class RecordingBuilder:
             scaled = [torch.logsumexp(log_probs / t, dim=-1) if t != 1.0 else zero for t in TEMPERATURES]
             self.log_normalizers[self.count] = torch.stack(scaled, -1).cpu().numpy()
             self.count += 1
-        return DraftTree.root_only(root_token, log_probs.device)
+        return DraftTree.root_only(tree_round.root_token, log_probs.device)
 
 
 @torch.inference_mode()

@@ -11,7 +11,7 @@ from diffdraft.budget.planner import BudgetPlanner, rounds_of
 from diffdraft.drafters.base import Proposal
 from diffdraft.runtime.sampling import SamplingParams
 from diffdraft.runtime.stats import GenerationStats
-from diffdraft.trees import DDTreeBuilder, RoundSequence
+from diffdraft.trees import DDTreeBuilder, RoundSequence, TreeRound
 
 from test_planner import _verified
 
@@ -25,19 +25,19 @@ def test_the_auto_builder_keeps_the_best_first_prefix_of_the_planned_size_and_ex
     stats = GenerationStats()
     # a new sequence drafts whatever it costs: nothing is known of what it will accept
     assert builder.plan([RoundSequence(stats, 300, can_draft=True)]) == [1]
-    tree = builder.build(5, proposal, SamplingParams(), None, context=300, stats=stats, budget=8)
+    tree = builder.build(TreeRound(5, proposal, SamplingParams(), None, context=300, stats=stats, budget=8))
     # the refresh tree verifies half the planned budget more, to measure the ranks past it
-    expected = DDTreeBuilder(12).build(5, proposal, SamplingParams(), None)
+    expected = DDTreeBuilder(12).build(TreeRound(5, proposal, SamplingParams(), None))
     assert stats.budgets == [8] and len(stats.surrogates) == 1  # recorded in the sequence's own stats
     assert torch.equal(tree.tokens, expected.tokens) and torch.equal(tree.parents, expected.parents)
     _verified(stats, tree.num_nodes, [1], context=300, seconds=0.02)
     assert builder.plan([RoundSequence(stats, 302, can_draft=True)]) == [8]  # the last flat size
     assert builder.plan([RoundSequence(stats, 302, can_draft=False)]) == [0]
-    tree = builder.build(5, proposal, SamplingParams(), None, context=302, stats=stats, budget=8)
+    tree = builder.build(TreeRound(5, proposal, SamplingParams(), None, context=302, stats=stats, budget=8))
     assert tree.num_nodes == 8
     _verified(stats, tree.num_nodes, [], context=302, seconds=0.01)
     # the next refresh verifies a quarter of the budget less, to measure what a node costs around it
-    tree = builder.build(5, proposal, SamplingParams(), None, context=304, stats=stats, budget=8)
+    tree = builder.build(TreeRound(5, proposal, SamplingParams(), None, context=304, stats=stats, budget=8))
     assert tree.num_nodes == 6
     _verified(stats, tree.num_nodes, [2], context=304, seconds=0.01)
     assert builder.planner.rank_gains()[1].sum() == 0  # nothing learned while the sequence runs
@@ -51,9 +51,8 @@ def test_the_auto_builder_keeps_the_best_first_prefix_of_the_planned_size_and_ex
     assert observed[0] == 1 and observed[1] == 1 and observed[2:].sum() == 0
     # another sequence's first refresh tree looks ahead from the initial budget, not from this one's
     other = GenerationStats()
-    assert (
-        builder.build(5, proposal, SamplingParams(), None, context=10, stats=other, budget=3).num_nodes == 5
-    )
+    tree = builder.build(TreeRound(5, proposal, SamplingParams(), None, context=10, stats=other, budget=3))
+    assert tree.num_nodes == 5
     assert other.budgets == [3]
 
 
@@ -64,6 +63,7 @@ def test_without_a_plan_a_tree_keeps_the_last_budget():
         log_probs=torch.randn(4, 30, generator=torch.Generator().manual_seed(1)).log_softmax(-1)
     )
     stats = GenerationStats()
-    builder.build(5, proposal, SamplingParams(), None, context=10, stats=stats, budget=4)
-    assert builder.build(5, proposal, SamplingParams(), None, context=11, stats=stats).num_nodes == 4
+    builder.build(TreeRound(5, proposal, SamplingParams(), None, context=10, stats=stats, budget=4))
+    tree = builder.build(TreeRound(5, proposal, SamplingParams(), None, context=11, stats=stats))
+    assert tree.num_nodes == 4
     assert stats.budgets == [4, 4]

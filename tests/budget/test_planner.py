@@ -21,7 +21,7 @@ from diffdraft.budget.planner import (
 from diffdraft.drafters.base import Proposal
 from diffdraft.runtime.sampling import SamplingParams
 from diffdraft.runtime.stats import GenerationStats
-from diffdraft.trees import DDTreeBuilder
+from diffdraft.trees import DDTreeBuilder, TreeRound
 
 
 def saturating_tau(max_budget: int, scale: float = 16.0) -> list[float]:
@@ -59,7 +59,7 @@ def test_the_budget_shrinks_where_long_contexts_make_big_trees_expensive():
 
 def test_the_surrogate_sums_the_best_prefix_probabilities():
     log_probs = torch.tensor([[0.6, 0.3, 0.1], [0.5, 0.4, 0.1]]).log()
-    tree = DDTreeBuilder(9).build(0, Proposal(log_probs=log_probs), SamplingParams(), None)
+    tree = DDTreeBuilder(9).build(TreeRound(0, Proposal(log_probs=log_probs), SamplingParams(), None))
     # prefixes by probability: a .6, then b .3 and aa .3, ab .24, ba .15, bb .12, c .1 ...
     assert surrogate_acceptance(tree, log_probs)[:6] == pytest.approx([1.0, 1.6, 1.9, 2.2, 2.44, 2.59])
 

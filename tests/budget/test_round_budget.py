@@ -16,7 +16,7 @@ from diffdraft.decoding.engine import SpeculativeEngine
 from diffdraft.runtime.sampling import SamplingParams
 from diffdraft.runtime.stats import GenerationStats
 from diffdraft.target.model import TargetModel
-from diffdraft.trees import ChainBuilder, DDTreeBuilder, RoundSequence
+from diffdraft.trees import ChainBuilder, DDTreeBuilder, RoundSequence, TreeRound
 
 from conftest import tiny_target
 from decoding.test_batching import alone, batched, requests_for
@@ -200,8 +200,8 @@ class FixedPlan:
     def plan(self, sequences: list[RoundSequence]) -> list[int]:
         return [self.pattern[s.stats.rounds % len(self.pattern)] if s.can_draft else 0 for s in sequences]
 
-    def build(self, root_token, proposal, sampling, generator, context=0, stats=None, budget=None):
-        return DDTreeBuilder(budget).build(root_token, proposal, sampling, generator)
+    def build(self, tree_round: TreeRound):
+        return DDTreeBuilder(tree_round.budget).build(tree_round)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

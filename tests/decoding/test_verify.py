@@ -15,7 +15,7 @@ from diffdraft.decoding import verify
 from diffdraft.decoding.verify import accept
 from diffdraft.drafters.base import Proposal
 from diffdraft.runtime.sampling import SamplingParams
-from diffdraft.trees import ChainBuilder, DDTreeBuilder, DraftTree, TreeBuilder
+from diffdraft.trees import ChainBuilder, DDTreeBuilder, DraftTree, TreeBuilder, TreeRound
 
 VOCAB = 5
 DEPTH = 3
@@ -81,7 +81,9 @@ def test_identical_draft_is_always_accepted() -> None:
     sampling = SamplingParams(temperature=0.9, top_k=4)
     generator = torch.Generator().manual_seed(1)
     for _ in range(200):
-        tree = ChainBuilder().build(ROOT, Proposal(log_probs=logits[:3].log_softmax(-1)), sampling, generator)
+        tree = ChainBuilder().build(
+            TreeRound(ROOT, Proposal(log_probs=logits[:3].log_softmax(-1)), sampling, generator)
+        )
         # The target's row i predicts the token after node i: make it the drafter's distribution.
         target = torch.cat([logits[:3], logits[3:]]).log_softmax(-1)
         assert accept(tree, target, sampling, generator).path == [0, 1, 2, 3]
@@ -117,7 +119,7 @@ def first_two_tokens(
             # end in rejections, in fully accepted drafts and in bonus tokens at every depth.
             depth = int(torch.randint(1, DEPTH + 1, (), generator=generator))
             draft = (2 * torch.randn(depth, VOCAB, generator=generator)).log_softmax(-1)
-            tree = builder.build(root, Proposal(log_probs=draft), sampling, generator)
+            tree = builder.build(TreeRound(root, Proposal(log_probs=draft), sampling, generator))
             target_logits = table[start + tree.depths, tree.tokens]
             result = accept(tree, target_logits, sampling, generator)
             emitted = [*tree.tokens[result.path[1:]].tolist(), result.next_token]

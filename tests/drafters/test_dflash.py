@@ -269,7 +269,7 @@ def _forks_with_contexts(drafter, lengths: list[int], seed: int, hidden_size: in
 def test_one_forward_drafts_every_fork_as_each_drafts_alone(variant, draft_vocab):
     from diffdraft.drafters.base import propose_together
     from diffdraft.runtime.sampling import SamplingParams
-    from diffdraft.trees import DDTreeBuilder
+    from diffdraft.trees import DDTreeBuilder, TreeRound
 
     target = tiny_target("qwen3", seed=3)
     drafter = DFlashDrafter(
@@ -283,7 +283,10 @@ def test_one_forward_drafts_every_fork_as_each_drafts_alone(variant, draft_vocab
         alone = fork.propose(ids, depth)
         assert proposal.log_probs.shape == alone.log_probs.shape == (depth, target.config.vocab_size)
         torch.testing.assert_close(proposal.log_probs, alone.log_probs, rtol=0, atol=1e-12)
-        trees = [DDTreeBuilder(12).build(int(ids[-1]), p, SamplingParams(), None) for p in (proposal, alone)]
+        trees = [
+            DDTreeBuilder(12).build(TreeRound(int(ids[-1]), p, SamplingParams(), None))
+            for p in (proposal, alone)
+        ]
         assert torch.equal(trees[0].tokens, trees[1].tokens) and torch.equal(
             trees[0].parents, trees[1].parents
         )

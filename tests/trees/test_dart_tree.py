@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from diffdraft.drafters.base import Proposal
 from diffdraft.errors import InvalidRequestError
 from diffdraft.runtime.sampling import SamplingParams
-from diffdraft.trees import TreeBuilder
+from diffdraft.trees import TreeBuilder, TreeRound
 from diffdraft.trees.dart import DartTreeBuilder, DartTreeSettings
 
 from conftest import PerContextLookups
@@ -77,7 +77,7 @@ def test_dart_tree_keeps_algorithm_1s_best_nodes(case) -> None:
     ngram = TableNgram(order, vocab, seed) if order else None
     history = [seed % vocab, (seed // 7) % vocab]
     tree = DartTreeBuilder(s, ngram).build(
-        history[-1], Proposal(log_probs=log_probs, prefix=torch.tensor(history)), GREEDY, None
+        TreeRound(history[-1], Proposal(log_probs=log_probs, prefix=torch.tensor(history)), GREEDY, None)
     )
 
     parents, depths = tree.parents.tolist(), tree.depths.tolist()
@@ -113,8 +113,8 @@ def test_ngram_term_changes_the_tree() -> None:
 
     log_probs = torch.tensor([[0.0, -0.1, -9.0, -0.1], [0.0, 0.0, 0.0, 0.0]]).log_softmax(-1)
     s = DartTreeSettings(tree_size=1, top_k=4, beam_width=2)
-    plain = DartTreeBuilder(s).build(0, Proposal(log_probs=log_probs), GREEDY, None)
-    guided = DartTreeBuilder(s, Likes3()).build(0, Proposal(log_probs=log_probs), GREEDY, None)
+    plain = DartTreeBuilder(s).build(TreeRound(0, Proposal(log_probs=log_probs), GREEDY, None))
+    guided = DartTreeBuilder(s, Likes3()).build(TreeRound(0, Proposal(log_probs=log_probs), GREEDY, None))
     assert plain.tokens.tolist() == [0, 0]
     assert guided.tokens.tolist() == [0, 3]
 
@@ -122,10 +122,10 @@ def test_ngram_term_changes_the_tree() -> None:
 def test_dart_builder_fits_the_interface_and_edge_cases() -> None:
     builder = DartTreeBuilder()
     assert isinstance(builder, TreeBuilder)
-    assert builder.build(5, Proposal(), GREEDY, None).num_nodes == 0
-    assert builder.build(5, Proposal(log_probs=torch.zeros(0, 8)), GREEDY, None).num_nodes == 0
+    assert builder.build(TreeRound(5, Proposal(), GREEDY, None)).num_nodes == 0
+    assert builder.build(TreeRound(5, Proposal(log_probs=torch.zeros(0, 8)), GREEDY, None)).num_nodes == 0
     with pytest.raises(InvalidRequestError, match="distributions"):
-        builder.build(5, Proposal(tokens=torch.tensor([1, 2])), GREEDY, None)
+        builder.build(TreeRound(5, Proposal(tokens=torch.tensor([1, 2])), GREEDY, None))
     with pytest.raises(InvalidRequestError, match="beam_width"):
         DartTreeSettings(beam_width=0)
 
@@ -133,6 +133,6 @@ def test_dart_builder_fits_the_interface_and_edge_cases() -> None:
 def test_paper_defaults_give_a_59_node_tree() -> None:
     torch.manual_seed(0)
     log_probs = torch.randn(8, 500).mul(3).log_softmax(-1)
-    tree = DartTreeBuilder().build(1, Proposal(log_probs=log_probs), GREEDY, None)
+    tree = DartTreeBuilder().build(TreeRound(1, Proposal(log_probs=log_probs), GREEDY, None))
     assert tree.num_nodes == 59
     assert int(tree.depths.max()) >= 2

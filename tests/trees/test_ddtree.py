@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from diffdraft.drafters.base import Proposal
 from diffdraft.errors import InvalidRequestError
 from diffdraft.runtime.sampling import SamplingParams
-from diffdraft.trees import DDTreeBuilder, DraftTree, TreeBuilder
+from diffdraft.trees import DDTreeBuilder, DraftTree, TreeBuilder, TreeRound
 
 GREEDY = SamplingParams()
 
@@ -57,7 +57,7 @@ def drafts(draw: st.DrawFn) -> tuple[torch.Tensor, int]:
 @given(drafts())
 def test_ddtree_is_the_top_budget_prefixes(draft: tuple[torch.Tensor, int]) -> None:
     log_probs, budget = draft
-    tree = DDTreeBuilder(budget).build(7, Proposal(log_probs=log_probs), GREEDY, None)
+    tree = DDTreeBuilder(budget).build(TreeRound(7, Proposal(log_probs=log_probs), GREEDY, None))
     table = log_probs.tolist()
     brute = all_prefix_scores(table)
     nodes = prefixes(tree)
@@ -85,7 +85,7 @@ def test_ddtree_is_the_top_budget_prefixes(draft: tuple[torch.Tensor, int]) -> N
 @given(drafts(), st.integers(0, 100))
 def test_mask_and_positions_match_parent_walk(draft: tuple[torch.Tensor, int], start: int) -> None:
     log_probs, budget = draft
-    tree = DDTreeBuilder(budget).build(0, Proposal(log_probs=log_probs), GREEDY, None)
+    tree = DDTreeBuilder(budget).build(TreeRound(0, Proposal(log_probs=log_probs), GREEDY, None))
     parents = tree.parents.tolist()
     n = len(parents)
     expected_mask = torch.zeros(n, n, dtype=torch.bool)
@@ -105,8 +105,10 @@ def test_mask_and_positions_match_parent_walk(draft: tuple[torch.Tensor, int], s
 def test_ddtree_ignores_sampling_warp() -> None:
     log_probs = torch.randn(3, 6, generator=torch.Generator().manual_seed(0)).log_softmax(-1)
     builder = DDTreeBuilder(10)
-    greedy = builder.build(1, Proposal(log_probs=log_probs), GREEDY, None)
-    warped = builder.build(1, Proposal(log_probs=log_probs), SamplingParams(temperature=0.3, top_k=1), None)
+    greedy = builder.build(TreeRound(1, Proposal(log_probs=log_probs), GREEDY, None))
+    warped = builder.build(
+        TreeRound(1, Proposal(log_probs=log_probs), SamplingParams(temperature=0.3, top_k=1), None)
+    )
     assert torch.equal(greedy.tokens, warped.tokens)
     assert torch.equal(greedy.parents, warped.parents)
 
@@ -114,17 +116,17 @@ def test_ddtree_ignores_sampling_warp() -> None:
 def test_zero_probability_candidates_are_skipped() -> None:
     one_hot = torch.full((4, 6), -math.inf)
     one_hot[torch.arange(4), torch.tensor([3, 1, 4, 1])] = 0.0
-    tree = DDTreeBuilder(32).build(9, Proposal(log_probs=one_hot), GREEDY, None)
+    tree = DDTreeBuilder(32).build(TreeRound(9, Proposal(log_probs=one_hot), GREEDY, None))
     assert tree.is_chain
     assert tree.tokens.tolist() == [9, 3, 1, 4, 1]
 
 
 def test_depth_zero_and_budget_one() -> None:
-    empty = DDTreeBuilder(8).build(5, Proposal(log_probs=torch.zeros(0, 4)), GREEDY, None)
+    empty = DDTreeBuilder(8).build(TreeRound(5, Proposal(log_probs=torch.zeros(0, 4)), GREEDY, None))
     assert empty.tokens.tolist() == [5]
-    assert DDTreeBuilder(8).build(5, Proposal(), GREEDY, None).tokens.tolist() == [5]
+    assert DDTreeBuilder(8).build(TreeRound(5, Proposal(), GREEDY, None)).tokens.tolist() == [5]
     log_probs = torch.tensor([[0.1, 0.7, 0.2], [0.5, 0.3, 0.2]]).log()
-    single = DDTreeBuilder(1).build(5, Proposal(log_probs=log_probs), GREEDY, None)
+    single = DDTreeBuilder(1).build(TreeRound(5, Proposal(log_probs=log_probs), GREEDY, None))
     assert single.tokens.tolist() == [5, 1]
 
 
@@ -138,7 +140,7 @@ def test_bad_budget_names_value_and_fix(budget: object) -> None:
 
 def test_explicit_tokens_are_rejected() -> None:
     with pytest.raises(InvalidRequestError, match="--method chain"):
-        DDTreeBuilder(4).build(0, Proposal(tokens=torch.tensor([1, 2])), GREEDY, None)
+        DDTreeBuilder(4).build(TreeRound(0, Proposal(tokens=torch.tensor([1, 2])), GREEDY, None))
 
 
 def test_is_a_tree_builder() -> None:
@@ -154,11 +156,11 @@ def test_a_draft_vocabulary_proposal_builds_the_tree_of_its_full_rows(draft, see
     vocab_size = scored.shape[1] + 3
     vocab = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(seed))[: scored.shape[1]]
     restricted = Proposal.restricted(scored, vocab, vocab_size)
-    tree = DDTreeBuilder(budget).build(7, restricted, GREEDY, None)
+    tree = DDTreeBuilder(budget).build(TreeRound(7, restricted, GREEDY, None))
     full = restricted.log_probs
     assert full.shape == (scored.shape[0], vocab_size)
     assert torch.equal(full[:, vocab], scored) and full.isinf().sum() == 3 * scored.shape[0]
-    expected = DDTreeBuilder(budget).build(7, Proposal(log_probs=full), GREEDY, None)
+    expected = DDTreeBuilder(budget).build(TreeRound(7, Proposal(log_probs=full), GREEDY, None))
     table = full.tolist()
     assert tree.num_nodes == expected.num_nodes
     assert sorted(score(p, table) for p in prefixes(tree)) == sorted(

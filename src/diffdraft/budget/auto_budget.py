@@ -5,15 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-import torch
-
 from diffdraft.budget.batch_cost import BatchCostCurve
 from diffdraft.budget.planner import BudgetPlanner, rounds_of, surrogate_acceptance
 from diffdraft.budget.round_budget import RoundBudgetPlanner
-from diffdraft.drafters.base import Proposal
-from diffdraft.runtime.sampling import SamplingParams
 from diffdraft.runtime.stats import GenerationStats
-from diffdraft.trees import DDTreeBuilder, DraftTree, RoundSequence
+from diffdraft.trees import DDTreeBuilder, DraftTree, RoundSequence, TreeRound
 
 
 class AutoBudgetBuilder:
@@ -57,28 +53,23 @@ class AutoBudgetBuilder:
         """Each sequence's node budget this round (see :class:`RoundBudgetPlanner`)."""
         return self.rounds.plan(sequences)
 
-    def build(
-        self,
-        root_token: int,
-        proposal: Proposal,
-        sampling: SamplingParams,
-        generator: torch.Generator | None,
-        context: int = 0,
-        stats: GenerationStats | None = None,
-        budget: int | None = None,
-    ) -> DraftTree:
-        """The sequence's next tree, of the planned ``budget`` (None: its last budget, or the initial
-        one); the budget and any surrogate are recorded in ``stats`` (None: the first tree of a
-        sequence nobody keeps a record of)."""
-        stats = stats if stats is not None else GenerationStats()
+    def build(self, tree_round: TreeRound) -> DraftTree:
+        """The sequence's next tree, of the round's planned ``budget`` (None: its last budget, or the
+        initial one); the budget and any surrogate are recorded in the round's ``stats`` (None: the
+        first tree of a sequence nobody keeps a record of). The tree is :class:`DDTreeBuilder`'s over
+        the round's ``root_token`` and ``proposal``; ``sampling``, ``generator`` and ``context`` are
+        unused (the plan read the context)."""
+        proposal = tree_round.proposal
+        stats = tree_round.stats if tree_round.stats is not None else GenerationStats()
         built = len(stats.budgets)
         previous = stats.budgets[-1] if stats.budgets else self.initial_budget
-        budget = min(budget or previous, self.planner.max_budget)
+        budget = min(tree_round.budget or previous, self.planner.max_budget)
+        # DDTreeBuilder reads only the round's root and proposal: the same round serves it
         if built % self.refresh or not proposal.has_distributions:
-            tree = DDTreeBuilder(budget).build(root_token, proposal, sampling, generator)
+            tree = DDTreeBuilder(budget).build(tree_round)
         else:
             horizon = min(self.planner.max_budget, self.lookahead * max(previous, budget, 4))
-            largest = DDTreeBuilder(horizon).build(root_token, proposal, sampling, generator)
+            largest = DDTreeBuilder(horizon).build(tree_round)
             stats.surrogates.append(surrogate_acceptance(largest, proposal.log_probs))
             if built // self.refresh % 2 == 0:
                 verified = min(horizon, budget + max(1, round(self.explore_up * budget)))

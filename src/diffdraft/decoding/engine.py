@@ -23,7 +23,7 @@ from diffdraft.runtime.sampling import SamplingParams, greedy_tokens, sample_fro
 from diffdraft.runtime.stats import GenerationStats, StageTimer
 from diffdraft.runtime.stopping import StopConditions, StopDecision
 from diffdraft.target.model import TargetModel, TargetOutput, VerifyInput
-from diffdraft.trees import DraftTree, RoundPlanner, RoundSequence, TreeBuilder
+from diffdraft.trees import DraftTree, RoundPlanner, RoundSequence, TreeBuilder, TreeRound
 
 
 class SpeculativeEngine:
@@ -168,14 +168,20 @@ class SequenceRun:
         must verify."""
         start = self.context
         with self.timer("tree"):
-            builder = self.engine.builder
             root = self.generated[-1]
             if proposal.depth == 0:
                 tree = DraftTree.root_only(root, self.target.device)
-            elif budget is None:
-                tree = builder.build(root, proposal, self.sampling, self.generator, start, self.stats)
             else:
-                tree = builder.build(root, proposal, self.sampling, self.generator, start, self.stats, budget)
+                tree_round = TreeRound(
+                    root,
+                    proposal,
+                    self.sampling,
+                    self.generator,
+                    context=start,
+                    stats=self.stats,
+                    budget=budget,
+                )
+                tree = self.engine.builder.build(tree_round)
         with self.timer("mask"):
             mask = self.target.attention_mask(self.cache, tree.ancestor_mask()) if tree.num_nodes else None
         self._round = (tree, proposal, start)

@@ -3,51 +3,33 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-import torch
-
-from diffdraft.drafters.base import Proposal
-from diffdraft.runtime.sampling import SamplingParams
-from diffdraft.runtime.stats import GenerationStats
 from diffdraft.trees.chain import ChainBuilder
 from diffdraft.trees.ddtree import DDTreeBuilder
+from diffdraft.trees.round import RoundSequence, TreeRound
 from diffdraft.trees.tree import DraftTree
 
-__all__ = ["ChainBuilder", "DDTreeBuilder", "DraftTree", "RoundPlanner", "RoundSequence", "TreeBuilder"]
+__all__ = [
+    "ChainBuilder",
+    "DDTreeBuilder",
+    "DraftTree",
+    "RoundPlanner",
+    "RoundSequence",
+    "TreeBuilder",
+    "TreeRound",
+]
 
 
 @runtime_checkable
 class TreeBuilder(Protocol):
     """Decides which tokens the target verifies this round; the engine knows only this call."""
 
-    def build(
-        self,
-        root_token: int,
-        proposal: Proposal,
-        sampling: SamplingParams,
-        generator: torch.Generator | None,
-        context: int = 0,
-        stats: GenerationStats | None = None,
-    ) -> DraftTree:
-        """A tree rooted at ``root_token`` covering at most ``proposal.depth`` positions; the target
-        will verify it over ``context`` cached tokens (what a cost-aware builder sizes it by).
-        ``stats``: the sequence's record so far, so a builder that adapts to a sequence decides by
-        that sequence's own rounds when several are decoded at once."""
+    def build(self, tree_round: TreeRound) -> DraftTree:
+        """A tree rooted at ``tree_round.root_token`` covering at most ``tree_round.proposal.depth``
+        positions, to be verified over ``tree_round.context`` cached tokens; each builder says which
+        of the round's fields it reads."""
         ...
-
-
-@dataclass(frozen=True)
-class RoundSequence:
-    """What a round planner knows of one sequence before its round drafts."""
-
-    stats: GenerationStats
-    """Its record so far."""
-    context: int
-    """Cached tokens its tree will be verified over."""
-    can_draft: bool
-    """False when it has no token left to draft for (it verifies its last token alone)."""
 
 
 @runtime_checkable
@@ -60,15 +42,6 @@ class RoundPlanner(Protocol):
         """One node budget per sequence, in order."""
         ...
 
-    def build(
-        self,
-        root_token: int,
-        proposal: Proposal,
-        sampling: SamplingParams,
-        generator: torch.Generator | None,
-        context: int = 0,
-        stats: GenerationStats | None = None,
-        budget: int | None = None,
-    ) -> DraftTree:
-        """:meth:`TreeBuilder.build` of a tree of about ``budget`` nodes (the plan's)."""
+    def build(self, tree_round: TreeRound) -> DraftTree:
+        """:meth:`TreeBuilder.build` of a tree of about ``tree_round.budget`` nodes (the plan's)."""
         ...

@@ -7,27 +7,18 @@ verifier can run rejection sampling, which accepts more than matching target sam
 
 from __future__ import annotations
 
-import torch
-
-from diffdraft.drafters.base import Proposal
-from diffdraft.runtime.sampling import SamplingParams, sample_from
-from diffdraft.runtime.stats import GenerationStats
+from diffdraft.runtime.sampling import sample_from
+from diffdraft.trees.round import TreeRound
 from diffdraft.trees.tree import DraftTree
 
 
 class ChainBuilder:
     """Turns a proposal into a single path root -> d_1 -> ... -> d_L."""
 
-    def build(
-        self,
-        root_token: int,
-        proposal: Proposal,
-        sampling: SamplingParams,
-        generator: torch.Generator | None,
-        context: int = 0,
-        stats: GenerationStats | None = None,
-    ) -> DraftTree:
-        """``context`` and ``stats`` are unused: a chain is as long as the proposal."""
+    def build(self, tree_round: TreeRound) -> DraftTree:
+        """Reads the round's ``root_token``, ``proposal``, ``sampling`` and ``generator``; ``context``,
+        ``stats`` and ``budget`` are unused: a chain is as long as the proposal."""
+        root_token, proposal, sampling = tree_round.root_token, tree_round.proposal, tree_round.sampling
         if proposal.tokens is not None:
             return DraftTree.chain(root_token, proposal.tokens)
         if not proposal.has_distributions:
@@ -37,4 +28,4 @@ class ChainBuilder:
         if sampling.greedy:
             return DraftTree.chain(root_token, proposal.top(1)[1][:, 0])
         draft_probs = sampling.probs(proposal.log_probs)
-        return DraftTree.chain(root_token, sample_from(draft_probs, generator), draft_probs)
+        return DraftTree.chain(root_token, sample_from(draft_probs, tree_round.generator), draft_probs)

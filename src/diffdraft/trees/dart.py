@@ -22,10 +22,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from diffdraft.drafters.base import Proposal
 from diffdraft.errors import InvalidRequestError
-from diffdraft.runtime.sampling import SamplingParams
-from diffdraft.runtime.stats import GenerationStats
+from diffdraft.trees.round import TreeRound
 from diffdraft.trees.tree import DraftTree
 
 if TYPE_CHECKING:
@@ -61,16 +59,11 @@ class DartTreeBuilder:
         self.settings = settings or DartTreeSettings()
         self.ngram = ngram
 
-    def build(
-        self,
-        root_token: int,
-        proposal: Proposal,
-        sampling: SamplingParams,
-        generator: torch.Generator | None,
-        context: int = 0,
-        stats: GenerationStats | None = None,
-    ) -> DraftTree:
-        """``sampling``, ``generator``, ``context`` and ``stats`` are unused: the tree is deterministic."""
+    def build(self, tree_round: TreeRound) -> DraftTree:
+        """Reads the round's ``root_token`` and ``proposal`` (its ``prefix``, when set, is the N-gram's
+        history); ``sampling``, ``generator``, ``context``, ``stats`` and ``budget`` are unused: the tree
+        is deterministic, of at most ``settings.tree_size`` nodes."""
+        root_token, proposal = tree_round.root_token, tree_round.proposal
         if not proposal.has_distributions:
             if proposal.tokens is not None:
                 raise InvalidRequestError(

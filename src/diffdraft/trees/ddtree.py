@@ -14,10 +14,8 @@ import math
 
 import torch
 
-from diffdraft.drafters.base import Proposal
 from diffdraft.errors import InvalidRequestError
-from diffdraft.runtime.sampling import SamplingParams
-from diffdraft.runtime.stats import GenerationStats
+from diffdraft.trees.round import TreeRound
 from diffdraft.trees.tree import DraftTree
 
 
@@ -38,17 +36,11 @@ class DDTreeBuilder:
             )
         self.budget = budget
 
-    def build(
-        self,
-        root_token: int,
-        proposal: Proposal,
-        sampling: SamplingParams,
-        generator: torch.Generator | None,
-        context: int = 0,
-        stats: GenerationStats | None = None,
-    ) -> DraftTree:
-        """``sampling``, ``generator``, ``context`` and ``stats`` are unused: the tree is deterministic,
-        its size fixed, and the sampling walk verifier keeps it lossless at any temperature."""
+    def build(self, tree_round: TreeRound) -> DraftTree:
+        """Reads the round's ``root_token`` and ``proposal``; ``sampling``, ``generator``, ``context``,
+        ``stats`` and ``budget`` are unused: the tree is deterministic, its size fixed, and the sampling
+        walk verifier keeps it lossless at any temperature."""
+        root_token, proposal = tree_round.root_token, tree_round.proposal
         if not proposal.has_distributions:
             if proposal.tokens is not None:
                 raise InvalidRequestError(
