@@ -25,12 +25,11 @@ import torch
 
 from diffdraft.bench.datasets import load_samples
 from diffdraft.decoding.engine import SpeculativeEngine
+from diffdraft.decoding.sequence_spec import SequenceSpec
 from diffdraft.drafters.base import Drafter
 from diffdraft.drafters.checkpoint import load_draft_model
 from diffdraft.drafters.families import make_drafter
 from diffdraft.runtime.chat import encode_chat
-from diffdraft.runtime.sampling import SamplingParams
-from diffdraft.runtime.stats import GenerationStats
 from diffdraft.runtime.stopping import StopConditions
 from diffdraft.target.loading import load_target
 from diffdraft.target.model import TargetModel
@@ -87,7 +86,7 @@ def record(
         builder = RecordingBuilder(new_tokens, drafter.max_depth)
         engine = SpeculativeEngine(target, drafter, builder)
         stop = StopConditions([], new_tokens, target.max_context, len(prompt))
-        tokens = [t for chunk in engine.run(prompt, stop, SamplingParams(), GenerationStats()) for t in chunk]
+        tokens = [t for chunk in engine.run(SequenceSpec(prompt, stop)) for t in chunk]
         n = builder.count
         recorded.append(Rounds(tokens, builder.values[:n], builder.indices[:n], builder.log_normalizers[:n]))
     return recorded

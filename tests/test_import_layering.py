@@ -29,8 +29,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # what drafts, and the n-gram trie DART prunes its trees with
     ("drafters", "ngram"),
     ("trees",),
-    # the decoding package spans layers, so its modules are units of their own: verification (with
-    # the package itself, which holds nothing) below the budget, the loop and the methods beside it
+    # the decoding package spans layers, so its modules are units of their own: verification and the
+    # sequence spec (with the package itself, which holds nothing) below the budget, the loop and the
+    # methods beside it
     ("decoding",),
     ("decoding.engine", "budget", "decoding.method_table"),
     ("decoding.batching",),

@@ -22,6 +22,7 @@ from diffdraft.budget.planner import BudgetPlanner
 from diffdraft.decoding.batching import BatchEngine
 from diffdraft.decoding.engine import SequenceRun, SpeculativeEngine
 from diffdraft.decoding.method_table import Drafting, Method, TreeRule, auto_budget_methods, method_named
+from diffdraft.decoding.sequence_spec import SequenceSpec
 from diffdraft.drafters.base import Drafter
 from diffdraft.drafters.checkpoint import load_draft_model
 from diffdraft.drafters.families import FAMILIES, DraftModel, family_of, make_drafter
@@ -141,12 +142,9 @@ class PreparedRequest:
             return None
         return self.logprobs.tokens[len(self.generated) - len(self.pending) : len(self.generated)]
 
-    def run_options(self) -> dict:
-        """The engine's per-sequence arguments after the prompt (``SpeculativeEngine.run``,
-        ``BatchEngine.add``)."""
-        return dict(
-            stop=self.stop, sampling=self.sampling, stats=self.stats, seed=self.seed, logprobs=self.logprobs
-        )
+    def sequence_spec(self) -> SequenceSpec:
+        """What the engine generates this request from (``SpeculativeEngine.run``, ``BatchEngine.add``)."""
+        return SequenceSpec(self.prompt_ids, self.stop, self.sampling, self.stats, self.seed, self.logprobs)
 
 
 def _make_drafter(
@@ -243,7 +241,7 @@ class SpeculativeGenerator:
         exactly one of prompt (used as given), messages (chat template applied) or
         prompt_token_ids, and the sampling and stopping settings."""
         request = self.prepare(GenerationRequest(prompt, **options))
-        for new in self.engine.run(request.prompt_ids, **request.run_options()):
+        for new in self.engine.run(request.sequence_spec()):
             chunk = request.add(new)
             if chunk is not None:
                 yield chunk
@@ -278,7 +276,7 @@ class SpeculativeGenerator:
             while waiting and len(batch.active) < max_batch_size:
                 index = waiting.pop(0)
                 request = prepared[index]
-                sequence, first = batch.add(request.prompt_ids, **request.run_options())
+                sequence, first = batch.add(request.sequence_spec())
                 request.add(first)
                 if sequence.done:
                     yield index, self.finish(request).result

@@ -14,6 +14,7 @@ from diffdraft.budget.cost import VerifyCostCurve
 from diffdraft.budget.planner import BudgetPlanner
 from diffdraft.decoding.batching import BatchEngine
 from diffdraft.decoding.engine import SpeculativeEngine
+from diffdraft.decoding.sequence_spec import SequenceSpec
 from diffdraft.drafters.base import Proposal
 from diffdraft.drafters.dart import DARTDrafter
 from diffdraft.drafters.deer import DEERDrafter
@@ -49,7 +50,7 @@ def alone(
         [engine.target.vocab_size - 1], max_new_tokens, engine.target.max_context, len(prompt)
     )
     stats = stats if stats is not None else GenerationStats()
-    return [t for chunk in engine.run(prompt, stop, sampling, stats, seed) for t in chunk]
+    return [t for chunk in engine.run(SequenceSpec(prompt, stop, sampling, stats, seed)) for t in chunk]
 
 
 def batched(
@@ -72,7 +73,7 @@ def batched(
             stop = StopConditions(
                 [engine.target.vocab_size - 1], max_new_tokens, engine.target.max_context, len(prompt)
             )
-            sequence, first = batch.add(prompt, stop, sampling, stats[i], seed)
+            sequence, first = batch.add(SequenceSpec(prompt, stop, sampling, stats[i], seed))
             index_of[sequence] = i
             outputs[i].extend(first)
         for sequence, new in batch.step():
@@ -162,7 +163,7 @@ def test_a_removed_sequence_leaves_the_others_untouched():
         stop = StopConditions(
             [target.config.vocab_size - 1], max_new_tokens, engine.target.max_context, len(prompt)
         )
-        sequences.append(batch.add(prompt, stop, sampling, GenerationStats(), seed)[0])
+        sequences.append(batch.add(SequenceSpec(prompt, stop, sampling, seed=seed))[0])
     kept = sequences[1]
     output = list(kept.generated)
     for round_ in range(100):

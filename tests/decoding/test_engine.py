@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from diffdraft.decoding.engine import SpeculativeEngine
+from diffdraft.decoding.sequence_spec import SequenceSpec
 from diffdraft.drafters.base import Proposal
 from diffdraft.drafters.dflash import DFlashDrafter
 from diffdraft.drafters.dflash_model import DFLARE, DFLASH
@@ -69,7 +70,11 @@ def run_engine(target, drafter, builder, prompt, max_new_tokens, eos, sampling=N
     stats = GenerationStats()
     stop = StopConditions([eos], max_new_tokens, target.config.max_position_embeddings, len(prompt))
     engine = SpeculativeEngine(TargetModel(target), drafter, builder)
-    out = [t for chunk in engine.run(prompt, stop, sampling or SamplingParams(), stats, seed) for t in chunk]
+    out = [
+        t
+        for chunk in engine.run(SequenceSpec(prompt, stop, sampling or SamplingParams(), stats, seed))
+        for t in chunk
+    ]
     return out, stats
 
 

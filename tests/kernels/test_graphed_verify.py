@@ -7,12 +7,11 @@ import pytest
 import torch
 
 from diffdraft.decoding.engine import SpeculativeEngine
+from diffdraft.decoding.sequence_spec import SequenceSpec
 from diffdraft.drafters.dflash import DFlashDrafter
 from diffdraft.errors import UnsupportedModelError
 from diffdraft.kernels import kv_cache
 from diffdraft.kernels.graphed_verify import GraphedVerify
-from diffdraft.runtime.sampling import SamplingParams
-from diffdraft.runtime.stats import GenerationStats
 from diffdraft.runtime.stopping import StopConditions
 from diffdraft.target.model import TargetModel
 from diffdraft.trees import ChainBuilder, DDTreeBuilder, DraftTree
@@ -75,7 +74,7 @@ def test_generations_verified_through_it_are_the_targets_greedy_output(family, b
     for drafter in (None, DFlashDrafter(tiny_drafter(model, 5, block_size=4), target)):
         engine = SpeculativeEngine(target, drafter, builder)
         stop = StopConditions([eos], 30, model.config.max_position_embeddings, len(prompt))
-        chunks = engine.run(prompt, stop, SamplingParams(), GenerationStats())
+        chunks = engine.run(SequenceSpec(prompt, stop))
         assert [t for chunk in chunks for t in chunk] == hf_greedy(model, prompt, 30, eos)
 
 

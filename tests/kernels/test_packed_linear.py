@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from diffdraft.decoding.engine import SpeculativeEngine
+from diffdraft.decoding.sequence_spec import SequenceSpec
 from diffdraft.drafters.dflash import DFlashDrafter
 from diffdraft.drafters.dflash_model import DFLARE
 from diffdraft.kernels.packed_linear import (
@@ -17,8 +18,6 @@ from diffdraft.kernels.packed_linear import (
     pack_linear_layers,
     packing_supported,
 )
-from diffdraft.runtime.sampling import SamplingParams
-from diffdraft.runtime.stats import GenerationStats
 from diffdraft.runtime.stopping import StopConditions
 from diffdraft.target.model import TargetModel
 from diffdraft.trees import DDTreeBuilder
@@ -68,7 +67,7 @@ def _ddtree_tokens(target_model: nn.Module, drafter_model, prompt: list[int]):
     drafter = DFlashDrafter(drafter_model, target)
     engine = SpeculativeEngine(target, drafter, DDTreeBuilder(8))
     stop = StopConditions([], 24, target_model.config.max_position_embeddings, len(prompt))
-    chunks = engine.run(prompt, stop, SamplingParams(), GenerationStats(), None)
+    chunks = engine.run(SequenceSpec(prompt, stop))
     return [t for chunk in chunks for t in chunk], drafter
 
 

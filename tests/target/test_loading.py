@@ -10,12 +10,11 @@ import pytest
 import torch
 
 from diffdraft.decoding.engine import SpeculativeEngine
+from diffdraft.decoding.sequence_spec import SequenceSpec
 from diffdraft.errors import CheckpointError, InvalidRequestError
 from diffdraft.kernels.fused_projections import ProjectionSlice
 from diffdraft.kernels.grouped_attention import NAME
 from diffdraft.kernels.packed_linear import has_packed_layers, packing_supported
-from diffdraft.runtime.sampling import SamplingParams
-from diffdraft.runtime.stats import GenerationStats
 from diffdraft.runtime.stopping import StopConditions
 from diffdraft.target.loading import LoadedModel, end_token_ids, fastest_dtype, load_target, native_bfloat16
 from diffdraft.target.model import TargetModel
@@ -209,7 +208,7 @@ def test_the_optimized_default_target_decodes_exactly_like_stock_transformers() 
     # diffdraft's own loop adds its in-place KV cache to the kernels
     engine = SpeculativeEngine(TargetModel(optimized), None, ChainBuilder())
     stop = StopConditions([], 24, optimized.config.max_position_embeddings, len(prompt))
-    chunks = engine.run(prompt, stop, SamplingParams(), GenerationStats(), None)
+    chunks = engine.run(SequenceSpec(prompt, stop))
     assert [t for chunk in chunks for t in chunk] == expected
 
 

@@ -34,9 +34,9 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen3Config
 from diffdraft.bench.lossless import first_divergence
 from diffdraft.bench.machine import cpu_name
 from diffdraft.decoding.engine import SpeculativeEngine
+from diffdraft.decoding.sequence_spec import SequenceSpec
 from diffdraft.drafters.dflash import DFlashDrafter
 from diffdraft.drafters.dflash_model import DFlashDraftModel, make_draft_config
-from diffdraft.runtime.sampling import SamplingParams
 from diffdraft.runtime.stats import STAGES, GenerationStats
 from diffdraft.runtime.stopping import StopConditions
 from diffdraft.target.loading import DTYPES as LOAD_DTYPES
@@ -275,7 +275,7 @@ def generation(
     drafts less than its full depth; yields the prefill's token, then each round's tokens."""
     limit = (rounds + 2) * (engine.drafter.max_depth + 1 if engine.drafter else 1)
     stop = StopConditions((), limit, len(prompt) + limit + 1, len(prompt))
-    return engine.run(prompt, stop, SamplingParams(), stats)
+    return engine.run(SequenceSpec(prompt, stop, stats=stats))
 
 
 def time_engine(

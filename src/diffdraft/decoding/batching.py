@@ -18,10 +18,7 @@ import time
 import torch
 
 from diffdraft.decoding.engine import SequenceRun, SpeculativeEngine, draft_round
-from diffdraft.runtime.logprobs import LogprobRecorder
-from diffdraft.runtime.sampling import SamplingParams
-from diffdraft.runtime.stats import GenerationStats
-from diffdraft.runtime.stopping import StopConditions
+from diffdraft.decoding.sequence_spec import SequenceSpec
 
 
 class BatchEngine:
@@ -30,19 +27,11 @@ class BatchEngine:
         self.active: list[SequenceRun] = []
         """Sequences still generating, in the order they joined."""
 
-    def add(
-        self,
-        prompt_ids: list[int],
-        stop: StopConditions,
-        sampling: SamplingParams,
-        stats: GenerationStats,
-        seed: int | None = None,
-        logprobs: LogprobRecorder | None = None,
-    ) -> tuple[SequenceRun, list[int]]:
+    def add(self, spec: SequenceSpec) -> tuple[SequenceRun, list[int]]:
         """Prefill a new sequence and let it join the next round; returns it and its first token
         (it does not join when that token already ends it)."""
         drafter = self.engine.drafter.fork() if self.engine.drafter is not None else None
-        sequence = self.engine.start(prompt_ids, stop, sampling, stats, seed, drafter, logprobs)
+        sequence = self.engine.start(spec, drafter)
         first = sequence.prefill()
         if not sequence.done:
             self.active.append(sequence)

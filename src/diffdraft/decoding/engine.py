@@ -16,12 +16,12 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from diffdraft.decoding.sequence_spec import SequenceSpec
 from diffdraft.decoding.verify import accept
 from diffdraft.drafters.base import Drafter, Proposal, propose_together
-from diffdraft.runtime.logprobs import LogprobRecorder
 from diffdraft.runtime.sampling import SamplingParams, greedy_tokens, sample_from
-from diffdraft.runtime.stats import GenerationStats, StageTimer
-from diffdraft.runtime.stopping import StopConditions, StopDecision
+from diffdraft.runtime.stats import StageTimer
+from diffdraft.runtime.stopping import StopDecision
 from diffdraft.target.model import TargetModel, TargetOutput, VerifyInput
 from diffdraft.trees import DraftTree, RoundPlanner, RoundSequence, TreeBuilder, TreeRound
 
@@ -36,31 +36,13 @@ class SpeculativeEngine:
         if drafter is not None:
             target.check_speculation_supported()
 
-    def start(
-        self,
-        prompt_ids: list[int],
-        stop: StopConditions,
-        sampling: SamplingParams,
-        stats: GenerationStats,
-        seed: int | None = None,
-        drafter: Drafter | None = None,
-        logprobs: LogprobRecorder | None = None,
-    ) -> SequenceRun:
-        """A new sequence; ``drafter``: its own (a fork of the engine's) when several run at once;
-        ``logprobs``: gets the target's log-probability of every token the sequence commits."""
-        return SequenceRun(self, prompt_ids, stop, sampling, stats, seed, drafter or self.drafter, logprobs)
+    def start(self, spec: SequenceSpec, drafter: Drafter | None = None) -> SequenceRun:
+        """A new sequence; ``drafter``: its own (a fork of the engine's) when several run at once."""
+        return SequenceRun(self, spec, drafter or self.drafter)
 
-    def run(
-        self,
-        prompt_ids: list[int],
-        stop: StopConditions,
-        sampling: SamplingParams,
-        stats: GenerationStats,
-        seed: int | None = None,
-        logprobs: LogprobRecorder | None = None,
-    ) -> Iterator[list[int]]:
+    def run(self, spec: SequenceSpec) -> Iterator[list[int]]:
         """Yield the tokens committed by the prefill and by each round, until a stop condition holds."""
-        sequence = self.start(prompt_ids, stop, sampling, stats, seed, logprobs=logprobs)
+        sequence = self.start(spec)
         yield sequence.prefill()
         while not sequence.done:
             [step] = draft_round([sequence], self.plan([sequence]))
@@ -101,29 +83,19 @@ def draft_round(sequences: Sequence[SequenceRun], budgets: Sequence[int | None])
 class SequenceRun:
     """One sequence's state in the loop: its KV cache, drafter context, random stream and stats."""
 
-    def __init__(
-        self,
-        engine: SpeculativeEngine,
-        prompt_ids: list[int],
-        stop: StopConditions,
-        sampling: SamplingParams,
-        stats: GenerationStats,
-        seed: int | None,
-        drafter: Drafter | None,
-        logprobs: LogprobRecorder | None = None,
-    ) -> None:
+    def __init__(self, engine: SpeculativeEngine, spec: SequenceSpec, drafter: Drafter | None) -> None:
         self.engine = engine
-        self.logprobs = logprobs
+        self.logprobs = spec.logprobs
         self.target = engine.target
         self.drafter = drafter
-        self.stop = stop
-        self.sampling = sampling
-        self.stats = stats
-        self.timer = StageTimer(stats, self.target.device)
+        self.stop = spec.stop
+        self.sampling = spec.sampling
+        self.stats = spec.stats
+        self.timer = StageTimer(spec.stats, self.target.device)
         self.generator = None
-        if seed is not None:
-            self.generator = torch.Generator(device=self.target.device).manual_seed(seed)
-        self.prompt_ids = torch.tensor(prompt_ids, dtype=torch.long, device=self.target.device)
+        if spec.seed is not None:
+            self.generator = torch.Generator(device=self.target.device).manual_seed(spec.seed)
+        self.prompt_ids = torch.tensor(spec.prompt_ids, dtype=torch.long, device=self.target.device)
         self.cache = self.target.new_cache()
         self.generated: list[int] = []
         self.decision: StopDecision | None = None

@@ -194,7 +194,7 @@ class Scheduler:
             return
         prepared = handle.prepared
         try:
-            sequence, first = self._batch.add(prepared.prompt_ids, **prepared.run_options())
+            sequence, first = self._batch.add(prepared.sequence_spec())
         except Exception as error:
             handle.put(error)
             return

@@ -12,9 +12,9 @@ from dataclasses import asdict, dataclass
 import torch
 
 from diffdraft.decoding.engine import SpeculativeEngine
+from diffdraft.decoding.sequence_spec import SequenceSpec
 from diffdraft.drafters.families import DraftModel, make_drafter
 from diffdraft.ngram import NgramTrie
-from diffdraft.runtime.sampling import SamplingParams
 from diffdraft.runtime.stats import GenerationStats
 from diffdraft.runtime.stopping import StopConditions
 from diffdraft.target.model import TargetModel
@@ -97,7 +97,7 @@ def evaluate_drafter(
         for sample in progress_bar(samples, desc=f"tau ({name})", unit="prompt"):
             prompt = sample.token_ids[: sample.response_start].tolist()
             stop = StopConditions([], max_new_tokens, target.max_context, len(prompt))
-            for _ in engine.run(prompt, stop, SamplingParams(), stats):
+            for _ in engine.run(SequenceSpec(prompt, stop, stats=stats)):
                 pass
         tau[name] = stats.tau
     accuracy = (hits / counts.clamp_min(1))[1:].tolist()

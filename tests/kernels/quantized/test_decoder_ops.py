@@ -9,13 +9,12 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from diffdraft.decoding.engine import SpeculativeEngine
+from diffdraft.decoding.sequence_spec import SequenceSpec
 from diffdraft.drafters.dflash import DFlashDrafter
 from diffdraft.kernels.fused_projections import fuse_projections
 from diffdraft.kernels.packed_linear import pack_linear_layers
 from diffdraft.kernels.quantized import decoder_ops as decoder_ops_module
 from diffdraft.kernels.quantized.decoder_ops import decoder_ops
-from diffdraft.runtime.sampling import SamplingParams
-from diffdraft.runtime.stats import GenerationStats
 from diffdraft.runtime.stopping import StopConditions
 from diffdraft.target.model import TargetModel, VerifyInput
 from diffdraft.trees import ChainBuilder, DDTreeBuilder, DraftTree
@@ -256,7 +255,7 @@ def _generate(target: TargetModel, drafter, builder, prompt: list[int]) -> list[
     config = target.model.config
     stop = StopConditions([config.eos_token_id], 24, config.max_position_embeddings, len(prompt))
     engine = SpeculativeEngine(target, drafter, builder)
-    return [t for chunk in engine.run(prompt, stop, SamplingParams(), GenerationStats()) for t in chunk]
+    return [t for chunk in engine.run(SequenceSpec(prompt, stop)) for t in chunk]
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

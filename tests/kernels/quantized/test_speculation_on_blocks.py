@@ -9,13 +9,12 @@ from hypothesis import strategies as st
 
 from diffdraft.bench.lossless import TIE_TOLERANCE, LosslessChecker
 from diffdraft.decoding.engine import SpeculativeEngine
+from diffdraft.decoding.sequence_spec import SequenceSpec
 from diffdraft.drafters.dflash import DFlashDrafter
 from diffdraft.drafters.dflash_model import DFLARE
 from diffdraft.drafters.lookup_boost import LookupBoostedDrafter
 from diffdraft.kernels.fused_projections import fuse_projections
 from diffdraft.kernels.quantized.block_linear import BlockQuantizedLinear, Q8Weight
-from diffdraft.runtime.sampling import SamplingParams
-from diffdraft.runtime.stats import GenerationStats
 from diffdraft.runtime.stopping import StopConditions
 from diffdraft.target.model import TargetModel
 from diffdraft.trees import ChainBuilder, DDTreeBuilder
@@ -27,7 +26,7 @@ def _generate(target: TargetModel, drafter, builder, prompt: list[int], max_new_
     config = target.model.config
     stop = StopConditions([config.eos_token_id], max_new_tokens, config.max_position_embeddings, len(prompt))
     engine = SpeculativeEngine(target, drafter, builder)
-    return [t for chunk in engine.run(prompt, stop, SamplingParams(), GenerationStats()) for t in chunk]
+    return [t for chunk in engine.run(SequenceSpec(prompt, stop)) for t in chunk]
 
 
 @needs_block_kernel
