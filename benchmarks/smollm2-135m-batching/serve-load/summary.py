@@ -1,0 +1,42 @@
+"""The serve-load table from run.sh's files: per method and client count, output tokens/s of the
+median pass (of an even count, the mean of the middle two) and the requests' mean tau."""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+METHODS = ("ar", "ddtree-auto", "ddtree+pld-auto")
+
+
+def main(folder: Path) -> None:
+    speed: dict[tuple[str, int], list[float]] = defaultdict(list)
+    tau: dict[tuple[str, int], list[float]] = defaultdict(list)
+    failed = 0
+    for file in sorted(folder.glob("*-c*-p*.json")):
+        method, clients = re.fullmatch(r"(.+)-c(\d+)-p\d+\.json", file.name).groups()
+        summary = json.loads(file.read_text())["summary"]
+        speed[method, int(clients)].append(summary["output_tokens_per_second"])
+        tau[method, int(clients)].append(summary["mean_tau"])
+        failed += summary["failed"]
+    counts = sorted({clients for _, clients in speed})
+    print("| clients | " + " | ".join(METHODS) + " | ddtree+pld:auto / ar |")
+    print("|---|" + "---|" * (len(METHODS) + 1))
+    for clients in counts:
+        cells = [
+            f"{statistics.median(speed[m, clients]):.1f} (tau {statistics.mean(tau[m, clients]):.2f})"
+            for m in METHODS
+        ]
+        ratio = statistics.median(speed["ddtree+pld-auto", clients]) / statistics.median(speed["ar", clients])
+        print(f"| {clients} | " + " | ".join(cells) + f" | {ratio:.2f}x |")
+    runs = sum(len(v) for v in speed.values())
+    passes = sorted({len(v) for v in speed.values()})
+    print(f"\n{runs} runs, passes per point {passes}, failed requests {failed}")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent)
