@@ -371,7 +371,8 @@ def load(
     On CPU the target runs diffdraft's inference kernels (same outputs, faster), so the loaded
     models are for inference only. ``cuda_graphs=True`` (a CUDA target of the Llama, Qwen2 or Qwen3
     family) replays each verification forward from a CUDA graph instead of launching its kernels one
-    by one: on an 8B shape on an H200, a DDTree-16 round took 18 ms instead of 78.
+    by one, which makes a GPU round several times faster (figures: benchmarks/README.md,
+    'Measurements behind the code').
     """
     method_named(method)  # before the (slow) model load
     loaded = load_target(target, dtype=dtype, device=device, optimize=True)

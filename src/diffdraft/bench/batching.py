@@ -50,8 +50,9 @@ class BatchPoint:
 
     @property
     def tokens_per_second(self) -> float:
-        """Over the median repeat: on a shared machine a pass that another process slowed down (one
-        batch-1 pass took 15.6 s where the other two took 8.9 and 8.6) must not move the row."""
+        """Over the median repeat: on a shared machine a pass that another process slowed down (we saw
+        one take nearly twice as long as its twins) must not move the row (figures:
+        benchmarks/README.md, 'Measurements behind the code')."""
         return self.tokens / float(np.median(self.seconds)) if self.seconds else float("nan")
 
 

@@ -101,7 +101,8 @@ def measure_verify_cost(
     Every pass visits every (context, size) point, so drift on a shared machine hits all alike.
     Verifying more tokens over the same cache, or the same tokens over a longer one, does not get
     cheaper, so the medians get a least-squares nondecreasing fit (pooling adjacent violators):
-    on a shared CPU single medians still wander by ~10%, and a point measured low (t(4) below
+    on a shared CPU single medians still wander (figures: benchmarks/README.md, 'Measurements behind
+    the code'), and a point measured low (t(4) below
     t(2)) would pull the planner's choice towards it. Pooling averages neighbours instead of
     carrying one high point into every larger size, as a running maximum would.
     """

@@ -140,7 +140,8 @@ class BudgetPlanner:
     drafter serves well and badly get different budgets in one batch, each the one it would get alone.
 
     Cost: the cached curve was measured once, in isolation, and its shape can differ from what the
-    same forwards cost inside a decoding loop (seen here: 0.4 vs 1 ms per extra token on a CPU). The
+    same forwards cost inside a decoding loop (seen here on a CPU: a different cost per extra token;
+    figures: benchmarks/README.md, 'Measurements behind the code'). The
     recent rounds' verification times, divided by the curve's prediction for their size and
     context, give a scale per verified size; a line through those scales (weighted by rounds,
     constant outside the verified sizes) rescales the curve. The builder verifies smaller and

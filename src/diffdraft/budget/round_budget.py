@@ -2,10 +2,10 @@
 
 Sequences decoded together share one verification forward, whose time grows with the tokens of all
 their trees, and each sequence that drafts pays its drafter's work. A budget that pays for one
-sequence alone can lose at batch 8 (measured: DDTree-8 ran 0.86x plain decoding there). So each
-round picks every sequence's node budget B_i, 0 included (no drafting: the sequence verifies its
-pending token alone, as plain decoding does), to maximize the batch's expected committed tokens
-per second:
+sequence alone can lose to plain decoding at batch 8 (figures: benchmarks/README.md, 'Measurements
+behind the code'). So each round picks every sequence's node budget B_i, 0 included (no drafting:
+the sequence verifies its pending token alone, as plain decoding does), to maximize the batch's
+expected committed tokens per second:
 
     sum_i tau_i(B_i) / (t(sum_i (B_i + 1), sequences, context) + d * #{B_i > 0} + c * sequences)
 
@@ -127,17 +127,18 @@ class RoundBudgetPlanner:
     drafted for ``explore_every`` rounds times the sequences in the round (``explore_alone`` rounds
     when it runs alone): plain decoding teaches nothing about acceptance, and what pays changes along
     a text and as sequences join and leave, but each exploration costs a drafting sequence's time, so
-    a batch explores about once per ``explore_every`` rounds whatever its size (at batch 8 every
-    sequence exploring every 32 rounds cost 6-8% of the batch's throughput). Alone, a drafting round
-    costs about what it gains even where drafting does not pay, and a sequence that stopped drafting
-    on a hard stretch of text must notice soon that drafting pays again (at an interval of 32 rounds,
-    two of 12 sequences drafted in 65 and 97 rounds of 99 and 116).
+    a batch explores about once per ``explore_every`` rounds whatever its size (at batch 8, every
+    sequence exploring at that interval cost the batch a visible share of its throughput). Alone, a
+    drafting round costs about what it gains even where drafting does not pay, and a sequence that
+    stopped drafting on a hard stretch of text must notice soon that drafting pays again (at a
+    32-round interval some sequences went on drafting in most of their rounds; figures:
+    benchmarks/README.md, 'Measurements behind the code').
 
     A sequence's acceptance estimate is refreshed after ``refresh`` drafted rounds, after any drafted
     round once it stopped drafting (an exploration is news), with each new surrogate and when a
     finished sequence taught the planner, not every round (it reads the sequence's latest rounds); a
     round whose inputs did not change but for contexts within ``context_step`` tokens reuses the last
-    plan (planning took ~2 ms of a 20 ms round at batch 8).
+    plan (at batch 8 planning is a noticeable share of a round; figures as above).
     """
 
     def __init__(

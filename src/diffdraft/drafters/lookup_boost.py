@@ -1,21 +1,19 @@
 """A distribution drafter boosted by prompt lookup: the copied continuation joins its proposal.
 
 Code and chat answers repeat their context (identifiers, quoted text); prompt lookup finds those
-repeats for free, while a small drafter guesses everything else. Where lookup finds a match,
-depth d's marginal becomes ``(1 - w) * q_d + w * onehot(copy_d)``. By default w is calibrated
-on the current generation, per matched n-gram length n and depth d: the share of earlier such
-copies the target confirmed (given the shallower ones were), starting from 1/2. DDTree's tree is
-optimal for the marginals it is given, so marginals that say how often a copy really holds spend
-its budget better than a fixed w (1-gram matches are weak evidence, 3-gram ones strong). Measured
-on the default drafter (6 prompts x 96 tokens, mean acceptance length, fixed w = 1/2 ->
-calibrated): HumanEval budget 8 1.90 -> 2.04, 32 2.11 -> 2.15; MT-Bench budget 8 1.91 -> 1.93,
-16 1.99 -> 1.98. Every row stays a probability distribution, so all verifiers stay exact whatever
-the weights.
+repeats for free, while a small drafter guesses everything else. Where lookup finds a match, depth
+d's marginal becomes ``(1 - w) * q_d + w * onehot(copy_d)``. By default w is calibrated on the
+current generation, per matched n-gram length n and depth d: the share of earlier such copies the
+target confirmed (given the shallower ones were), starting from 1/2. DDTree's tree is optimal for
+the marginals it is given, so marginals that say how often a copy really holds spend its budget
+better than a fixed w (1-gram matches are weak evidence, 3-gram ones strong); on the default drafter
+calibrated weights gained acceptance on code and held even on chat (figures: benchmarks/README.md,
+'Measurements behind the code'). Every row stays a probability distribution, so all verifiers stay
+exact whatever the weights.
 
-A copy may run past the drafter's block (on MT-Bench 8% of budget-8 rounds hit a block of 8's cap,
-while prompt lookup alone went on to 10 copied tokens in 4% of its rounds): there the copied token
-gets w and the rest of the row is spread evenly, so the tree can follow a long copy while the
-drafter covers its start.
+A copy may run past the drafter's block (some rounds fill the block, while prompt lookup alone goes
+on copying past it): there the copied token gets w and the rest of the row is spread evenly, so the
+tree can follow a long copy while the drafter covers its start.
 """
 
 from __future__ import annotations

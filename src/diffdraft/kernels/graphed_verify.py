@@ -1,9 +1,10 @@
 """Verification forwards replayed from CUDA graphs: a GPU round without the host's kernel launches.
 
-An eager forward of an 8B target launches about 2,250 kernels; on a lent H200 that took 26-40 ms
-whatever the token count, against 8.6-11.4 ms for the same forward replayed from a CUDA graph
-(benchmarks/gpu-h200-synthetic). A graph replays fixed addresses and shapes, so the captured forward
-(:class:`LeanForward`'s, unchanged) differs from the eager one in two places only:
+An eager forward of an 8B target launches thousands of kernels, and the host's launches, not the
+token count, set its time; the same forward replayed from a CUDA graph is several times faster
+(figures: benchmarks/README.md, 'Measurements behind the code'). A graph replays fixed addresses and
+shapes, so the captured forward (:class:`LeanForward`'s, unchanged) differs from the eager one in
+two places only:
 
 - new keys and values are written with ``index_copy_`` at cache rows held in a device tensor,
   rather than appended by slicing at a host-side length;

@@ -6,14 +6,13 @@ layer first copies its whole cached keys and values once per query group (SmolLM
 3 heads) before the kernel runs. PyTorch's CPU kernel handles grouped heads under a mask itself,
 with bit-identical output, so on CPU diffdraft targets attend through this function instead.
 
-In bfloat16 / float16 it goes one step further: the query heads that share a K/V head become
-rows of one head (``[b, kv_heads, group * q, d]``), so the kernel packs each cached K/V head once
-instead of once per query head. PyTorch's CPU flash kernel spends most of a decode step packing:
-one SmolLM2-135M query over 600 cached tokens took 243 us per layer in bfloat16 (27 in float32),
-42 us as rows; 9 tree tokens 141 vs 138, 33 tokens 513 vs 361 (2 cores, AVX-512 BF16). The rows
-are the same dot products and softmax, but the kernel blocks them differently, so outputs can
-differ from stock transformers' by rounding (an ulp of the output at times). Float32 keeps the
-stock computation, bit for bit.
+In bfloat16 / float16 it goes one step further: the query heads that share a K/V head become rows of
+one head (``[b, kv_heads, group * q, d]``), so the kernel packs each cached K/V head once instead of
+once per query head. PyTorch's CPU flash kernel spends most of a bfloat16 decode step packing, so
+rows make a one-token query much faster and larger trees somewhat faster (figures:
+benchmarks/README.md, 'Measurements behind the code'). The rows are the same dot products and
+softmax, but the kernel blocks them differently, so outputs can differ from stock transformers' by
+rounding (an ulp of the output at times). Float32 keeps the stock computation, bit for bit.
 """
 
 from __future__ import annotations

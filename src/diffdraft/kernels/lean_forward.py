@@ -1,15 +1,15 @@
 """The verification forward as one plain loop over the decoder layers: the same ops, less glue.
 
 A Hugging Face forward wraps every layer and module call in hooks, keyword plumbing, output
-recorders and mask preparation. On a small target on a CPU that glue is a tenth of a verification
-forward (SmolLM2-135M, bf16, 9 tokens over 256 cached, interleaved medians on our 2 cores: 50.0 ms
-through transformers, 44.9 ms here), and a speculative round is mostly that forward. For the
-Llama-shaped families (Llama, Qwen2, Qwen3) this loop calls the model's own module forwards and
-attention function in Hugging Face's order, so the logits, taps and cache are bit-identical (the
-tests compare them); other families, and models with sliding-window layers, keep Hugging Face's
-forward. Module hooks do not run on this path. Targets on Q4_1 blocks, whose matmuls already differ
-from Hugging Face's in rounding, run their layers through fused CPU ops instead
-(:mod:`diffdraft.kernels.quantized.decoder_ops`): deterministic and batch-invariant rather than bit-identical.
+recorders and mask preparation. On a small target on a CPU that glue is a visible share of a
+verification forward (figures: benchmarks/README.md, 'Measurements behind the code'), and a
+speculative round is mostly that forward. For the Llama-shaped families (Llama, Qwen2, Qwen3) this
+loop calls the model's own module forwards and attention function in Hugging Face's order, so the
+logits, taps and cache are bit-identical (the tests compare them); other families, and models with
+sliding-window layers, keep Hugging Face's forward. Module hooks do not run on this path. Targets on
+Q4_1 blocks, whose matmuls already differ from Hugging Face's in rounding, run their layers through
+fused CPU ops instead (:mod:`diffdraft.kernels.quantized.decoder_ops`): deterministic and
+batch-invariant rather than bit-identical.
 """
 
 from __future__ import annotations

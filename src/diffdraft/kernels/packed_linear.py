@@ -2,9 +2,10 @@
 
 A stock ``nn.Linear`` in bfloat16 on CPU hands oneDNN a plain row-major weight on every call, and
 oneDNN reorders it into its blocked layout each time. For a small model decoding one token at a
-time that reorder is most of the matmul: SmolLM2-135M's decode step on our 2-core CPU takes 52 ms
-stock and 32 ms with every weight reordered once up front, with bit-identical logits (the same
-oneDNN kernel runs on the same data; only the per-call reorder is gone).
+time that reorder is most of the matmul, so reordering every weight once up front makes a decode
+step much faster (figures: benchmarks/README.md, 'Measurements behind the code'), with
+bit-identical logits (the same oneDNN kernel runs on the same data; only the per-call reorder is
+gone).
 
 Only bfloat16 is packed: in float32 stock PyTorch uses MKL, whose results differ from oneDNN's in
 the last bits, and losslessness against plain decoding must not hinge on that. Packing is for
@@ -64,7 +65,7 @@ class PackedLinear(InferenceLinear):
         """``weight`` [out, in] and ``bias`` [out] as in ``nn.Linear``."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        rows_hint = 1  # oneDNN's layout hint for the input rows; measured: 1 to 300 rows all gain
+        rows_hint = 1  # oneDNN's layout hint for the input rows; every row count tried gains with it
         self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows_hint)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 

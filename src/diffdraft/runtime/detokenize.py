@@ -1,10 +1,11 @@
 """Text of a growing token list without re-decoding all of it every round.
 
 Streaming and stop strings need the generated text after every round. Decoding the whole output
-each time costs O(length) per round: 3.7 ms at 4,096 tokens with SmolLM2's tokenizer, 7% of a
-decoding round on a 2-core CPU. This decodes only the newest tokens, with the previous round's
-tokens as context so tokenizers that drop a leading space at the start of a decode (SentencePiece)
-or merge bytes across tokens still give the same text as one full decode.
+each time costs O(length) per round, a noticeable share of a decoding round on a CPU once the
+output is long (figures: benchmarks/README.md, 'Measurements behind the code'). This decodes only
+the newest tokens, with the previous round's tokens as context so tokenizers that drop a leading
+space at the start of a decode (SentencePiece) or merge bytes across tokens still give the same
+text as one full decode.
 """
 
 from __future__ import annotations

@@ -159,8 +159,9 @@ def _load(spec: str | os.PathLike, dtype: str, device: str | torch.device | None
 def default_model_dir() -> Path:
     """The default target as a Hugging Face directory, converting its GGUF on first use.
 
-    Dequantizing the GGUF takes ~15 s on every load, while a safetensors directory loads in under a
-    second, so the GGUF is converted once into the user cache and later loads read the cache. The
+    Dequantizing the GGUF is slow on every load, while a safetensors directory loads at once (figures:
+    benchmarks/README.md, 'Measurements behind the code'), so the GGUF is converted once into the
+    user cache and later loads read the cache. The
     weights are kept in float32, which holds the dequantized values exactly, so the cache computes the
     same logits as the GGUF.
     """

@@ -1,10 +1,10 @@
 """A micro-batch of training sequences, right-padded so the target and the drafter see it in one
 forward each.
 
-One forward per sequence leaves a GPU idle: a 135M target over ~500 tokens is a few milliseconds of
-tiny kernels, and a lent H100 trained at ~27 ms per sequence that way. Right padding is safe for
-the target (causal attention: no real position sees the padding after it); the drafter's objective
-masks the padding out itself.
+One forward per sequence leaves a GPU idle: a 135M target over a few hundred tokens is a short run
+of tiny kernels, so training one sequence at a time is launch-bound (figures: benchmarks/README.md,
+'Measurements behind the code'). Right padding is safe for the target (causal attention: no real
+position sees the padding after it); the drafter's objective masks the padding out itself.
 """
 
 from __future__ import annotations

@@ -25,14 +25,10 @@ from diffdraft.runtime.chat import encode_chat, encode_prompt
 from diffdraft.target.loading import end_token_ids, load_target
 from diffdraft.util.progress import progress_bar
 
-# Measured with SmolLM2-135M on the shared 2-core CPU (1 thread, real ShareGPT prompts, 384 new tokens):
-# response tokens/s bfloat16 batch 4: 33, 8: 55-66, 16: 51-65, 32: 47-61; float32 batch 16: 42. Batch
-# 16 in bfloat16 was best on the larger run: bigger batches pad more and wait longer for their
-# longest response. On a 2-core EPYC with AVX-512 BF16 (2 threads, 64 ShareGPT prompts, 2026-11-23):
-# batch 16 145 tok/s, against 115 (batch 16) and 126 (batch 64) for diffdraft's own batch engine
-# (continuous batching, no padding, but attention per sequence), so regeneration stays on generate.
-# On a 2-core Xeon with AMX (2 threads, 56 first-turn ShareGPT prompts, 128 new tokens, temperature
-# 0.6, 2026-11-24): batch 1 29 tok/s, 16 166, 64 136.
+# Batch 16 in bfloat16 regenerated fastest on our 2-core CPUs: bigger batches pad more and wait
+# longer for their longest response, and float32 was slower. HF generate also beat diffdraft's own
+# batch engine here (continuous batching, no padding, but attention per sequence), so regeneration
+# stays on generate (figures: benchmarks/README.md, 'Measurements behind the code').
 DEFAULT_BATCH_SIZE = 16
 DEFAULT_DTYPE = "bfloat16"
 # Responses of a few hundred tokens (about half end on their own before 384) give many 16-token draft
