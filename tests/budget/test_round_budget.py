@@ -171,6 +171,31 @@ def test_finished_sequences_teach_the_stage_costs_and_the_shared_forwards_scale(
     assert rounds.verify_seconds(np.array([16]), 2, 100)[0] == pytest.approx(0.04)
 
 
+def test_a_shared_forward_counts_once_and_the_latest_forwards_are_kept():
+    from diffdraft.budget.batch_cost import BatchCostCurve
+
+    batch = BatchCostCurve(batches=[2], sizes=[1, 8], contexts=[100], seconds=[[[0.01, 0.02]]])
+    curve = VerifyCostCurve([1, 64], [100], [[0.01, 0.02]])
+    rounds = RoundBudgetPlanner(BudgetPlanner(curve), batch, timed_rounds=8)
+
+    def pair_member(seconds: list[float]) -> GenerationStats:
+        """One of two sequences that shared every forward: each records the same shapes and times."""
+        stats = GenerationStats(rounds=len(seconds), tree_sizes=[0] * len(seconds))
+        stats.accepted_nodes = [[] for _ in seconds]
+        stats.verify_contexts, stats.verify_seconds = [100] * len(seconds), seconds
+        stats.verify_forwards = [(2, 2, 100)] * len(seconds)
+        return stats
+
+    early = [0.01 * (1 + i / 100) for i in range(6)]
+    for _ in range(2):  # both sequences of the pair finish: the six forwards count once
+        rounds.observe_generation(pair_member(early))
+    assert len(rounds._batch_scales) == 6
+    late = [0.03 * (1 + i / 100) for i in range(4)]
+    rounds.observe_generation(pair_member(late))
+    assert len(rounds._batch_scales) == 8  # the two oldest forwards make room
+    assert rounds.batch_scale(2) == pytest.approx(np.median([s / 0.01 for s in early[2:] + late]))
+
+
 def test_the_batch_curve_is_measured_on_the_first_shared_round_only():
     from diffdraft.budget.batch_cost import BatchCostCurve
 
