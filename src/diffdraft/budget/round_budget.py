@@ -215,8 +215,8 @@ class RoundBudgetPlanner:
                 if key not in self._batch_scales:
                     scale = r.seconds / self.batch_cost(r.forward[1], r.forward[0], r.forward[2])
                     self._batch_scales[key] = (r.forward[0], scale)
-            for oldest in list(self._batch_scales)[: max(0, len(self._batch_scales) - self.timed_rounds)]:
-                del self._batch_scales[oldest]
+            while len(self._batch_scales) > self.timed_rounds:
+                del self._batch_scales[next(iter(self._batch_scales))]  # the oldest: dicts keep order
 
     def verify_seconds(self, tokens: np.ndarray, sequences: int, context: float) -> np.ndarray:
         """The forward's seconds for each total of ``tokens`` shared by ``sequences`` over ``context``
