@@ -31,6 +31,8 @@ class SpeculativeEngine:
         self.target = target
         self.drafter = drafter
         self.builder = builder
+        self.planner = builder if isinstance(builder, RoundPlanner) else None
+        """The builder when it plans rounds (a protocol check is too slow to repeat every round)."""
         self.layer_ids = list(drafter.target_layer_ids) if drafter is not None else []
         target.check_layer_ids(self.layer_ids)
         if drafter is not None:
@@ -55,9 +57,9 @@ class SpeculativeEngine:
     def plan(self, sequences: Sequence[SequenceRun]) -> list[int | None]:
         """Each sequence's node budget this round, when the tree builder plans rounds
         (:class:`~diffdraft.trees.RoundPlanner`); None each (the builder's own size) otherwise."""
-        if not isinstance(self.builder, RoundPlanner):
+        if self.planner is None:
             return [None] * len(sequences)
-        return self.builder.plan([RoundSequence(s.stats, s.context, s.draft_depth() > 0) for s in sequences])
+        return self.planner.plan([RoundSequence(s.stats, s.context, s.draft_depth() > 0) for s in sequences])
 
 
 def draft_round(sequences: Sequence[SequenceRun], budgets: Sequence[int | None]) -> list[VerifyInput]:

@@ -51,6 +51,9 @@ class TargetModel:
         """``cuda_graphs``: verify through :class:`GraphedVerify` (a CUDA target of a family the lean
         forward supports): the same forward, replayed without the host's kernel launches."""
         self.model = model.eval()
+        self._first_parameter = next(model.parameters())
+        """Its device is the model's (``Module.to`` moves parameters in place): read every round, and
+        Hugging Face's ``model.device`` walks the modules each time."""
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.config = config
         self.num_layers: int = config.num_hidden_layers
@@ -76,7 +79,7 @@ class TargetModel:
 
     @property
     def device(self) -> torch.device:
-        return self.model.device
+        return self._first_parameter.device
 
     @property
     def dtype(self) -> torch.dtype:
