@@ -1,5 +1,6 @@
-"""Round plans: budgets for a whole batch from stub costs where the optimum is known, and rounds at
-budget 0 that change no output (they are plain decoding steps)."""
+"""Round plans: budgets for a whole batch from stub costs where the optimum is known, free copies
+that join while they pay, and rounds at budget 0 that change no output (plain decoding steps, or
+a free copy verified like any tree)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import numpy as np
 import pytest
 
 from diffdraft.budget.cost import VerifyCostCurve
-from diffdraft.budget.planner import BudgetPlanner
-from diffdraft.budget.round_budget import RoundBudgetPlanner, plan_budgets
+from diffdraft.budget.planner import BudgetPlanner, rounds_of
+from diffdraft.budget.round_budget import RoundBudgetPlanner, plan_budgets, plan_copies
 from diffdraft.decoding.engine import SpeculativeEngine
 from diffdraft.runtime.sampling import SamplingParams
 from diffdraft.runtime.stats import GenerationStats
@@ -217,13 +218,18 @@ def test_the_batch_curve_is_measured_on_the_first_shared_round_only():
 
 
 class FixedPlan:
-    """A round planner that gives every sequence the budgets of ``pattern`` in turn, by round."""
+    """A round planner that gives every sequence the budgets of ``pattern`` in turn, by round, and
+    takes every offered copy whole when ``copies``."""
 
-    def __init__(self, pattern: list[int]) -> None:
+    def __init__(self, pattern: list[int], copies: bool = False) -> None:
         self.pattern = pattern
+        self.copies = copies
 
     def plan(self, sequences: list[RoundSequence]) -> list[int]:
         return [self.pattern[s.stats.rounds % len(self.pattern)] if s.can_draft else 0 for s in sequences]
+
+    def copy_lengths(self, sequences, budgets, copies) -> list[int]:
+        return [len(c) - 1 if self.copies and c is not None else 0 for c in copies]
 
     def build(self, tree_round: TreeRound):
         return DDTreeBuilder(tree_round.budget).build(tree_round)
@@ -248,6 +254,44 @@ def test_rounds_at_budget_0_are_plain_decoding_steps(temperature):
     assert batched(mixed, requests, sampling, 3) == each
     if temperature == 0:
         assert each == plain
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_free_copies_in_rounds_without_a_tree_change_no_output(temperature):
+    target = tiny_target("qwen3", seed=8)
+    drafter, _ = make_method("ddtree-4+pld", target, [], [], 5, 8)
+    requests = requests_for(target, 8, 4)
+    sampling = SamplingParams(temperature=temperature)
+    plain = [
+        alone(SpeculativeEngine(TargetModel(target), None, ChainBuilder()), r, sampling) for r in requests
+    ]
+    copying = SpeculativeEngine(TargetModel(target), drafter, FixedPlan([0, 0, 3], copies=True))
+    stats = [GenerationStats() for _ in requests]
+    each = [alone(copying, r, sampling) for r in requests]
+    assert batched(copying, requests, sampling, 3, stats) == each  # the same samples too, seed for seed
+    if temperature == 0:
+        assert each == plain
+    assert sum(len(s.copy_rounds) for s in stats) > 0  # copies were verified
+    for s in stats:
+        assert all(s.tree_sizes[i] > 0 for i in s.copy_rounds)
+        assert len(rounds_of(s)) == s.rounds - len(s.copy_rounds)  # the planner learns no copy round
+        assert s.drafter_sizes() == [0 if i in s.copy_rounds else n for i, n in enumerate(s.tree_sizes)]
+
+
+def test_copied_tokens_join_while_they_raise_the_rate_most_likely_first():
+    taus = [[1.0, 1.6, 2.0], [1.0, 1.5, 1.7]]
+    verify = 0.01 + 0.002 * np.arange(7)  # a token costs a fifth of a forward of one
+    # the first sequence drafts 2 nodes; the second's copy: its first token pays, its second does not
+    copy = [1.0, 1.6, 1.65, 1.66]
+    assert plan_copies(taus, [2, 0], [None, copy], verify, 0.001, 0.0) == [0, 1]
+    # no copy for a sequence that drafts, and none that is not offered
+    assert plan_copies(taus, [2, 1], [None, copy], verify, 0.001, 0.0) == [0, 0]
+    assert plan_copies(taus, [0, 0], [None, None], verify, 0.001, 0.0) == [0, 0]
+    # on a flat forward every copied token pays, but no more than the sequence's curve reaches
+    assert plan_copies(taus, [0, 0], [copy, copy], np.full(7, 0.01), 0.001, 0.0) == [2, 2]
+    # the best of two copies goes first
+    weak = [1.0, 1.2]
+    assert plan_copies(taus, [0, 0], [weak, copy], verify, 0.001, 0.0) == [0, 1]
 
 
 def test_a_lone_sequence_plans_with_the_stage_costs_of_sequences_that_ran_alone():

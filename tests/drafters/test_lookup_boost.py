@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -112,3 +113,20 @@ def test_boosted_forks_draft_together_as_each_alone():
             proposal.log_probs, drafter.propose(ids, depth).log_probs, rtol=0, atol=1e-12
         )
     assert together[0].log_probs.shape[0] == 5  # the copy runs past the inner drafter's block of 3
+
+
+def test_a_copy_offer_expects_each_copied_token_kept_with_the_product_of_the_weights_before_it():
+    boosted = LookupBoostedDrafter(FixedDrafter(LOG_PROBS))
+    context = [1, 2, 3, 4, 0, 1]
+    assert boosted.copy_offer([1, 2, 3], 3) is None  # no earlier occurrence of the last token
+    offer = boosted.copy_offer(context, 3)
+    assert (offer.tokens, offer.ngram) == ([2, 3, 4], 1)
+    assert offer.expected == pytest.approx([1.0, 1.5, 1.75, 1.875])  # w = 1/2 before any evidence
+    assert boosted.copy_offer(context, 2).tokens == [2, 3]
+    # taking two of its tokens verifies those only; the whole copy is scored by what the target
+    # emits next ("2 3 5": depths 1-2 confirmed, depth 3 missed) when the next copy is taken
+    assert boosted.take_copy(offer, 2, context).tokens.tolist() == [2, 3]
+    context = [*context, 2, 3, 5, 1]
+    boosted.take_copy(boosted.copy_offer(context, 3), 1, context)
+    kept = np.cumprod([2 / 3, 2 / 3, 1 / 3])
+    assert boosted.copy_offer(context, 3).expected == pytest.approx([1.0, *(1.0 + np.cumsum(kept))])

@@ -95,17 +95,22 @@ class ObservedRound:
 
 def rounds_of(stats: GenerationStats) -> list[ObservedRound]:
     """A sequence's verified rounds as the planner learns from them: every list is one entry per
-    round, recorded by the round itself, so nothing from another sequence can be mixed in."""
+    round, recorded by the round itself, so nothing from another sequence can be mixed in. Rounds
+    that verified a free copy are left out: their nodes are no DDTree's best-first ranks."""
+    copies = set(stats.copy_rounds)
     return [
         ObservedRound(size, accepted, context, seconds, None if forward[0] == 1 else tuple(forward))
-        for size, accepted, context, seconds, forward in zip(
-            stats.tree_sizes,
-            stats.accepted_nodes,
-            stats.verify_contexts,
-            stats.verify_seconds,
-            stats.verify_forwards,
-            strict=True,
+        for index, (size, accepted, context, seconds, forward) in enumerate(
+            zip(
+                stats.tree_sizes,
+                stats.accepted_nodes,
+                stats.verify_contexts,
+                stats.verify_seconds,
+                stats.verify_forwards,
+                strict=True,
+            )
         )
+        if index not in copies
     ]
 
 

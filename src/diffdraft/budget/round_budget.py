@@ -20,6 +20,7 @@ a planner that carried batch-8 drafting times to a lone sequence stopped it draf
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -30,8 +31,9 @@ from diffdraft.budget.planner import MIN_TIMED_ROUNDS, BudgetPlanner, rounds_of
 from diffdraft.runtime.stats import GenerationStats
 from diffdraft.trees import RoundSequence
 
-DRAFT_STAGES = ("draft", "tree", "mask")
-"""What a drafting sequence pays on top of a plain decoding step's."""
+TREE_STAGES = ("tree", "mask")
+"""What a drafting sequence pays on top of a plain decoding step's besides the drafter's forward
+("draft"); a round that verifies a free copy pays them too (for a chain: less)."""
 COMMIT_STAGES = ("accept", "commit")
 """What every sequence pays per round outside the shared forward."""
 NO_DRAFT = [1.0]
@@ -90,6 +92,46 @@ def plan_budgets(
         tokens += budget - budgets[i]
         drafting += (budget > 0) - (budgets[i] > 0)
         budgets[i] = budget
+
+
+def plan_copies(
+    taus: Sequence[Sequence[float]],
+    budgets: Sequence[int],
+    copies: Sequence[Sequence[float] | None],
+    verify_seconds: Sequence[float],
+    draft_seconds: float,
+    fixed_seconds: float,
+) -> list[int]:
+    """How many tokens of each offered free copy to verify, the budgets of :func:`plan_budgets`
+    held: ``copies[i]`` is the expected acceptance length of sequence i's copy per copied length
+    0..L (None: none offered), taken only where the sequence drafts no tree (B_i = 0), never longer
+    than ``taus[i]`` reaches (the cost is not extrapolated). A copy costs no drafting, only its
+    tokens' share of the forward: its tokens join most likely first (as on :func:`plan_budgets`'
+    greedy path) and the point of that path with the best rate is kept. Plain Python: a round has a
+    few dozen copied tokens at most, and numpy's per-call cost would exceed the work."""
+    gained = sum(tau[budget] for tau, budget in zip(taus, budgets, strict=True))
+    tokens = sum(budgets) + len(budgets)
+    steps = []  # (rank key, sequence, gain): a running minimum keeps each copy's tokens in order
+    for i, (tau, budget, copy) in enumerate(zip(taus, budgets, copies, strict=True)):
+        if copy is None or budget:
+            continue
+        key = float("inf")
+        for before, after in itertools.pairwise(copy[: len(tau)]):
+            key = min(key, after - before)
+            steps.append((key, i, after - before))
+    steps.sort(key=lambda step: -step[0])  # stable: a copy's tokens stay in order among equals
+    overhead = draft_seconds * sum(budget > 0 for budget in budgets) + fixed_seconds
+    cost = np.maximum.accumulate(np.asarray(verify_seconds, dtype=float)).tolist()  # as in plan_budgets
+    best, taken = gained / (cost[tokens] + overhead), 0
+    for count, (_, _, gain) in enumerate(steps, start=1):
+        gained, tokens = gained + gain, tokens + 1
+        rate = gained / (cost[tokens] + overhead)
+        if rate > best:
+            best, taken = rate, count
+    lengths = [0] * len(budgets)
+    for _, i, _ in steps[:taken]:
+        lengths[i] += 1
+    return lengths
 
 
 def _best_on_greedy_path(curves: list[np.ndarray], lowest: list[int], rates) -> list[int]:
@@ -176,6 +218,8 @@ class RoundBudgetPlanner:
         """Finished sequences observed: a new one makes every estimate and plan stale."""
         self._last_plan: tuple[list[list[float]], tuple, list[int]] | None = None
         """The last round's estimates, other inputs and budgets."""
+        self._last_costs: tuple[tuple, tuple[np.ndarray, float, float]] | None = None
+        """The last round's costs (:meth:`_round_costs`) and what they were computed for."""
 
     def prepare_batches(self) -> None:
         """Measure (or read from the cache) the batch curve now, so a server does not stall its first
@@ -203,9 +247,11 @@ class RoundBudgetPlanner:
         """Learn a finished sequence's stage times and its shared forwards' times."""
         self._learned += 1
         alone = all(forward[0] == 1 for forward in stats.verify_forwards)
-        drafted = sum(size > 0 for size in stats.tree_sizes)
+        drafted = sum(size > 0 for size in stats.drafter_sizes())
         if drafted:
-            self._draft_seconds[alone].append(sum(stats.timings[s] for s in DRAFT_STAGES) / drafted)
+            trees = drafted + len(stats.copy_rounds)
+            building = sum(stats.timings[s] for s in TREE_STAGES)
+            self._draft_seconds[alone].append(stats.timings["draft"] / drafted + building / trees)
         if stats.rounds:
             self._commit_seconds[alone].append(sum(stats.timings[s] for s in COMMIT_STAGES) / stats.rounds)
         shared = [r for r in rounds_of(stats) if r.forward is not None and r.seconds > 0]
@@ -247,13 +293,34 @@ class RoundBudgetPlanner:
             same = len(last_taus) == len(taus) and all(a is b for a, b in zip(last_taus, taus, strict=True))
             if same and last_inputs == inputs:
                 return list(budgets)
-        tokens = np.arange(sum(len(tau) for tau in taus) + 1)
-        verify = self.verify_seconds(tokens, len(sequences), context)
-        alone = len(sequences) == 1
-        fixed = self.commit_seconds(alone) * len(sequences)
-        budgets = plan_budgets(taus, verify, self.draft_seconds(alone), fixed, explore)
+        budgets = plan_budgets(taus, *self._round_costs(taus, context), explore)
         self._last_plan = (taus, inputs, budgets)  # holds the estimates, so `is` cannot see a reused id
         return list(budgets)
+
+    def copy_lengths(
+        self,
+        sequences: Sequence[RoundSequence],
+        budgets: Sequence[int],
+        copies: Sequence[Sequence[float] | None],
+    ) -> list[int]:
+        """How many tokens of each sequence's free copy to verify this round, the round's ``budgets``
+        (:meth:`plan`) held (:func:`plan_copies`; ``copies``: each copy's expected acceptance length
+        per copied length, None where none is offered)."""
+        taus = [self.expected_tau(s.stats) if s.can_draft else NO_DRAFT for s in sequences]
+        context = sum(s.context for s in sequences) / len(sequences)
+        return plan_copies(taus, budgets, copies, *self._round_costs(taus, context))
+
+    def _round_costs(self, taus: list[list[float]], context: float) -> tuple[np.ndarray, float, float]:
+        """(forward seconds per total of tokens the ``taus`` cover, seconds one drafting sequence adds,
+        seconds the round adds outside both) for a round of ``len(taus)`` sequences; reused while
+        nothing they depend on changed but the context, within ``context_step`` (as a plan is)."""
+        key = (len(taus), sum(len(tau) for tau in taus), int(context) // self.context_step, self._learned)
+        if self._last_costs is None or self._last_costs[0] != key:
+            verify = self.verify_seconds(np.arange(key[1] + 1), len(taus), context)
+            alone = len(taus) == 1
+            fixed = self.commit_seconds(alone) * len(taus)
+            self._last_costs = (key, (verify, self.draft_seconds(alone), fixed))
+        return self._last_costs[1]
 
     def expected_tau(self, stats: GenerationStats) -> list[float]:
         """:meth:`BudgetPlanner.expected_tau` of the sequence, re-estimated when stale: after
@@ -263,8 +330,8 @@ class RoundBudgetPlanner:
         estimate = stats.tau_estimate
         fresh = estimate is not None and estimate[1:3] == (len(stats.surrogates), self._learned)
         if fresh:
-            drafted = sum(size > 0 for size in stats.tree_sizes[estimate[0] :])
-            skipped = 0 in stats.tree_sizes[max(0, estimate[0] - 1) :]  # around or since the estimate
+            drafted = sum(size > 0 for size in stats.drafter_sizes(estimate[0]))
+            skipped = 0 in stats.drafter_sizes(max(0, estimate[0] - 1))  # around or since the estimate
             fresh = drafted < (1 if skipped else self.refresh)
         if not fresh:
             stats.tau_estimate = estimate = (
@@ -279,8 +346,8 @@ class RoundBudgetPlanner:
         if not stats.surrogates:
             return sequences == 1 or not self.planner.has_proposals
         interval = self.explore_alone if sequences == 1 else self.explore_every * sequences
-        recent = stats.tree_sizes[-interval:]
-        return len(recent) == interval and not any(recent)
+        rounds = len(stats.tree_sizes)
+        return rounds >= interval and not any(stats.drafter_sizes(rounds - interval))
 
 
 def _mean_of(seconds: dict[bool, deque[float]], alone: bool) -> float:

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from diffdraft.decoding.sequence_spec import SequenceSpec
 from diffdraft.decoding.verify import accept
-from diffdraft.drafters.base import Drafter, Proposal, propose_together
+from diffdraft.drafters.base import CopyingDrafter, CopyOffer, Drafter, Proposal, propose_together
 from diffdraft.runtime.sampling import SamplingParams, greedy_tokens, sample_from
 from diffdraft.runtime.stats import StageTimer
 from diffdraft.runtime.stopping import StopDecision
@@ -54,22 +55,45 @@ class SpeculativeEngine:
                 )
             yield sequence.commit(out, sequence.timer.last)
 
-    def plan(self, sequences: Sequence[SequenceRun]) -> list[int | None]:
-        """Each sequence's node budget this round, when the tree builder plans rounds
-        (:class:`~diffdraft.trees.RoundPlanner`); None each (the builder's own size) otherwise."""
+    def plan(self, sequences: Sequence[SequenceRun]) -> list[RoundPlan]:
+        """Each sequence's share of this round: when the tree builder plans rounds
+        (:class:`~diffdraft.trees.RoundPlanner`), its node budget, and for a sequence left at budget 0
+        whose drafter offers a free copy (prompt lookup's), as much of the copy as pays; otherwise
+        the builder's own size."""
         if self.planner is None:
-            return [None] * len(sequences)
-        return self.planner.plan([RoundSequence(s.stats, s.context, s.draft_depth() > 0) for s in sequences])
+            return [RoundPlan()] * len(sequences)
+        rounds = [RoundSequence(s.stats, s.context, s.draft_depth() > 0) for s in sequences]
+        budgets = self.planner.plan(rounds)
+        offers = [s.copy_offer() if b == 0 else None for s, b in zip(sequences, budgets, strict=True)]
+        if not any(offers):
+            return [RoundPlan(budget) for budget in budgets]
+        lengths = self.planner.copy_lengths(rounds, budgets, [o and o.expected for o in offers])
+        return [
+            RoundPlan(budget, s.take_copy(offer, length) if length else None)
+            for s, budget, offer, length in zip(sequences, budgets, offers, lengths, strict=True)
+        ]
 
 
-def draft_round(sequences: Sequence[SequenceRun], budgets: Sequence[int | None]) -> list[VerifyInput]:
+@dataclass(frozen=True)
+class RoundPlan:
+    """One sequence's share of a round."""
+
+    budget: int | None = None
+    """Its tree's node budget (None: the builder's own size; 0: no drafter's tree)."""
+    copy: Proposal | None = None
+    """A free copy to verify instead of a drafter's tree (budget 0 only)."""
+
+
+def draft_round(sequences: Sequence[SequenceRun], plans: Sequence[RoundPlan]) -> list[VerifyInput]:
     """Draft and build every sequence's tree of a round: one drafter call for all that draft (the
     drafter's forks draft them in one forward where the family can, :func:`propose_together`), its
-    time shared evenly among them. Budget 0: the sequence verifies its pending token alone."""
+    time shared evenly among them. Budget 0: the sequence verifies its free copy, if the plan gave it
+    one, else its pending token alone."""
+    budgets = [plan.budget for plan in plans]
     depths = [s.draft_depth(budget) for s, budget in zip(sequences, budgets, strict=True)]
     drafting = [i for i, depth in enumerate(depths) if depth > 0]
     token_ids = [sequences[i].token_ids() for i in drafting]
-    proposals = [Proposal() for _ in sequences]
+    proposals = [plan.copy or Proposal() for plan in plans]
     if drafting:
         timer = StageTimer([sequences[i].stats for i in drafting], sequences[0].target.device)
         with timer("draft"):
@@ -90,6 +114,8 @@ class SequenceRun:
         self.logprobs = spec.logprobs
         self.target = engine.target
         self.drafter = drafter
+        self.copier = drafter if isinstance(drafter, CopyingDrafter) else None
+        """The drafter when it offers free copies (checked once: a protocol check is slow)."""
         self.stop = spec.stop
         self.sampling = spec.sampling
         self.stats = spec.stats
@@ -98,10 +124,12 @@ class SequenceRun:
         if spec.seed is not None:
             self.generator = torch.Generator(device=self.target.device).manual_seed(spec.seed)
         self.prompt_ids = torch.tensor(spec.prompt_ids, dtype=torch.long, device=self.target.device)
+        self._prompt_list = list(spec.prompt_ids)
         self.cache = self.target.new_cache()
         self.generated: list[int] = []
         self.decision: StopDecision | None = None
-        self._round: tuple[DraftTree, Proposal, int] | None = None  # the tree awaiting verification
+        self._round: tuple[DraftTree, Proposal, int, bool] | None = None
+        """The tree awaiting verification, its proposal, context and whether it is a free copy."""
         self._begin = time.perf_counter()
 
     @property
@@ -136,15 +164,29 @@ class SequenceRun:
             return 0
         return max(0, min(self.drafter.max_depth, self.stop.remaining(len(self.generated)) - 1))
 
+    def copy_offer(self) -> CopyOffer | None:
+        """The free copy the drafter offers this round (None: none, or no token left to draft)."""
+        depth = self.draft_depth()
+        if self.copier is None or depth == 0:
+            return None
+        return self.copier.copy_offer(self._prompt_list + self.generated, depth)
+
+    def take_copy(self, offer: CopyOffer, length: int) -> Proposal:
+        """The first ``length`` tokens of ``offer``, which the round plan chose to verify."""
+        return self.copier.take_copy(offer, length, self._prompt_list + self.generated)
+
     def build(self, proposal: Proposal, budget: int | None = None) -> VerifyInput:
         """Build this round's tree from the drafter's ``proposal`` (empty: the root alone) at the
-        round plan's ``budget`` (None: the builder's own size); the returned input is what the target
-        must verify."""
+        round plan's ``budget`` (None: the builder's own size; 0 with a proposal of tokens: the free
+        copy the plan chose, verified as a chain); the returned input is what the target must verify."""
         start = self.context
+        copied = budget == 0 and proposal.tokens is not None and proposal.depth > 0
         with self.timer("tree"):
             root = self.generated[-1]
             if proposal.depth == 0:
                 tree = DraftTree.root_only(root, self.target.device)
+            elif copied:
+                tree = DraftTree.chain(root, proposal.tokens)
             else:
                 tree_round = TreeRound(
                     root,
@@ -158,7 +200,7 @@ class SequenceRun:
                 tree = self.engine.builder.build(tree_round)
         with self.timer("mask"):
             mask = self.target.attention_mask(self.cache, tree.ancestor_mask()) if tree.num_nodes else None
-        self._round = (tree, proposal, start)
+        self._round = (tree, proposal, start, copied)
         return VerifyInput(self.cache, tree.tokens, tree.position_ids(start), mask)
 
     def commit(
@@ -167,7 +209,7 @@ class SequenceRun:
         """Accept from the verified tree, keep its accepted path; returns the tokens this round added
         (cut at a stop condition). ``verify_seconds``: the forward's time, recorded in the stats with
         its ``forward`` shape (sequences, tokens, mean cached tokens; None: this tree alone)."""
-        tree, proposal, start = self._round
+        tree, proposal, start, copied = self._round
         self._round = None
         self.stats.verify_seconds.append(verify_seconds)
         self.stats.verify_forwards.append(forward or (1, tree.num_nodes + 1, start))
@@ -184,6 +226,8 @@ class SequenceRun:
         stats.acceptance_lengths.append(len(new))
         stats.accepted_nodes.append(result.path[1:])
         stats.draft_depths.append(proposal.depth)
+        if copied:
+            stats.copy_rounds.append(len(stats.tree_sizes))
         stats.tree_sizes.append(tree.num_nodes)
         stats.verify_contexts.append(start)
         return self._extend(new, out.logits[result.path] if self.logprobs is not None else None)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -123,6 +124,35 @@ class BatchDrafter(Protocol):
         self, forks: Sequence[Drafter], token_ids: Sequence[torch.Tensor], depths: Sequence[int]
     ) -> list[Proposal]:
         """What ``fork.propose(ids, depth)`` gives for each fork of this drafter (itself included)."""
+        ...
+
+
+@dataclass(frozen=True)
+class CopyOffer:
+    """A continuation a drafter can propose without running a model (prompt lookup's copy of what
+    followed an earlier occurrence of the context's last n-gram)."""
+
+    tokens: list[int]
+    ngram: int
+    """The matched n-gram's length (longer matches are likelier to continue the same way)."""
+    expected: list[float]
+    """The expected acceptance length (bonus token included) when its first k tokens are verified,
+    for k = 0 .. len(tokens): what a round plan weighs against the tokens' verification cost."""
+
+
+@runtime_checkable
+class CopyingDrafter(Protocol):
+    """A drafter that can also offer a free copy: a round plan that gives its sequence no tree (its
+    drafter forward does not pay at that batch) may still verify the copy's likeliest tokens."""
+
+    def copy_offer(self, token_ids: list[int], depth: int) -> CopyOffer | None:
+        """The copy for the ``depth`` positions after ``token_ids[-1]`` (every committed token, the
+        root last), or None when there is none."""
+        ...
+
+    def take_copy(self, offer: CopyOffer, length: int, token_ids: list[int]) -> Proposal:
+        """The proposal of the offer's first ``length`` tokens (for the same ``token_ids``), which the
+        round verifies: the drafter learns from what the target makes of it."""
         ...
 
 

@@ -21,9 +21,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
-from diffdraft.drafters.base import Drafter, Proposal, propose_together
+from diffdraft.drafters.base import CopyOffer, Drafter, Proposal, propose_together
 from diffdraft.drafters.prompt_lookup import PromptLookupDrafter
 
 COPY_DEPTH = 10
@@ -50,15 +51,17 @@ class LookupBoostedDrafter:
     def reset(self) -> None:
         self.drafter.reset()
         shape = (self.lookup.max_ngram + 1, self.max_depth)
-        self._confirmed = torch.zeros(shape)  # [n, d]: copies after an n-gram match the target emitted
-        self._checked = torch.zeros(shape)  # [n, d]: such copies whose position it has emitted
+        # numpy, not torch: read and counted every round, and a torch op on a few numbers costs more;
+        # [n, d]: copies after an n-gram match the target emitted, and those whose position it has
+        self._confirmed = np.zeros(shape, dtype=np.float32)
+        self._checked = np.zeros(shape, dtype=np.float32)
         self._last_copy: tuple[int, int, list[int]] = (0, 0, [])  # root index, n, copied tokens
 
-    def weights(self, ngram: int, depth: int) -> torch.Tensor:
+    def weights(self, ngram: int, depth: int) -> np.ndarray:
         """w_d for depths 1..depth after an ``ngram`` match: fixed, or (confirmed + 1) / (checked + 2)."""
         if self.weight is not None:
-            return torch.full((depth,), self.weight, dtype=torch.float64)
-        return ((self._confirmed[ngram, :depth] + 1) / (self._checked[ngram, :depth] + 2)).double()
+            return np.full(depth, self.weight)
+        return ((self._confirmed[ngram, :depth] + 1) / (self._checked[ngram, :depth] + 2)).astype(np.float64)
 
     def _score_last_copy(self, token_ids: list[int]) -> None:
         """Compare last round's copy with what the target emitted since, up to its first miss."""
@@ -90,6 +93,23 @@ class LookupBoostedDrafter:
             for fork, ids, proposal, depth in zip(forks, token_ids, drafted, depths, strict=True)
         ]
 
+    def copy_offer(self, token_ids: list[int], depth: int) -> CopyOffer | None:
+        """Prompt lookup's copy alone, for a round without the drafter's tree: the target keeps copy
+        token d with probability w_d once it kept the ones before (:meth:`weights`), so its first k
+        tokens are expected to add w_1 + w_1 w_2 + ... + w_1 ... w_k tokens."""
+        ngram, follow = self.lookup.match(token_ids, min(depth, self.lookup.max_depth))
+        if not follow:
+            return None
+        kept = self.weights(ngram, len(follow)).cumprod()
+        return CopyOffer(follow, ngram, [1.0, *(1.0 + kept.cumsum()).tolist()])
+
+    def take_copy(self, offer: CopyOffer, length: int, token_ids: list[int]) -> Proposal:
+        """The offer's first ``length`` tokens; the whole copy is scored against what the target
+        emits, as a copy that boosted a proposal is."""
+        self._score_last_copy(token_ids)
+        self._last_copy = (len(token_ids) - 1, offer.ngram, offer.tokens)
+        return Proposal(tokens=torch.tensor(offer.tokens[:length], dtype=torch.long))
+
     @torch.inference_mode()
     def _boost(self, token_ids: torch.Tensor, proposal: Proposal, depth: int) -> Proposal:
         """``proposal`` (the inner drafter's, for the same tokens) with lookup's copy mixed in."""
@@ -105,7 +125,7 @@ class LookupBoostedDrafter:
             vocab = mixed.shape[1]
             mixed = torch.cat([mixed, mixed.new_full((beyond, vocab), -math.log(vocab))])
         copy_rows = mixed[: len(follow)]
-        weight = self.weights(ngram, len(follow)).to(mixed.device)
+        weight = torch.from_numpy(self.weights(ngram, len(follow))).to(mixed.device)
         # log((1 - w) q + w * onehot) without leaving log space for the untouched entries
         copy_rows += torch.log1p(-weight).to(mixed.dtype)[:, None]
         rows = torch.arange(len(follow), device=mixed.device)

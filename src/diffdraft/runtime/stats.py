@@ -27,6 +27,10 @@ class GenerationStats:
     """Positions the drafter proposed per round (per-position acceptance needs the denominator)."""
     tree_sizes: list[int] = field(default_factory=list)
     """Drafted nodes verified per round (the root not counted)."""
+    copy_rounds: list[int] = field(default_factory=list)
+    """The rounds (indices, rising) whose tree was prompt lookup's free copy, verified instead of a
+    drafter's tree when the round plan left the sequence without one: the auto budget learns the
+    drafter's acceptance from the other rounds only (:meth:`drafter_sizes`)."""
     verify_seconds: list[float] = field(default_factory=list)
     """Per round, seconds of the target's verification forward (what the auto budget calibrates t on)."""
     verify_contexts: list[int] = field(default_factory=list)
@@ -56,6 +60,16 @@ class GenerationStats:
         """Mean acceptance length, bonus token included (the papers' tau)."""
         return sum(self.acceptance_lengths) / len(self.acceptance_lengths) if self.acceptance_lengths else 0.0
 
+    def drafter_sizes(self, start: int = 0) -> list[int]:
+        """:attr:`tree_sizes` from round ``start`` on, a free copy's round counted 0: the nodes the
+        drafter's own trees verified."""
+        sizes = self.tree_sizes[start:]
+        for index in reversed(self.copy_rounds):
+            if index < start:
+                break
+            sizes[index - start] = 0
+        return sizes
+
     @property
     def acceptance_histogram(self) -> dict[int, int]:
         return dict(sorted(Counter(self.acceptance_lengths).items()))
@@ -68,6 +82,7 @@ class GenerationStats:
             "accepted_nodes": self.accepted_nodes,
             "draft_depths": self.draft_depths,
             "tree_sizes": self.tree_sizes,
+            "copy_rounds": self.copy_rounds,
             "verify_seconds": self.verify_seconds,
             "verify_contexts": self.verify_contexts,
             "verify_forwards": self.verify_forwards,

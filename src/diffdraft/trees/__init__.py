@@ -36,10 +36,22 @@ class TreeBuilder(Protocol):
 class RoundPlanner(Protocol):
     """A tree builder that sizes the trees of all sequences sharing a round's verification forward
     together, before they draft: budget 0 means the sequence does not draft this round and verifies
-    its pending token alone (plain decoding)."""
+    its pending token alone (plain decoding), or with the free copy :meth:`copy_lengths` gives it."""
 
     def plan(self, sequences: Sequence[RoundSequence]) -> list[int]:
         """One node budget per sequence, in order."""
+        ...
+
+    def copy_lengths(
+        self,
+        sequences: Sequence[RoundSequence],
+        budgets: Sequence[int],
+        copies: Sequence[Sequence[float] | None],
+    ) -> list[int]:
+        """After :meth:`plan`: how many tokens of each sequence's free copy (a drafter's copied
+        continuation that costs no drafting: prompt lookup's) to verify, 0 where none pays;
+        ``copies[i]``: the expected acceptance length per copied length (None: none offered). Only
+        a sequence the plan gave budget 0 takes one."""
         ...
 
     def build(self, tree_round: TreeRound) -> DraftTree:
