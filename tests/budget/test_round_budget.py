@@ -284,6 +284,8 @@ def test_copied_tokens_join_while_they_raise_the_rate_most_likely_first():
     # the first sequence drafts 2 nodes; the second's copy: its first token pays, its second does not
     copy = [1.0, 1.6, 1.65, 1.66]
     assert plan_copies(taus, [2, 0], [None, copy], verify, 0.001, 0.0) == [0, 1]
+    # unless building its chain and mask costs more than its first token gains
+    assert plan_copies(taus, [2, 0], [None, copy], verify, 0.001, 0.0, copy_seconds=0.003) == [0, 0]
     # no copy for a sequence that drafts, and none that is not offered
     assert plan_copies(taus, [2, 1], [None, copy], verify, 0.001, 0.0) == [0, 0]
     assert plan_copies(taus, [0, 0], [None, None], verify, 0.001, 0.0) == [0, 0]

@@ -16,6 +16,12 @@ of one drafting sequence and c each sequence's acceptance and commit, both learn
 sequences: from those decoded alone for a round of one sequence, from those that shared forwards
 for a round of several (drafting in a batch costs a sequence another time than drafting alone, and
 a planner that carried batch-8 drafting times to a lone sequence stopped it drafting).
+
+Under load most sequences end at B_i = 0: a drafter forward and its tree do not pay for themselves
+once a CPU's forward cost grows with every verified token. A copy does not need the drafter:
+:func:`plan_copies` then lets a sequence at B_i = 0 verify the tokens of a free copy (prompt
+lookup's, for ``ddtree+pld``) that raise the same rate, each copied token counted at the
+probability the drafter expects it kept (figures: benchmarks/README.md, as above).
 """
 
 from __future__ import annotations
@@ -33,7 +39,8 @@ from diffdraft.trees import RoundSequence
 
 TREE_STAGES = ("tree", "mask")
 """What a drafting sequence pays on top of a plain decoding step's besides the drafter's forward
-("draft"); a round that verifies a free copy pays them too (for a chain: less)."""
+("draft"), and all that a sequence verifying a free copy pays (taking the copy, its chain and
+mask; a chain costs less than a DDTree, so counting the mean tree errs on the side of no copy)."""
 COMMIT_STAGES = ("accept", "commit")
 """What every sequence pays per round outside the shared forward."""
 NO_DRAFT = [1.0]
@@ -101,14 +108,16 @@ def plan_copies(
     verify_seconds: Sequence[float],
     draft_seconds: float,
     fixed_seconds: float,
+    copy_seconds: float = 0.0,
 ) -> list[int]:
     """How many tokens of each offered free copy to verify, the budgets of :func:`plan_budgets`
     held: ``copies[i]`` is the expected acceptance length of sequence i's copy per copied length
     0..L (None: none offered), taken only where the sequence drafts no tree (B_i = 0), never longer
     than ``taus[i]`` reaches (the cost is not extrapolated). A copy costs no drafting, only its
-    tokens' share of the forward: its tokens join most likely first (as on :func:`plan_budgets`'
-    greedy path) and the point of that path with the best rate is kept. Plain Python: a round has a
-    few dozen copied tokens at most, and numpy's per-call cost would exceed the work."""
+    tokens' share of the forward and ``copy_seconds`` per sequence that takes one (its chain and
+    mask): its tokens join most likely first (as on :func:`plan_budgets`' greedy path) and the point
+    of that path with the best rate is kept. Plain Python: a round has a few dozen copied tokens at
+    most, and numpy's per-call cost would exceed the work."""
     gained = sum(tau[budget] for tau, budget in zip(taus, budgets, strict=True))
     tokens = sum(budgets) + len(budgets)
     steps = []  # (rank key, sequence, gain): a running minimum keeps each copy's tokens in order
@@ -123,7 +132,11 @@ def plan_copies(
     overhead = draft_seconds * sum(budget > 0 for budget in budgets) + fixed_seconds
     cost = np.maximum.accumulate(np.asarray(verify_seconds, dtype=float)).tolist()  # as in plan_budgets
     best, taken = gained / (cost[tokens] + overhead), 0
-    for count, (_, _, gain) in enumerate(steps, start=1):
+    copying: set[int] = set()
+    for count, (_, i, gain) in enumerate(steps, start=1):
+        if i not in copying:
+            copying.add(i)
+            overhead += copy_seconds
         gained, tokens = gained + gain, tokens + 1
         rate = gained / (cost[tokens] + overhead)
         if rate > best:
@@ -208,6 +221,10 @@ class RoundBudgetPlanner:
         self._commit_seconds: dict[bool, deque[float]] = {
             alone: deque(maxlen=window) for alone in (True, False)
         }
+        self._tree_seconds: dict[bool, deque[float]] = {
+            alone: deque(maxlen=window) for alone in (True, False)
+        }
+        """Seconds per tree (a drafter's or a free copy's) spent building it and its mask."""
         self._batch_scales: dict[tuple[tuple[int, int, int], float], tuple[int, float]] = {}
         """(sequences, measured / batch curve seconds) of the latest ``timed_rounds`` shared forwards
         of finished sequences, by forward (shape and seconds): every sequence of a round recorded it,
@@ -238,6 +255,11 @@ class RoundBudgetPlanner:
         before any did; 0 before any sequence finished)."""
         return _mean_of(self._draft_seconds, alone)
 
+    def tree_seconds(self, alone: bool = True) -> float:
+        """Seconds a sequence's tree and mask add to a round (as :meth:`draft_seconds`): what a free
+        copy costs besides its tokens' share of the forward."""
+        return _mean_of(self._tree_seconds, alone)
+
     def commit_seconds(self, alone: bool = True) -> float:
         """Seconds each sequence adds to a round outside the forward and drafting (as
         :meth:`draft_seconds`)."""
@@ -248,10 +270,12 @@ class RoundBudgetPlanner:
         self._learned += 1
         alone = all(forward[0] == 1 for forward in stats.verify_forwards)
         drafted = sum(size > 0 for size in stats.drafter_sizes())
-        if drafted:
-            trees = drafted + len(stats.copy_rounds)
-            building = sum(stats.timings[s] for s in TREE_STAGES)
-            self._draft_seconds[alone].append(stats.timings["draft"] / drafted + building / trees)
+        trees = drafted + len(stats.copy_rounds)
+        if trees:
+            tree = sum(stats.timings[s] for s in TREE_STAGES) / trees
+            self._tree_seconds[alone].append(tree)
+            if drafted:
+                self._draft_seconds[alone].append(stats.timings["draft"] / drafted + tree)
         if stats.rounds:
             self._commit_seconds[alone].append(sum(stats.timings[s] for s in COMMIT_STAGES) / stats.rounds)
         shared = [r for r in rounds_of(stats) if r.forward is not None and r.seconds > 0]
@@ -308,7 +332,8 @@ class RoundBudgetPlanner:
         per copied length, None where none is offered)."""
         taus = [self.expected_tau(s.stats) if s.can_draft else NO_DRAFT for s in sequences]
         context = sum(s.context for s in sequences) / len(sequences)
-        return plan_copies(taus, budgets, copies, *self._round_costs(taus, context))
+        copy_seconds = self.tree_seconds(len(sequences) == 1)
+        return plan_copies(taus, budgets, copies, *self._round_costs(taus, context), copy_seconds)
 
     def _round_costs(self, taus: list[list[float]], context: float) -> tuple[np.ndarray, float, float]:
         """(forward seconds per total of tokens the ``taus`` cover, seconds one drafting sequence adds,

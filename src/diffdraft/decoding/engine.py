@@ -172,8 +172,10 @@ class SequenceRun:
         return self.copier.copy_offer(self._prompt_list + self.generated, depth)
 
     def take_copy(self, offer: CopyOffer, length: int) -> Proposal:
-        """The first ``length`` tokens of ``offer``, which the round plan chose to verify."""
-        return self.copier.take_copy(offer, length, self._prompt_list + self.generated)
+        """The first ``length`` tokens of ``offer``, which the round plan chose to verify (timed as
+        building its tree)."""
+        with self.timer("tree"):
+            return self.copier.take_copy(offer, length, self._prompt_list + self.generated)
 
     def build(self, proposal: Proposal, budget: int | None = None) -> VerifyInput:
         """Build this round's tree from the drafter's ``proposal`` (empty: the root alone) at the
@@ -186,7 +188,7 @@ class SequenceRun:
             if proposal.depth == 0:
                 tree = DraftTree.root_only(root, self.target.device)
             elif copied:
-                tree = DraftTree.chain(root, proposal.tokens)
+                tree = DraftTree.chain(root, proposal.tokens.to(self.target.device))
             else:
                 tree_round = TreeRound(
                     root,
