@@ -296,6 +296,19 @@ def test_copied_tokens_join_while_they_raise_the_rate_most_likely_first():
     assert plan_copies(taus, [0, 0], [weak, copy], verify, 0.001, 0.0) == [0, 1]
 
 
+def test_a_free_copy_costs_what_finished_copies_took_and_drafting_what_drafted_rounds_did():
+    rounds = RoundBudgetPlanner(BudgetPlanner(VerifyCostCurve([1, 64], [100], [[0.01, 0.02]])))
+    assert rounds.copy_seconds() == 0.0  # copies get tried before any was measured
+    stats = GenerationStats(rounds=3, tree_sizes=[3, 2, 0], accepted_nodes=[[], [], []], copy_rounds=[1])
+    stats.verify_contexts, stats.verify_seconds = [100] * 3, [0.01] * 3
+    stats.verify_forwards = [(1, 4, 100)] * 3
+    stats.timings.update(draft=0.004, tree=0.003, mask=0.001, accept=0.0, commit=0.0)
+    stats.copy_seconds = 0.001  # of the tree and mask time
+    rounds.observe_generation(stats)
+    assert rounds.copy_seconds() == pytest.approx(0.001)
+    assert rounds.draft_seconds() == pytest.approx(0.007)  # the one drafted round: draft, tree, mask
+
+
 def test_a_lone_sequence_plans_with_the_stage_costs_of_sequences_that_ran_alone():
     """Drafting in a batch costs a sequence another time than drafting alone: a lone sequence after a
     busy spell must not plan with the batch's times (it stopped drafting when it did)."""

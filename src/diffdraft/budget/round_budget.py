@@ -37,10 +37,9 @@ from diffdraft.budget.planner import MIN_TIMED_ROUNDS, BudgetPlanner, rounds_of
 from diffdraft.runtime.stats import GenerationStats
 from diffdraft.trees import RoundSequence
 
-TREE_STAGES = ("tree", "mask")
-"""What a drafting sequence pays on top of a plain decoding step's besides the drafter's forward
-("draft"), and all that a sequence verifying a free copy pays (taking the copy, its chain and
-mask; a chain costs less than a DDTree, so counting the mean tree errs on the side of no copy)."""
+DRAFT_STAGES = ("draft", "tree", "mask")
+"""What a drafting sequence pays on top of a plain decoding step's (less, in tree and mask, what its
+free copies took: :attr:`~diffdraft.runtime.stats.GenerationStats.copy_seconds`)."""
 COMMIT_STAGES = ("accept", "commit")
 """What every sequence pays per round outside the shared forward."""
 NO_DRAFT = [1.0]
@@ -221,10 +220,10 @@ class RoundBudgetPlanner:
         self._commit_seconds: dict[bool, deque[float]] = {
             alone: deque(maxlen=window) for alone in (True, False)
         }
-        self._tree_seconds: dict[bool, deque[float]] = {
+        self._copy_seconds: dict[bool, deque[float]] = {
             alone: deque(maxlen=window) for alone in (True, False)
         }
-        """Seconds per tree (a drafter's or a free copy's) spent building it and its mask."""
+        """Seconds per free copy of finished sequences: taking it, building its chain and mask."""
         self._batch_scales: dict[tuple[tuple[int, int, int], float], tuple[int, float]] = {}
         """(sequences, measured / batch curve seconds) of the latest ``timed_rounds`` shared forwards
         of finished sequences, by forward (shape and seconds): every sequence of a round recorded it,
@@ -255,10 +254,10 @@ class RoundBudgetPlanner:
         before any did; 0 before any sequence finished)."""
         return _mean_of(self._draft_seconds, alone)
 
-    def tree_seconds(self, alone: bool = True) -> float:
-        """Seconds a sequence's tree and mask add to a round (as :meth:`draft_seconds`): what a free
-        copy costs besides its tokens' share of the forward."""
-        return _mean_of(self._tree_seconds, alone)
+    def copy_seconds(self, alone: bool = True) -> float:
+        """Seconds a free copy adds to a round besides its tokens' share of the forward (as
+        :meth:`draft_seconds`; 0 before any copy was measured, so copies get tried)."""
+        return _mean_of(self._copy_seconds, alone)
 
     def commit_seconds(self, alone: bool = True) -> float:
         """Seconds each sequence adds to a round outside the forward and drafting (as
@@ -270,12 +269,11 @@ class RoundBudgetPlanner:
         self._learned += 1
         alone = all(forward[0] == 1 for forward in stats.verify_forwards)
         drafted = sum(size > 0 for size in stats.drafter_sizes())
-        trees = drafted + len(stats.copy_rounds)
-        if trees:
-            tree = sum(stats.timings[s] for s in TREE_STAGES) / trees
-            self._tree_seconds[alone].append(tree)
-            if drafted:
-                self._draft_seconds[alone].append(stats.timings["draft"] / drafted + tree)
+        if drafted:
+            drafting = sum(stats.timings[s] for s in DRAFT_STAGES) - stats.copy_seconds
+            self._draft_seconds[alone].append(drafting / drafted)
+        if stats.copy_rounds:
+            self._copy_seconds[alone].append(stats.copy_seconds / len(stats.copy_rounds))
         if stats.rounds:
             self._commit_seconds[alone].append(sum(stats.timings[s] for s in COMMIT_STAGES) / stats.rounds)
         shared = [r for r in rounds_of(stats) if r.forward is not None and r.seconds > 0]
@@ -332,7 +330,7 @@ class RoundBudgetPlanner:
         per copied length, None where none is offered)."""
         taus = [self.expected_tau(s.stats) if s.can_draft else NO_DRAFT for s in sequences]
         context = sum(s.context for s in sequences) / len(sequences)
-        copy_seconds = self.tree_seconds(len(sequences) == 1)
+        copy_seconds = self.copy_seconds(len(sequences) == 1)
         return plan_copies(taus, budgets, copies, *self._round_costs(taus, context), copy_seconds)
 
     def _round_costs(self, taus: list[list[float]], context: float) -> tuple[np.ndarray, float, float]:

@@ -175,7 +175,9 @@ class SequenceRun:
         """The first ``length`` tokens of ``offer``, which the round plan chose to verify (timed as
         building its tree)."""
         with self.timer("tree"):
-            return self.copier.take_copy(offer, length, self._prompt_list + self.generated)
+            proposal = self.copier.take_copy(offer, length, self._prompt_list + self.generated)
+        self.stats.copy_seconds += self.timer.last
+        return proposal
 
     def build(self, proposal: Proposal, budget: int | None = None) -> VerifyInput:
         """Build this round's tree from the drafter's ``proposal`` (empty: the root alone) at the
@@ -200,8 +202,11 @@ class SequenceRun:
                     budget=budget,
                 )
                 tree = self.engine.builder.build(tree_round)
+        building = self.timer.last
         with self.timer("mask"):
             mask = self.target.attention_mask(self.cache, tree.ancestor_mask()) if tree.num_nodes else None
+        if copied:
+            self.stats.copy_seconds += building + self.timer.last
         self._round = (tree, proposal, start, copied)
         return VerifyInput(self.cache, tree.tokens, tree.position_ids(start), mask)
 

@@ -52,6 +52,9 @@ class GenerationStats:
     drafted rounds: a planner input, so not in :meth:`to_dict`)."""
     timings: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
     """Seconds spent per stage over the whole generation."""
+    copy_seconds: float = 0.0
+    """Seconds spent taking free copies and building their chains and masks (in the tree and mask
+    stages too): what the auto budget weighs a copy's first token against."""
     total_seconds: float = 0.0
     stop_reason: str = ""
 
