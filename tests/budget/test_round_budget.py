@@ -235,8 +235,8 @@ class FixedPlan:
         return DDTreeBuilder(tree_round.budget).build(tree_round)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_rounds_at_budget_0_are_plain_decoding_steps(temperature):
+def boosted_case(temperature: float):
+    """A tiny target, a lookup-boosted drafter, requests, their sampling and their plain outputs."""
     target = tiny_target("qwen3", seed=8)
     drafter, _ = make_method("ddtree-4+pld", target, [], [], 5, 8)
     requests = requests_for(target, 8, 4)
@@ -244,6 +244,12 @@ def test_rounds_at_budget_0_are_plain_decoding_steps(temperature):
     plain = [
         alone(SpeculativeEngine(TargetModel(target), None, ChainBuilder()), r, sampling) for r in requests
     ]
+    return target, drafter, requests, sampling, plain
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_rounds_at_budget_0_are_plain_decoding_steps(temperature):
+    target, drafter, requests, sampling, plain = boosted_case(temperature)
     never = SpeculativeEngine(TargetModel(target), drafter, FixedPlan([0]))
     stats = [GenerationStats() for _ in requests]
     assert batched(never, requests, sampling, 3, stats) == plain  # the same samples too, seed for seed
@@ -258,13 +264,7 @@ def test_rounds_at_budget_0_are_plain_decoding_steps(temperature):
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_free_copies_in_rounds_without_a_tree_change_no_output(temperature):
-    target = tiny_target("qwen3", seed=8)
-    drafter, _ = make_method("ddtree-4+pld", target, [], [], 5, 8)
-    requests = requests_for(target, 8, 4)
-    sampling = SamplingParams(temperature=temperature)
-    plain = [
-        alone(SpeculativeEngine(TargetModel(target), None, ChainBuilder()), r, sampling) for r in requests
-    ]
+    target, drafter, requests, sampling, plain = boosted_case(temperature)
     copying = SpeculativeEngine(TargetModel(target), drafter, FixedPlan([0, 0, 3], copies=True))
     stats = [GenerationStats() for _ in requests]
     each = [alone(copying, r, sampling) for r in requests]
