@@ -26,7 +26,6 @@ probability the drafter expects it kept (figures: benchmarks/README.md, as above
 
 from __future__ import annotations
 
-import itertools
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -114,36 +113,23 @@ def plan_copies(
     0..L (None: none offered), taken only where the sequence drafts no tree (B_i = 0), never longer
     than ``taus[i]`` reaches (the cost is not extrapolated). A copy costs no drafting, only its
     tokens' share of the forward and ``copy_seconds`` per sequence that takes one (its chain and
-    mask): its tokens join most likely first (as on :func:`plan_budgets`' greedy path) and the point
-    of that path with the best rate is kept. Plain Python: a round has a few dozen copied tokens at
-    most, and numpy's per-call cost would exceed the work."""
-    gained = sum(tau[budget] for tau, budget in zip(taus, budgets, strict=True))
-    tokens = sum(budgets) + len(budgets)
-    steps = []  # (rank key, sequence, gain): a running minimum keeps each copy's tokens in order
-    for i, (tau, budget, copy) in enumerate(zip(taus, budgets, copies, strict=True)):
-        if copy is None or budget:
-            continue
-        key = float("inf")
-        for before, after in itertools.pairwise(copy[: len(tau)]):
-            key = min(key, after - before)
-            steps.append((key, i, after - before))
-    steps.sort(key=lambda step: -step[0])  # stable: a copy's tokens stay in order among equals
-    overhead = draft_seconds * sum(budget > 0 for budget in budgets) + fixed_seconds
-    cost = np.maximum.accumulate(np.asarray(verify_seconds, dtype=float)).tolist()  # as in plan_budgets
-    best, taken = gained / (cost[tokens] + overhead), 0
-    copying: set[int] = set()
-    for count, (_, i, gain) in enumerate(steps, start=1):
-        if i not in copying:
-            copying.add(i)
-            overhead += copy_seconds
-        gained, tokens = gained + gain, tokens + 1
-        rate = gained / (cost[tokens] + overhead)
-        if rate > best:
-            best, taken = rate, count
-    lengths = [0] * len(budgets)
-    for _, i, _ in steps[:taken]:
-        lengths[i] += 1
-    return lengths
+    mask): its tokens join most likely first, along the same greedy path as the budgets', and the
+    point of that path with the best rate is kept."""
+    cost = np.maximum.accumulate(np.asarray(verify_seconds, dtype=float))
+    offered = [copy is not None and budget == 0 for budget, copy in zip(budgets, copies, strict=True)]
+    curves = [
+        np.asarray(copy[: len(tau)] if offer else tau[: budget + 1], dtype=float)
+        for tau, budget, copy, offer in zip(taus, budgets, copies, offered, strict=True)
+    ]
+    drafting = sum(budget > 0 for budget in budgets)
+
+    def rates(gained, tokens, starts):  # the path's "drafting" counts the drafting sequences, then copies
+        copying = starts - drafting
+        return gained / (cost[tokens] + draft_seconds * drafting + copy_seconds * copying + fixed_seconds)
+
+    lowest = [0 if offer else budget for budget, offer in zip(budgets, offered, strict=True)]
+    lengths = _best_on_greedy_path(curves, lowest, rates)
+    return [length if offer else 0 for length, offer in zip(lengths, offered, strict=True)]
 
 
 def _best_on_greedy_path(curves: list[np.ndarray], lowest: list[int], rates) -> list[int]:
