@@ -49,3 +49,6 @@ def test_measuring_is_monotone_in_every_axis_and_the_cache_is_reused(tmp_path, m
     assert load_or_measure_batch_cost(target, cache_dir=tmp_path) == first
     monkeypatch.setattr(batch_cost, "still_valid", lambda curve, target: False)  # a changed machine
     assert load_or_measure_batch_cost(target, cache_dir=tmp_path).measured_at >= first.measured_at
+    monkeypatch.setattr(batch_cost, "still_valid", lambda curve, target: True)
+    monkeypatch.setattr(batch_cost, "SIZES", (1, 2, 3))  # a newer grid: the cached curve is measured anew
+    assert load_or_measure_batch_cost(target, cache_dir=tmp_path).sizes == [1, 2, 3]

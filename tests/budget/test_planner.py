@@ -16,6 +16,8 @@ from diffdraft.budget.planner import (
     BudgetPlanner,
     ObservedRound,
     choose_budget,
+    latest_drafted_rounds,
+    rounds_of,
     surrogate_acceptance,
 )
 from diffdraft.drafters.base import Proposal
@@ -176,3 +178,22 @@ def test_the_choice_never_takes_a_dip_in_a_calibrated_cost_as_a_cheaper_tree():
     choice = choose_budget(lambda q, n: costs[q], [1.0, 1.5, 1.6, 1.7], 512)
     assert choice.expected[3] == pytest.approx(1.7 / 0.03)  # costed as 2 nodes were, not less
     assert choice.budget == 1
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_latest_drafted_rounds_are_the_tail_of_the_rounds_that_drafted(seed):
+    rng = np.random.default_rng(seed)
+    stats = GenerationStats()
+    for index in range(90):
+        kind = rng.choice(["drafted", "plain", "copy"])
+        if kind == "copy":
+            stats.copy_rounds.append(index)
+        size = 0 if kind == "plain" else int(rng.integers(1, 9))
+        stats.tree_sizes.append(size)
+        stats.accepted_nodes.append(list(range(1, int(rng.integers(0, size + 1)) + 1)))
+        stats.verify_contexts.append(100 + index)
+        stats.verify_seconds.append(float(rng.random()))
+        stats.verify_forwards.append((int(rng.integers(1, 4)), size + 1, 100 + index))
+    drafted = [r for r in rounds_of(stats) if r.budget > 0]
+    for count in (1, 5, 32, 200):
+        assert latest_drafted_rounds(stats, count) == drafted[-count:]

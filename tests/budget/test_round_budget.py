@@ -154,6 +154,34 @@ def test_a_sequence_that_stopped_drafting_re_estimates_after_one_exploring_round
     assert rounds.expected_tau(stats)[1] > first[1]
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_the_estimate_is_refreshed_when_the_rounds_since_it_say_so_counted_as_they_come(seed):
+    """Counted round by round (the planner asks twice a round), the estimate goes stale exactly when
+    the rounds since it, read whole, say: ``refresh`` drafted rounds, or one once a round around or
+    since it drafted nothing (a plain round or a free copy)."""
+    rounds = losing_planner()
+    made = []
+    rounds.planner.expected_tau = lambda stats: made.append([1.0]) or made[-1]
+    rng = np.random.default_rng(seed)
+    stats = GenerationStats()
+    start = None
+    for _ in range(120):
+        if start is not None:
+            drafted = sum(size > 0 for size in stats.drafter_sizes(start))
+            skipped = 0 in stats.drafter_sizes(max(0, start - 1))
+            stale = drafted >= (1 if skipped else rounds.refresh)
+        before = len(made)
+        for _ in range(int(rng.integers(1, 3))):
+            rounds.expected_tau(stats)
+        assert len(made) == before + (start is None or stale)
+        if len(made) > before:
+            start = len(stats.tree_sizes)
+        kind = rng.choice(["drafted", "plain", "copy"], p=[0.7, 0.2, 0.1])
+        if kind == "copy":
+            stats.copy_rounds.append(len(stats.tree_sizes))
+        stats.tree_sizes.append(0 if kind == "plain" else int(rng.integers(1, 9)))
+
+
 def test_finished_sequences_teach_the_stage_costs_and_the_shared_forwards_scale():
     from diffdraft.budget.batch_cost import BatchCostCurve
 
@@ -276,6 +304,36 @@ def test_free_copies_in_rounds_without_a_tree_change_no_output(temperature):
         assert all(s.tree_sizes[i] > 0 for i in s.copy_rounds)
         assert len(rounds_of(s)) == s.rounds - len(s.copy_rounds)  # the planner learns no copy round
         assert s.drafter_sizes() == [0 if i in s.copy_rounds else n for i, n in enumerate(s.tree_sizes)]
+
+
+def test_a_round_where_not_even_the_copy_ceiling_pays_looks_for_no_copy(monkeypatch):
+    from diffdraft.drafters.lookup_boost import LookupBoostedDrafter
+
+    target, drafter, requests, sampling, plain = boosted_case(0.0)
+    looked = []
+    offer = LookupBoostedDrafter.copy_offer
+    monkeypatch.setattr(LookupBoostedDrafter, "copy_offer", lambda *a: looked.append(1) or offer(*a))
+    never = SpeculativeEngine(TargetModel(target), drafter, FixedPlan([0], copies=False))
+    assert batched(never, requests, sampling, 3) == plain
+    assert not looked
+    copying = SpeculativeEngine(TargetModel(target), drafter, FixedPlan([0], copies=True))
+    assert batched(copying, requests, sampling, 3) == plain
+    assert looked
+
+
+def test_a_copy_plan_like_the_last_is_reused(monkeypatch):
+    from diffdraft.budget import round_budget
+
+    planned = []
+    monkeypatch.setattr(round_budget, "plan_copies", lambda *args: planned.append(args) or [0])
+    rounds = losing_planner()
+    sequences = [RoundSequence(drafted_once(1), 100, True)]
+    ceiling = [1.0, 1.5, 1.75]
+    for _ in range(3):
+        assert rounds.copy_lengths(sequences, [0], [ceiling]) == [0]
+    assert len(planned) == 1  # the same ceiling, budgets and costs: the last plan stands
+    rounds.copy_lengths(sequences, [0], [list(ceiling)])  # another list: planned anew
+    assert len(planned) == 2
 
 
 def test_copied_tokens_join_while_they_raise_the_rate_most_likely_first():

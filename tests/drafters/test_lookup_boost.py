@@ -130,3 +130,20 @@ def test_a_copy_offer_expects_each_copied_token_kept_with_the_product_of_the_wei
     boosted.take_copy(boosted.copy_offer(context, 3), 1, context)
     kept = np.cumprod([2 / 3, 2 / 3, 1 / 3])
     assert boosted.copy_offer(context, 3).expected == pytest.approx([1.0, *(1.0 + np.cumsum(kept))])
+
+
+def test_the_copy_ceiling_bounds_every_offer_and_holds_until_a_copy_is_scored():
+    boosted = LookupBoostedDrafter(FixedDrafter(LOG_PROBS))
+    ceiling = boosted.copy_ceiling(3)
+    assert ceiling == pytest.approx([1.0, 1.5, 1.75, 1.875])  # w = 1/2 everywhere before any evidence
+    assert boosted.copy_ceiling(3) is ceiling  # asked every round: the same list while it holds
+    context = [7, 8, 9, 1, 2, 3, 4, 7, 8, 9, 1, 2, 3, 0, 7, 8, 9]  # "7 8 9" repeats: a 3-gram match
+    boosted.take_copy(boosted.copy_offer(context, 3), 3, context)
+    context = [*context, 1, 2, 5, 7]  # depths 1-2 of the 3-gram copy confirmed, depth 3 missed
+    boosted.take_copy(boosted.copy_offer(context, 3), 1, context)
+    raised = boosted.copy_ceiling(3)
+    assert raised is not ceiling and raised[1] > ceiling[1]  # the 3-gram's depth 1 now kept 2 in 3
+    for end in range(2, len(context) + 1):
+        offer = boosted.copy_offer(context[:end], 3)
+        if offer is not None:
+            assert all(e <= c + 1e-12 for e, c in zip(offer.expected, raised, strict=False))

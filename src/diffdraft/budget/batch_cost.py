@@ -28,8 +28,11 @@ from diffdraft.util.progress import progress_bar
 
 BATCHES = (2, 4, 8)
 """Sequences per forward; one alone is the single-sequence curve's."""
-SIZES = (1, 4, 8, 16)
-"""Tokens per sequence: batched rounds pay for small trees only (larger totals extrapolate)."""
+SIZES = (1, 2, 4, 8, 16)
+"""Tokens per sequence: batched rounds pay for small trees only (larger totals extrapolate). Size 2
+is measured because the first tokens a round adds cost the most: at batch 6 one more token took
+1.0-1.3 ms where a line from size 1 to 4 promised 0.7, and free copies taken on that promise lost
+(figures: benchmarks/README.md, 'Measurements behind the code')."""
 CONTEXTS = (128, 512)
 
 
@@ -148,13 +151,14 @@ def still_valid(curve: BatchCostCurve, target: TargetModel, tolerance: float = 0
 def load_or_measure_batch_cost(
     target: TargetModel, cache_dir: str | Path | None = None, progress: bool = False
 ) -> BatchCostCurve:
-    """The cached curve for this model shape and device, measured (and cached) when absent or when a
-    spot check no longer matches it."""
+    """The cached curve for this model shape and device, measured (and cached) when absent, when it
+    was measured on another grid of points, or when a spot check no longer matches it."""
     folder = Path(cache_dir) if cache_dir is not None else cache_root() / "batch_verify_cost"
     file = folder / f"{curve_key(target)}.json"
     if file.is_file():
         cached = BatchCostCurve(**json.loads(file.read_text()))
-        if still_valid(cached, target):
+        grid = (cached.batches, cached.sizes, cached.contexts)
+        if grid == (list(BATCHES), list(SIZES), list(CONTEXTS)) and still_valid(cached, target):
             return cached
     curve = measure_batch_cost(target, BATCHES, SIZES, CONTEXTS, progress=progress)
     folder.mkdir(parents=True, exist_ok=True)

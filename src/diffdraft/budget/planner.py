@@ -98,20 +98,32 @@ def rounds_of(stats: GenerationStats) -> list[ObservedRound]:
     round, recorded by the round itself, so nothing from another sequence can be mixed in. Rounds
     that verified a free copy are left out: their nodes are no DDTree's best-first ranks."""
     copies = set(stats.copy_rounds)
-    return [
-        ObservedRound(size, accepted, context, seconds, None if forward[0] == 1 else tuple(forward))
-        for index, (size, accepted, context, seconds, forward) in enumerate(
-            zip(
-                stats.tree_sizes,
-                stats.accepted_nodes,
-                stats.verify_contexts,
-                stats.verify_seconds,
-                stats.verify_forwards,
-                strict=True,
-            )
-        )
-        if index not in copies
-    ]
+    return [_observed(stats, index) for index in range(len(stats.tree_sizes)) if index not in copies]
+
+
+def latest_drafted_rounds(stats: GenerationStats, count: int) -> list[ObservedRound]:
+    """The last ``count`` of :func:`rounds_of` whose drafter built a tree (budget > 0), read from the
+    end: a running sequence is asked for them every few rounds, and under load most of its rounds
+    drafted nothing."""
+    sizes = stats.drafter_sizes()
+    latest = []
+    for index in range(len(sizes) - 1, -1, -1):
+        if len(latest) == count:
+            break
+        if sizes[index] > 0:
+            latest.append(index)
+    return [_observed(stats, index) for index in reversed(latest)]
+
+
+def _observed(stats: GenerationStats, index: int) -> ObservedRound:
+    forward = stats.verify_forwards[index]
+    return ObservedRound(
+        stats.tree_sizes[index],
+        stats.accepted_nodes[index],
+        stats.verify_contexts[index],
+        stats.verify_seconds[index],
+        None if forward[0] == 1 else tuple(forward),
+    )
 
 
 PRIOR_ROUNDS = 16
@@ -253,7 +265,7 @@ class BudgetPlanner:
             observed, counts, growth = self._finished()
             gains = (observed + PRIOR_ROUNDS * gains * growth) / (counts + PRIOR_ROUNDS)
         if sequence is not None and sequence.rounds:
-            own = [r for r in rounds_of(sequence) if r.budget > 0][-OWN_ROUNDS:]
+            own = latest_drafted_rounds(sequence, OWN_ROUNDS)
             observed, counts = _rank_gains(own, self.max_budget)
             gains = (observed + PRIOR_ROUNDS * gains) / (counts + PRIOR_ROUNDS)
         return [1.0, *(1.0 + np.cumsum(gains)).tolist()]

@@ -33,7 +33,7 @@ import numpy as np
 
 from diffdraft.budget.batch_cost import BatchCostCurve
 from diffdraft.budget.planner import MIN_TIMED_ROUNDS, BudgetPlanner, rounds_of
-from diffdraft.runtime.stats import GenerationStats
+from diffdraft.runtime.stats import GenerationStats, TauEstimate
 from diffdraft.trees import RoundSequence
 
 DRAFT_STAGES = ("draft", "tree", "mask")
@@ -221,6 +221,9 @@ class RoundBudgetPlanner:
         self._last_plan: tuple[list[list[float]], tuple, list[int]] | None = None
         """The last round's estimates, other inputs and budgets."""
         self._last_costs: tuple[tuple, tuple[np.ndarray, float, float]] | None = None
+        self._last_copies: tuple[list, list, tuple, list[int]] | None = None
+        """The last copy plan's estimates, copies (the same objects while a copier's ceiling holds),
+        other inputs and lengths."""
         """The last round's costs (:meth:`_round_costs`) and what they were computed for."""
 
     def prepare_batches(self) -> None:
@@ -313,11 +316,22 @@ class RoundBudgetPlanner:
     ) -> list[int]:
         """How many tokens of each sequence's free copy to verify this round, the round's ``budgets``
         (:meth:`plan`) held (:func:`plan_copies`; ``copies``: each copy's expected acceptance length
-        per copied length, None where none is offered)."""
+        per copied length, None where none is offered). Copies that are the very objects of the last
+        call, all else alike, get its lengths (the copiers' ceilings, asked every round)."""
         taus = [self.expected_tau(s.stats) if s.can_draft else NO_DRAFT for s in sequences]
         context = sum(s.context for s in sequences) / len(sequences)
-        copy_seconds = self.copy_seconds(len(sequences) == 1)
-        return plan_copies(taus, budgets, copies, *self._round_costs(taus, context), copy_seconds)
+        costs = self._round_costs(taus, context)
+        inputs = (list(budgets), costs, self.copy_seconds(len(sequences) == 1))
+        if self._last_copies is not None:
+            last_taus, last_copies, last_inputs, lengths = self._last_copies
+            same = len(last_copies) == len(copies) and last_inputs[0] == inputs[0]
+            same = same and last_inputs[1] is costs and last_inputs[2] == inputs[2]
+            same = same and all(a is b for a, b in zip(last_taus, taus, strict=True))
+            if same and all(a is b for a, b in zip(last_copies, copies, strict=True)):
+                return list(lengths)
+        lengths = plan_copies(taus, budgets, copies, *costs, inputs[2])
+        self._last_copies = (taus, list(copies), inputs, lengths)  # holds them, so `is` sees no reused id
+        return list(lengths)
 
     def _round_costs(self, taus: list[list[float]], context: float) -> tuple[np.ndarray, float, float]:
         """(forward seconds per total of tokens the ``taus`` cover, seconds one drafting sequence adds,
@@ -337,19 +351,22 @@ class RoundBudgetPlanner:
         a newly finished sequence, or after any drafted round once it skipped drafting. The same list
         object while fresh (:meth:`plan` compares by identity)."""
         estimate = stats.tau_estimate
-        fresh = estimate is not None and estimate[1:3] == (len(stats.surrogates), self._learned)
+        fresh = (
+            estimate is not None
+            and estimate.surrogates == len(stats.surrogates)
+            and estimate.learned == self._learned
+        )
         if fresh:
-            drafted = sum(size > 0 for size in stats.drafter_sizes(estimate[0]))
-            skipped = 0 in stats.drafter_sizes(max(0, estimate[0] - 1))  # around or since the estimate
-            fresh = drafted < (1 if skipped else self.refresh)
+            if estimate.checked < len(stats.tree_sizes):
+                estimate.count(stats.drafter_sizes(estimate.checked))
+            fresh = estimate.drafted < (1 if estimate.skipped else self.refresh)
         if not fresh:
-            stats.tau_estimate = estimate = (
-                len(stats.tree_sizes),
-                len(stats.surrogates),
-                self._learned,
-                self.planner.expected_tau(stats),
-            )
-        return estimate[3]
+            start = len(stats.tree_sizes)
+            taus = self.planner.expected_tau(stats)
+            checked = max(0, start - 1)
+            estimate = TauEstimate(taus, start, len(stats.surrogates), self._learned, checked)
+            stats.tau_estimate = estimate
+        return estimate.taus
 
     def _must_explore(self, stats: GenerationStats, sequences: int) -> bool:
         if not stats.surrogates:

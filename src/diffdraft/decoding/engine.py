@@ -20,7 +20,8 @@ import torch
 from diffdraft.decoding.sequence_spec import SequenceSpec
 from diffdraft.decoding.verify import accept
 from diffdraft.drafters.base import CopyingDrafter, CopyOffer, Drafter, Proposal, propose_together
-from diffdraft.runtime.sampling import SamplingParams, greedy_tokens, sample_from
+from diffdraft.kernels.quantized.row_argmax import greedy_rows
+from diffdraft.runtime.sampling import SamplingParams, sample_from
 from diffdraft.runtime.stats import StageTimer
 from diffdraft.runtime.stopping import StopDecision
 from diffdraft.target.model import TargetModel, TargetOutput, VerifyInput
@@ -64,7 +65,10 @@ class SpeculativeEngine:
             return [RoundPlan()] * len(sequences)
         rounds = [RoundSequence(s.stats, s.context, s.draft_depth() > 0) for s in sequences]
         budgets = self.planner.plan(rounds)
-        offers = [s.copy_offer() if b == 0 else None for s, b in zip(sequences, budgets, strict=True)]
+        ceilings = [s.copy_ceiling() if b == 0 else None for s, b in zip(sequences, budgets, strict=True)]
+        if not any(ceilings) or not any(self.planner.copy_lengths(rounds, budgets, ceilings)):
+            return [RoundPlan(budget) for budget in budgets]  # not even the likeliest copies would pay
+        offers = [s.copy_offer() if c else None for s, c in zip(sequences, ceilings, strict=True)]
         if not any(offers):
             return [RoundPlan(budget) for budget in budgets]
         lengths = self.planner.copy_lengths(rounds, budgets, [o and o.expected for o in offers])
@@ -164,6 +168,14 @@ class SequenceRun:
             return 0
         return max(0, min(self.drafter.max_depth, self.stop.remaining(len(self.generated)) - 1))
 
+    def copy_ceiling(self) -> list[float] | None:
+        """The most a free copy could expect this round (None: no drafter that copies, or no token
+        left to draft): :meth:`CopyingDrafter.copy_ceiling`."""
+        depth = self.draft_depth()
+        if self.copier is None or depth == 0:
+            return None
+        return self.copier.copy_ceiling(depth)
+
     def copy_offer(self) -> CopyOffer | None:
         """The free copy the drafter offers this round (None: none, or no token left to draft)."""
         depth = self.draft_depth()
@@ -224,10 +236,12 @@ class SequenceRun:
             result = accept(tree, out.logits, self.sampling, self.generator)
         with self.timer("commit"):
             self.target.keep_path(self.cache, start, result.path)
+            path = _rows(result.path)
             if self.drafter is not None:
-                hidden = out.hidden[result.path] if out.hidden is not None else None
+                # a copy: a view would keep the whole batch's taps alive while the drafter waits to draft
+                hidden = out.hidden[path].clone() if out.hidden is not None else None
                 self.drafter.extend_context(hidden, start)
-            new = [*tree.tokens[result.path[1:]].tolist(), result.next_token]
+            new = [*tree.tokens[path][1:].tolist(), result.next_token]
         stats = self.stats
         stats.rounds += 1
         stats.acceptance_lengths.append(len(new))
@@ -237,7 +251,7 @@ class SequenceRun:
             stats.copy_rounds.append(len(stats.tree_sizes))
         stats.tree_sizes.append(tree.num_nodes)
         stats.verify_contexts.append(start)
-        return self._extend(new, out.logits[result.path] if self.logprobs is not None else None)
+        return self._extend(new, out.logits[path] if self.logprobs is not None else None)
 
     def _extend(self, new: list[int], logits: torch.Tensor | None) -> list[int]:
         """Commit ``new`` (cut at a stop condition); ``logits`` [len(new), V]: the distribution each
@@ -253,7 +267,14 @@ class SequenceRun:
         return new
 
 
+def _rows(path: list[int]) -> list[int] | slice:
+    """The accepted ``path`` (rising tree indices from the root 0) as an index of the tree's rows: a
+    slice when it is the first rows, as every chain's and plain decoding's is (a list index costs
+    several times a slice, paid by every sequence every round)."""
+    return slice(0, len(path)) if path[-1] == len(path) - 1 else path
+
+
 def _pick(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> int:
     if sampling.greedy:
-        return int(greedy_tokens(logits))
+        return int(greedy_rows(logits))
     return int(sample_from(sampling.probs(logits), generator))

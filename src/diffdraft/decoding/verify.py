@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from diffdraft.runtime.sampling import SamplingParams, greedy_tokens, sample_from
+from diffdraft.kernels.quantized.row_argmax import greedy_rows
+from diffdraft.runtime.sampling import SamplingParams, sample_from
 from diffdraft.trees.tree import DraftTree
 
 
@@ -43,7 +44,7 @@ def accept(
             f"target_logits has {target_logits.shape[0]} rows but the tree has {tree.tokens.shape[0]} nodes"
         )
     if sampling.greedy:
-        return _walk(tree, greedy_tokens(target_logits).tolist())
+        return _walk(tree, greedy_rows(target_logits).tolist())
     probs = sampling.probs(target_logits)
     if tree.draft_probs is not None:
         return _rejection_sample(tree, probs, generator)

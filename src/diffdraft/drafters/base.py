@@ -150,6 +150,12 @@ class CopyingDrafter(Protocol):
         root last), or None when there is none."""
         ...
 
+    def copy_ceiling(self, depth: int) -> list[float]:
+        """The most any offer of up to ``depth`` tokens can expect now, per copied length (as
+        :attr:`CopyOffer.expected`): a round plan in which even this would not pay skips looking for
+        the copy. The same list object while it holds."""
+        ...
+
     def take_copy(self, offer: CopyOffer, length: int, token_ids: list[int]) -> Proposal:
         """The proposal of the offer's first ``length`` tokens (for the same ``token_ids``), which the
         round verifies: the drafter learns from what the target makes of it."""

@@ -56,6 +56,9 @@ class LookupBoostedDrafter:
         self._confirmed = np.zeros(shape, dtype=np.float32)
         self._checked = np.zeros(shape, dtype=np.float32)
         self._last_copy: tuple[int, int, list[int]] = (0, 0, [])  # root index, n, copied tokens
+        self._scorings = 0
+        """Copies scored so far: the calibration's version."""
+        self._ceiling: tuple[tuple[int, int], list[float]] | None = None
 
     def weights(self, ngram: int, depth: int) -> np.ndarray:
         """w_d for depths 1..depth after an ``ngram`` match: fixed, or (confirmed + 1) / (checked + 2)."""
@@ -67,6 +70,7 @@ class LookupBoostedDrafter:
         """Compare last round's copy with what the target emitted since, up to its first miss."""
         root, ngram, copied = self._last_copy
         emitted = token_ids[root + 1 :]
+        self._scorings += bool(copied and emitted)
         for d, (guess, actual) in enumerate(zip(copied, emitted, strict=False)):
             self._checked[ngram, d] += 1
             if guess != actual:
@@ -102,6 +106,18 @@ class LookupBoostedDrafter:
             return None
         kept = self.weights(ngram, len(follow)).cumprod()
         return CopyOffer(follow, ngram, [1.0, *(1.0 + kept.cumsum()).tolist()])
+
+    def copy_ceiling(self, depth: int) -> list[float]:
+        """What a copy of up to ``depth`` tokens would expect were every copied token kept with the
+        best weight any n-gram length has at its depth: no offer can expect more (recomputed only
+        when a copy was scored since)."""
+        depth = min(depth, self.lookup.max_depth)
+        key = (depth, self._scorings)
+        if self._ceiling is None or self._ceiling[0] != key:
+            ngrams = range(self.lookup.min_ngram, self.lookup.max_ngram + 1)
+            best = np.max([self.weights(n, depth) for n in ngrams], axis=0)
+            self._ceiling = (key, [1.0, *(1.0 + best.cumprod().cumsum()).tolist()])
+        return self._ceiling[1]
 
     def take_copy(self, offer: CopyOffer, length: int, token_ids: list[int]) -> Proposal:
         """The offer's first ``length`` tokens; the whole copy is scored against what the target

@@ -15,6 +15,33 @@ STAGES = ("prefill", "draft", "tree", "mask", "verify", "accept", "commit")
 
 
 @dataclass
+class TauEstimate:
+    """A round planner's expected acceptance length per budget for one sequence, with what it was
+    estimated from and what happened since, counted as rounds come (the planner asks every round, and
+    rescanning every round since the estimate cost a batch-6 round a visible share of its time)."""
+
+    taus: list[float]
+    start: int
+    """The sequence's rounds when it was estimated."""
+    surrogates: int
+    learned: int
+    """The planner's finished sequences then."""
+    checked: int
+    """The first round not yet counted into :attr:`drafted` and :attr:`skipped` (from ``start - 1``)."""
+    drafted: int = 0
+    """Rounds from :attr:`start` on whose tree the drafter built."""
+    skipped: bool = False
+    """Whether a round from ``start - 1`` on (around or since the estimate) verified no drafter's tree."""
+
+    def count(self, sizes: Sequence[int]) -> None:
+        """Count the rounds from :attr:`checked` on, ``sizes`` being their drafter's tree sizes (0: it
+        built none)."""
+        self.drafted += sum(size > 0 for size in sizes[max(0, self.start - self.checked) :])
+        self.skipped = self.skipped or 0 in sizes
+        self.checked += len(sizes)
+
+
+@dataclass
 class GenerationStats:
     rounds: int = 0
     """Verification forwards after the prefill."""
@@ -46,10 +73,9 @@ class GenerationStats:
     """The drafter's promised acceptance per budget on each of the auto budget's refresh rounds: the
     sequence's own prior while it runs, and what the planner learns from once it finished (a planner
     input, so not in :meth:`to_dict`)."""
-    tau_estimate: tuple[int, int, int, list[float]] | None = None
-    """The round planner's expected acceptance length per budget for this sequence, with the rounds,
-    surrogates and the planner's finished sequences it was estimated from (re-estimated every few
-    drafted rounds: a planner input, so not in :meth:`to_dict`)."""
+    tau_estimate: TauEstimate | None = None
+    """The round planner's expected acceptance length per budget for this sequence (re-estimated
+    every few drafted rounds: a planner input, so not in :meth:`to_dict`)."""
     timings: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
     """Seconds spent per stage over the whole generation."""
     copy_seconds: float = 0.0

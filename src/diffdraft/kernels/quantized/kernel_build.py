@@ -1,5 +1,6 @@
-"""Compile the block-quantized matmuls (``int8_matmul.cpp``, ``q4_1_matmul.cpp``) and the fused
-decoder-layer ops (``decoder_ops.cpp``) once per machine into one library and load it into torch.
+"""Compile the block-quantized matmuls (``int8_matmul.cpp``, ``q4_1_matmul.cpp``), the fused
+decoder-layer ops (``decoder_ops.cpp``) and the greedy pick (``row_argmax.cpp``) once per machine into
+one library and load it into torch.
 
 The kernels need AVX-512 with the bfloat16 and the int8 (VNNI) dot products and a C++ compiler; they
 are compiled against the installed torch on first use (about 20 s) into the diffdraft cache, keyed by
@@ -26,6 +27,7 @@ from diffdraft.util.staging import temp_dir_beside
 SOURCE = Path(__file__).with_name("q4_1_matmul.cpp")
 INT8_SOURCE = Path(__file__).with_name("int8_matmul.cpp")
 DECODER_SOURCE = Path(__file__).with_name("decoder_ops.cpp")
+ARGMAX_SOURCE = Path(__file__).with_name("row_argmax.cpp")
 FLAGS = ["-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
          "-mavx512bf16", "-mavx512vnni", "-mfma"]  # fmt: skip
 """No -march=native: the cached library must not use instructions of the machine that compiled it
@@ -71,7 +73,7 @@ def _library_path() -> Path:
 
 def _sources() -> tuple[Path, ...]:
     """Read at call time, so a test can swap one."""
-    return SOURCE, INT8_SOURCE, DECODER_SOURCE
+    return SOURCE, INT8_SOURCE, DECODER_SOURCE, ARGMAX_SOURCE
 
 
 def _compile(library: Path) -> None:
