@@ -134,6 +134,28 @@ def test_a_round_like_the_last_reuses_its_plan(monkeypatch):
     assert len(planned) == 3
 
 
+def test_a_plan_that_left_a_batch_plain_stands_a_few_rounds_unless_it_copied(monkeypatch):
+    rounds = losing_planner()
+    made = []
+    inner = rounds._plan
+    monkeypatch.setattr(rounds, "_plan", lambda sequences: made.append(1) or inner(sequences))
+    pair = [RoundSequence(drafted_once(1), 100, True), RoundSequence(drafted_once(1), 100, True)]
+    for _ in range(rounds.plain_rounds + 2):
+        assert rounds.plan(pair) == [0, 0]
+        assert rounds.copy_lengths(pair, [0, 0], [None, None]) == [0, 0]
+    assert len(made) == 2  # made, stood plain_rounds rounds, made again
+    rounds.plan([pair[0], RoundSequence(drafted_once(1), 100, True)])  # other sequences: made anew
+    assert len(made) == 3
+    for _ in range(3):
+        rounds.plan([pair[0]])  # alone, a sequence is planned every round
+    assert len(made) == 6
+    monkeypatch.setattr(rounds, "_copy_lengths", lambda *args: [1, 0])
+    rounds.plan(pair)
+    assert rounds.copy_lengths(pair, [0, 0], [[1.0, 1.9], None]) == [1, 0]
+    rounds.plan(pair)  # the round copied: not plain, planned again
+    assert len(made) == 8
+
+
 def test_a_sequence_that_stopped_drafting_re_estimates_after_one_exploring_round():
     rounds = losing_planner()
     stats = drafted_once(3)

@@ -178,7 +178,10 @@ class RoundBudgetPlanner:
     round once it stopped drafting (an exploration is news), with each new surrogate and when a
     finished sequence taught the planner, not every round (it reads the sequence's latest rounds); a
     round whose inputs did not change but for contexts within ``context_step`` tokens reuses the last
-    plan (at batch 8 planning is a noticeable share of a round; figures as above).
+    plan (at batch 8 planning is a noticeable share of a round; figures as above), and a plan that
+    left a batch all plain (no tree, no copy) stands for the same sequences ``plain_rounds`` rounds
+    before it is made again: under load nearly every round plans that, and a few rounds late is
+    nothing to an exploration due every ``explore_every`` rounds per sequence.
     """
 
     def __init__(
@@ -191,6 +194,7 @@ class RoundBudgetPlanner:
         window: int = 64,
         timed_rounds: int = 128,
         context_step: int = 64,
+        plain_rounds: int = 8,
     ) -> None:
         """``batch_cost`` may be a loader, called on the first round shared by several sequences:
         measuring it takes a while, and a process that never batches never pays for it."""
@@ -216,6 +220,10 @@ class RoundBudgetPlanner:
         and it counts once."""
         self.timed_rounds = timed_rounds
         self.context_step = context_step
+        self.plain_rounds = plain_rounds
+        self._plain: tuple[list[GenerationStats], int] | None = None
+        """The sequences of a batch the last plan left all plain (budget 0, no copy), as their stats,
+        and the rounds that plan has stood."""
         self._learned = 0
         """Finished sequences observed: a new one makes every estimate and plan stale."""
         self._last_plan: tuple[list[list[float]], tuple, list[int]] | None = None
@@ -295,6 +303,16 @@ class RoundBudgetPlanner:
 
     def plan(self, sequences: Sequence[RoundSequence]) -> list[int]:
         """Each sequence's node budget this round (0: it verifies its pending token alone)."""
+        plain = self._plain
+        if plain is not None and plain[1] < self.plain_rounds and _same(plain[0], sequences):
+            self._plain = (plain[0], plain[1] + 1)
+            return [0] * len(sequences)
+        budgets = self._plan(sequences)
+        all_plain = len(sequences) > 1 and not any(budgets)  # alone, a sequence must notice soon
+        self._plain = ([s.stats for s in sequences], 0) if all_plain else None
+        return budgets
+
+    def _plan(self, sequences: Sequence[RoundSequence]) -> list[int]:
         taus = [self.expected_tau(s.stats) if s.can_draft else NO_DRAFT for s in sequences]
         explore = [s.can_draft and self._must_explore(s.stats, len(sequences)) for s in sequences]
         context = sum(s.context for s in sequences) / len(sequences)  # numpy's mean costs more, every round
@@ -318,6 +336,19 @@ class RoundBudgetPlanner:
         (:meth:`plan`) held (:func:`plan_copies`; ``copies``: each copy's expected acceptance length
         per copied length, None where none is offered). Copies that are the very objects of the last
         call, all else alike, get its lengths (the copiers' ceilings, asked every round)."""
+        if self._plain is not None and self._plain[1] > 0:
+            return [0] * len(sequences)  # a plain plan that stands: no copies either
+        lengths = self._copy_lengths(sequences, budgets, copies)
+        if any(lengths):
+            self._plain = None
+        return lengths
+
+    def _copy_lengths(
+        self,
+        sequences: Sequence[RoundSequence],
+        budgets: Sequence[int],
+        copies: Sequence[Sequence[float] | None],
+    ) -> list[int]:
         taus = [self.expected_tau(s.stats) if s.can_draft else NO_DRAFT for s in sequences]
         context = sum(s.context for s in sequences) / len(sequences)
         costs = self._round_costs(taus, context)
@@ -374,6 +405,10 @@ class RoundBudgetPlanner:
         interval = self.explore_alone if sequences == 1 else self.explore_every * sequences
         rounds = len(stats.tree_sizes)
         return rounds >= interval and not any(stats.drafter_sizes(rounds - interval))
+
+
+def _same(stats: list[GenerationStats], sequences: Sequence[RoundSequence]) -> bool:
+    return len(stats) == len(sequences) and all(a is s.stats for a, s in zip(stats, sequences, strict=True))
 
 
 def _mean_of(seconds: dict[bool, deque[float]], alone: bool) -> float:
