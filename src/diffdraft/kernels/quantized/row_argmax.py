@@ -1,5 +1,5 @@
 """Greedy decoding's pick on the CPU kernel (``row_argmax.cpp``): the same index as
-:func:`~diffdraft.runtime.sampling.greedy_tokens`, about ten times sooner.
+:func:`~diffdraft.runtime.sampling.greedy_tokens`, five to eight times sooner.
 
 Every verified tree node needs its row's argmax over the vocabulary; torch's reduction takes some
 45 us per row of SmolLM2's 49k logits on a 2-core CPU, a few percent of a round for a tree of a
