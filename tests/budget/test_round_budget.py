@@ -135,6 +135,8 @@ def test_a_round_like_the_last_reuses_its_plan(monkeypatch):
 
 
 def test_a_plan_that_left_a_batch_plain_stands_a_few_rounds_unless_it_copied(monkeypatch):
+    from diffdraft.budget import round_budget
+
     rounds = losing_planner()
     made = []
     inner = rounds._plan
@@ -149,7 +151,7 @@ def test_a_plan_that_left_a_batch_plain_stands_a_few_rounds_unless_it_copied(mon
     for _ in range(3):
         rounds.plan([pair[0]])  # alone, a sequence is planned every round
     assert len(made) == 6
-    monkeypatch.setattr(rounds, "_copy_lengths", lambda *args: [1, 0])
+    monkeypatch.setattr(round_budget, "plan_copies", lambda *args: [1, 0])
     rounds.plan(pair)
     assert rounds.copy_lengths(pair, [0, 0], [[1.0, 1.9], None]) == [1, 0]
     rounds.plan(pair)  # the round copied: not plain, planned again

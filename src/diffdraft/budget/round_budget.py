@@ -229,10 +229,10 @@ class RoundBudgetPlanner:
         self._last_plan: tuple[list[list[float]], tuple, list[int]] | None = None
         """The last round's estimates, other inputs and budgets."""
         self._last_costs: tuple[tuple, tuple[np.ndarray, float, float]] | None = None
-        self._last_copies: tuple[list, list, tuple, list[int]] | None = None
-        """The last copy plan's estimates, copies (the same objects while a copier's ceiling holds),
-        other inputs and lengths."""
         """The last round's costs (:meth:`_round_costs`) and what they were computed for."""
+        self._last_copies: tuple[list, tuple, list[int]] | None = None
+        """The last copy plan's estimates, costs and copies (the same objects while they hold: a
+        copier's ceiling does), its budgets and copy seconds, and its lengths."""
 
     def prepare_batches(self) -> None:
         """Measure (or read from the cache) the batch curve now, so a server does not stall its first
@@ -304,7 +304,11 @@ class RoundBudgetPlanner:
     def plan(self, sequences: Sequence[RoundSequence]) -> list[int]:
         """Each sequence's node budget this round (0: it verifies its pending token alone)."""
         plain = self._plain
-        if plain is not None and plain[1] < self.plain_rounds and _same(plain[0], sequences):
+        if (
+            plain is not None
+            and plain[1] < self.plain_rounds
+            and _identical(plain[0], [s.stats for s in sequences])
+        ):
             self._plain = (plain[0], plain[1] + 1)
             return [0] * len(sequences)
         budgets = self._plan(sequences)
@@ -319,8 +323,7 @@ class RoundBudgetPlanner:
         inputs = (explore, self._learned, int(context) // self.context_step)
         if self._last_plan is not None:
             last_taus, last_inputs, budgets = self._last_plan
-            same = len(last_taus) == len(taus) and all(a is b for a, b in zip(last_taus, taus, strict=True))
-            if same and last_inputs == inputs:
+            if _identical(last_taus, taus) and last_inputs == inputs:
                 return list(budgets)
         budgets = plan_budgets(taus, *self._round_costs(taus, context), explore)
         self._last_plan = (taus, inputs, budgets)  # holds the estimates, so `is` cannot see a reused id
@@ -338,31 +341,18 @@ class RoundBudgetPlanner:
         call, all else alike, get its lengths (the copiers' ceilings, asked every round)."""
         if self._plain is not None and self._plain[1] > 0:
             return [0] * len(sequences)  # a plain plan that stands: no copies either
-        lengths = self._copy_lengths(sequences, budgets, copies)
-        if any(lengths):
-            self._plain = None
-        return lengths
-
-    def _copy_lengths(
-        self,
-        sequences: Sequence[RoundSequence],
-        budgets: Sequence[int],
-        copies: Sequence[Sequence[float] | None],
-    ) -> list[int]:
         taus = [self.expected_tau(s.stats) if s.can_draft else NO_DRAFT for s in sequences]
         context = sum(s.context for s in sequences) / len(sequences)
         costs = self._round_costs(taus, context)
-        inputs = (list(budgets), costs, self.copy_seconds(len(sequences) == 1))
-        if self._last_copies is not None:
-            last_taus, last_copies, last_inputs, lengths = self._last_copies
-            same = len(last_copies) == len(copies) and last_inputs[0] == inputs[0]
-            same = same and last_inputs[1] is costs and last_inputs[2] == inputs[2]
-            same = same and all(a is b for a, b in zip(last_taus, taus, strict=True))
-            if same and all(a is b for a, b in zip(last_copies, copies, strict=True)):
-                return list(lengths)
-        lengths = plan_copies(taus, budgets, copies, *costs, inputs[2])
-        self._last_copies = (taus, list(copies), inputs, lengths)  # holds them, so `is` sees no reused id
-        return list(lengths)
+        objects = [*taus, costs, *copies]  # compared by identity: the same objects while they hold
+        inputs = (list(budgets), self.copy_seconds(len(sequences) == 1))
+        last = self._last_copies
+        if last is None or not (_identical(last[0], objects) and last[1] == inputs):
+            last = (objects, inputs, plan_copies(taus, budgets, copies, *costs, inputs[1]))
+            self._last_copies = last  # holds them, so `is` sees no reused id
+        if any(last[2]):
+            self._plain = None
+        return list(last[2])
 
     def _round_costs(self, taus: list[list[float]], context: float) -> tuple[np.ndarray, float, float]:
         """(forward seconds per total of tokens the ``taus`` cover, seconds one drafting sequence adds,
@@ -407,8 +397,9 @@ class RoundBudgetPlanner:
         return rounds >= interval and not any(stats.drafter_sizes(rounds - interval))
 
 
-def _same(stats: list[GenerationStats], sequences: Sequence[RoundSequence]) -> bool:
-    return len(stats) == len(sequences) and all(a is s.stats for a, s in zip(stats, sequences, strict=True))
+def _identical(these: Sequence, those: Sequence) -> bool:
+    """Whether both hold the very same objects in the same order."""
+    return len(these) == len(those) and all(a is b for a, b in zip(these, those, strict=True))
 
 
 def _mean_of(seconds: dict[bool, deque[float]], alone: bool) -> float:
