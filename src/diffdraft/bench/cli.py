@@ -128,7 +128,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         help="continue an interrupted run in --out (same command, same machine): finished prompts are kept",
     )
     p.add_argument(
-        "--refresh-cost", action="store_true", help="re-measure the cached verification cost curve"
+        "--refresh-cost",
+        action="store_true",
+        help="re-measure the cached verification cost curves (one sequence, and batches)",
     )
     p.add_argument(
         "--cost-cache", default=None, help="where cost curves are cached (default: the diffdraft cache)"

@@ -46,6 +46,7 @@ from diffdraft.bench.runner_api import (
     Request,
 )
 from diffdraft.budget.auto_budget import AutoBudgetBuilder
+from diffdraft.budget.batch_cost import BatchCostCurve, load_or_measure_batch_cost
 from diffdraft.budget.cost import VerifyCostCurve, load_or_measure
 from diffdraft.budget.planner import BudgetPlanner
 from diffdraft.decoding.method_table import METHODS, TreeRule
@@ -111,6 +112,7 @@ class BenchModels:
         self._ngram: NgramTrie | None = None
         self._assistants: dict[str, PreTrainedModel] = {}
         self._curve: VerifyCostCurve | None = None
+        self._batch_curve: BatchCostCurve | None = None
         self.tokenizer = main.tokenizer
         self.end_token_ids = end_token_ids(main.model, main.tokenizer)
 
@@ -192,6 +194,19 @@ class BenchModels:
             )
         return self._curve
 
+    def batch_cost_curve(self) -> BatchCostCurve:
+        """What forwards shared by several sequences cost the main target on this machine (measured
+        once, then read from the cache, beside :meth:`cost_curve`'s): the curve the generator's own
+        auto budget plans batches with, so the bench measures what users run."""
+        if self._batch_curve is None:
+            self._batch_curve = load_or_measure_batch_cost(
+                TargetModel(self.main.model),
+                cache_dir=None if self.cost_cache is None else Path(self.cost_cache) / "batch",
+                progress=self.progress,
+                refresh=self.refresh_cost,
+            )
+        return self._batch_curve
+
 
 MethodFactory = Callable[[BenchModels, MethodSpec], MethodRunner]
 
@@ -265,7 +280,9 @@ class OursRunner:
         if spec.arg == "auto":
             if not METHODS[method].auto_budget:
                 raise InvalidRequestError(f"{spec.label}: only DDTree methods take an auto budget")
-            builder = self.auto = AutoBudgetBuilder(BudgetPlanner(models.cost_curve()), initial_budget=budget)
+            builder = self.auto = AutoBudgetBuilder(
+                BudgetPlanner(models.cost_curve()), batch_cost=models.batch_cost_curve, initial_budget=budget
+            )
         self.generator = SpeculativeGenerator(loaded, method, drafter=drafter, budget=budget, builder=builder)
 
     def generate(self, request: Request) -> Completion:

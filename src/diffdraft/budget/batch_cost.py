@@ -149,13 +149,14 @@ def still_valid(curve: BatchCostCurve, target: TargetModel, tolerance: float = 0
 
 
 def load_or_measure_batch_cost(
-    target: TargetModel, cache_dir: str | Path | None = None, progress: bool = False
+    target: TargetModel, cache_dir: str | Path | None = None, progress: bool = False, refresh: bool = False
 ) -> BatchCostCurve:
-    """The cached curve for this model shape and device, measured (and cached) when absent, when it
-    was measured on another grid of points, or when a spot check no longer matches it."""
+    """The cached curve for this model shape and device, measured (and cached) when absent, when
+    ``refresh`` asks, when it was measured on another grid of points, or when a spot check no longer
+    matches it."""
     folder = Path(cache_dir) if cache_dir is not None else cache_root() / "batch_verify_cost"
     file = folder / f"{curve_key(target)}.json"
-    if file.is_file():
+    if file.is_file() and not refresh:
         cached = BatchCostCurve(**json.loads(file.read_text()))
         grid = (cached.batches, cached.sizes, cached.contexts)
         if grid == (list(BATCHES), list(SIZES), list(CONTEXTS)) and still_valid(cached, target):

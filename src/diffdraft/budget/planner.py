@@ -181,6 +181,9 @@ class BudgetPlanner:
         self._timed: deque[tuple[int, float]] = deque(maxlen=timed_rounds)  # (q, measured / curve)
         self.fixed_seconds = 0.0
         """Seconds per round outside verification (see choose_budget)."""
+        self._mean_surrogate: list[float] | None = None
+        """The finished proposals' mean surrogate, until one more comes (every sequence that has not
+        drafted yet is estimated from it)."""
         self._finished_gains: tuple[np.ndarray, np.ndarray, float] | None = None
         """The finished rounds' per-rank gains, counts and growth calibration, until they change
         (every running sequence's estimate reads them, so they are computed once per change)."""
@@ -192,6 +195,7 @@ class BudgetPlanner:
 
     def observe_proposal(self, surrogate: Sequence[float]) -> None:
         self._surrogates.append(self._padded(surrogate))
+        self._mean_surrogate = None
         self._finished_gains = None
 
     def _padded(self, surrogate: Sequence[float]) -> list[float]:
@@ -218,7 +222,9 @@ class BudgetPlanner:
             return np.mean([self._padded(s) for s in sequence.surrogates], axis=0).tolist()
         if not self._surrogates:
             return [1.0] * (self.max_budget + 1)
-        return np.mean(np.asarray(self._surrogates), axis=0).tolist()
+        if self._mean_surrogate is None:
+            self._mean_surrogate = np.mean(np.asarray(self._surrogates), axis=0).tolist()
+        return list(self._mean_surrogate)
 
     def cost(self) -> Callable[[float, float], float]:
         """t(q, n): the cached curve rescaled by the recent rounds' own verification times."""

@@ -213,7 +213,8 @@ class RoundBudgetPlanner:
         self._copy_seconds: dict[bool, deque[float]] = {
             alone: deque(maxlen=window) for alone in (True, False)
         }
-        """Seconds per free copy of finished sequences: taking it, building its chain and mask."""
+        """Seconds per free copy of finished sequences: taking it, building its chain and mask, and its
+        share of the plan (:attr:`~diffdraft.runtime.stats.GenerationStats.copy_plan_seconds`)."""
         self._batch_scales: dict[tuple[tuple[int, int, int], float], tuple[int, float]] = {}
         """(sequences, measured / batch curve seconds) of the latest ``timed_rounds`` shared forwards
         of finished sequences, by forward (shape and seconds): every sequence of a round recorded it,
@@ -270,7 +271,8 @@ class RoundBudgetPlanner:
             drafting = sum(stats.timings[s] for s in DRAFT_STAGES) - stats.copy_seconds
             self._draft_seconds[alone].append(drafting / drafted)
         if stats.copy_rounds:
-            self._copy_seconds[alone].append(stats.copy_seconds / len(stats.copy_rounds))
+            seconds = stats.copy_seconds + stats.copy_plan_seconds
+            self._copy_seconds[alone].append(seconds / len(stats.copy_rounds))
         if stats.rounds:
             self._commit_seconds[alone].append(sum(stats.timings[s] for s in COMMIT_STAGES) / stats.rounds)
         shared = [r for r in rounds_of(stats) if r.forward is not None and r.seconds > 0]

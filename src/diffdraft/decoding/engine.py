@@ -60,11 +60,15 @@ class SpeculativeEngine:
         """Each sequence's share of this round: when the tree builder plans rounds
         (:class:`~diffdraft.trees.RoundPlanner`), its node budget, and for a sequence left at budget 0
         whose drafter offers a free copy (prompt lookup's), as much of the copy as pays; otherwise
-        the builder's own size."""
+        the builder's own size. The sequences given copies share the plan's time
+        (:attr:`~diffdraft.runtime.stats.GenerationStats.copy_plan_seconds`)."""
         if self.planner is None:
             return [RoundPlan()] * len(sequences)
+        begin = time.perf_counter()
         rounds = [RoundSequence(s.stats, s.context, s.draft_depth() > 0) for s in sequences]
         budgets = self.planner.plan(rounds)
+        if len(sequences) == 1:
+            begin = time.perf_counter()  # alone, every round is planned: a copy pays its search only
         ceilings = [s.copy_ceiling() if b == 0 else None for s, b in zip(sequences, budgets, strict=True)]
         if not any(ceilings) or not any(self.planner.copy_lengths(rounds, budgets, ceilings)):
             return [RoundPlan(budget) for budget in budgets]  # not even the likeliest copies would pay
@@ -72,6 +76,10 @@ class SpeculativeEngine:
         if not any(offers):
             return [RoundPlan(budget) for budget in budgets]
         lengths = self.planner.copy_lengths(rounds, budgets, [o and o.expected for o in offers])
+        if any(lengths):
+            share = (time.perf_counter() - begin) / sum(length > 0 for length in lengths)
+            for s, length in zip(sequences, lengths, strict=True):
+                s.stats.copy_plan_seconds += share if length else 0.0
         return [
             RoundPlan(budget, s.take_copy(offer, length) if length else None)
             for s, budget, offer, length in zip(sequences, budgets, offers, lengths, strict=True)

@@ -81,6 +81,10 @@ class GenerationStats:
     copy_seconds: float = 0.0
     """Seconds spent taking free copies and building their chains and masks (in the tree and mask
     stages too): what the auto budget weighs a copy's first token against."""
+    copy_plan_seconds: float = 0.0
+    """This sequence's share of the round plans that gave it a free copy (in no stage): in a batch a
+    copy ends a plain plan that would have stood (the next round is planned anew), so it pays its
+    round's whole plan; alone, where every round is planned, what looking for the copy took."""
     total_seconds: float = 0.0
     stop_reason: str = ""
 
