@@ -18,9 +18,11 @@ from diffdraft.bench.methods import (
     default_specs,
     register,
 )
+from diffdraft.budget.batch_cost import BatchCostCurve
 from diffdraft.drafters.checkpoint import save_draft_model
 from diffdraft.drafters.deer_model import deer_from_causal_lm
 from diffdraft.errors import InvalidRequestError
+from diffdraft.generator import GenerationRequest
 from diffdraft.ngram.build import build_from_sources
 from diffdraft.target.loading import load_target
 from diffdraft.util.fingerprint import tokenizer_fingerprint
@@ -153,6 +155,18 @@ def test_every_method_matches_plain_ar_and_accounts_for_its_time(models, label):
         assert runner.auto.planner.rank_gains()[1][0] == sum(size > 1 for size in done.verify_sizes)
     if label.startswith("deer"):  # the DEER drafter's forward is timed as drafting, its block drafted
         assert done.stages["draft"] > 0 and max(done.draft_depths) == 4
+
+
+def test_the_bench_plans_batches_of_auto_methods_with_the_batch_cost_curve(models):
+    """What users run: the generator's auto budget plans shared forwards with the batch curve (the
+    bench's had none, and planned them with the single-sequence curve over all their tokens)."""
+    runner = build_method(models, MethodSpec.parse("ddtree:auto"))
+    prompt = models.tokenizer("hello world, the quick")["input_ids"]
+    requests = [GenerationRequest(prompt_token_ids=prompt, max_new_tokens=6)] * 2
+    runner.generator.generate_batch(requests, 2)
+    assert isinstance(runner.auto.rounds.batch_cost, BatchCostCurve)
+    assert runner.auto.rounds.batch_cost is models.batch_cost_curve()  # measured once, for every method
+    assert list((Path(models.cost_cache) / "batch").glob("*.json"))  # cached beside the other curve
 
 
 def test_methods_that_need_a_model_not_given_are_unavailable(checkpoint, drafters, tmp_path):

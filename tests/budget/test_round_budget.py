@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 
 import numpy as np
 import pytest
@@ -330,6 +331,34 @@ def test_free_copies_in_rounds_without_a_tree_change_no_output(temperature):
         assert s.drafter_sizes() == [0 if i in s.copy_rounds else n for i, n in enumerate(s.tree_sizes)]
 
 
+class SlowPlan(FixedPlan):
+    """:class:`FixedPlan` whose budgets take ``seconds`` to plan."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__([0], copies=True)
+        self.seconds = seconds
+
+    def plan(self, sequences: list[RoundSequence]) -> list[int]:
+        time.sleep(self.seconds)
+        return super().plan(sequences)
+
+
+def test_copies_pay_their_rounds_whole_plan_in_a_batch_and_their_search_alone():
+    """In a batch a copy ends a plain plan that would have stood, so the next round is planned anew:
+    the copies of a round share its whole plan. Alone every round is planned anyway."""
+    target, drafter, requests, sampling, plain = boosted_case(0.0)
+    engine = SpeculativeEngine(TargetModel(target), drafter, SlowPlan(0.02))
+    together = [GenerationStats() for _ in requests]
+    assert batched(engine, requests, sampling, 3, together) == plain
+    lone = [GenerationStats() for _ in requests]
+    assert [alone(engine, r, sampling, s) for r, s in zip(requests, lone, strict=True)] == plain
+    copied = [s for s in together if s.copy_rounds]
+    assert copied and all(s.copy_plan_seconds >= 0.02 / 3 * len(s.copy_rounds) for s in copied)
+    assert all((s.copy_plan_seconds > 0) == bool(s.copy_rounds) for s in together + lone)
+    copied_alone = [s for s in lone if s.copy_rounds]
+    assert copied_alone and all(s.copy_plan_seconds < 0.02 * len(s.copy_rounds) for s in copied_alone)
+
+
 def test_a_round_where_not_even_the_copy_ceiling_pays_looks_for_no_copy(monkeypatch):
     from diffdraft.drafters.lookup_boost import LookupBoostedDrafter
 
@@ -386,8 +415,9 @@ def test_a_free_copy_costs_what_finished_copies_took_and_drafting_what_drafted_r
     stats.verify_forwards = [(1, 4, 100)] * 3
     stats.timings.update(draft=0.004, tree=0.003, mask=0.001, accept=0.0, commit=0.0)
     stats.copy_seconds = 0.001  # of the tree and mask time
+    stats.copy_plan_seconds = 0.002  # of no stage
     rounds.observe_generation(stats)
-    assert rounds.copy_seconds() == pytest.approx(0.001)
+    assert rounds.copy_seconds() == pytest.approx(0.003)
     assert rounds.draft_seconds() == pytest.approx(0.007)  # the one drafted round: draft, tree, mask
 
 
