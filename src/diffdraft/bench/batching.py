@@ -205,6 +205,19 @@ def batch_markdown(header: dict, points: Sequence[BatchPoint], cost: BatchVerify
             f"{sum(p.violations for p in checked)} unexplained"
         )
         lines.append(f"| {method} | " + " | ".join(cells) + f" | {lossless} |")
+    lines += [
+        "",
+        "The same ratios per repeat: a method's throughput over `ar`'s in the same repeat at the same "
+        "batch size (they ran back to back), median [lowest-highest] over the repeats; the spread is "
+        "what the machine's noise does to one repeat:",
+        "",
+        "| method | " + " | ".join(f"batch {b}" for b in sizes) + " |",
+        "|---|" + "---|" * len(sizes),
+    ]
+    for method in methods:
+        if method != REFERENCE:
+            cells = [_paired_cell(paired_ratios(by[method, b], by[REFERENCE, b])) for b in sizes]
+            lines.append(f"| {method} | " + " | ".join(cells) + " |")
     qs = sorted(next(iter(cost.seconds.values())))
     lines += [
         "",
@@ -220,6 +233,16 @@ def batch_markdown(header: dict, points: Sequence[BatchPoint], cost: BatchVerify
             f"| {b} | " + " | ".join(f"{1000 * row[q]:.1f} ({row[q] / row[1]:.2f})" for q in qs) + " |"
         )
     return "\n".join(lines) + "\n"
+
+
+def paired_ratios(point: BatchPoint, reference: BatchPoint) -> list[float]:
+    """``point``'s throughput over ``reference``'s, repeat by repeat (the same tokens, so the ratio of
+    the reference's seconds to the point's)."""
+    return [ours / theirs for theirs, ours in zip(point.seconds, reference.seconds, strict=True)]
+
+
+def _paired_cell(ratios: list[float]) -> str:
+    return f"{np.median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]" if ratios else "-"
 
 
 def plot_batch_throughput(points: Sequence[BatchPoint], cost: BatchVerifyCost, path: Path) -> Path:

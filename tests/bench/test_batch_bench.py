@@ -1,0 +1,19 @@
+"""The batch bench (bench/batching.py) report: ratios to plain AR, over medians and repeat by repeat."""
+
+from __future__ import annotations
+
+import pytest
+
+from diffdraft.bench.batching import BatchPoint, BatchVerifyCost, batch_markdown, paired_ratios
+
+
+def test_repeats_pair_with_the_plain_repeat_they_ran_beside():
+    ar = BatchPoint("ar", 2, seconds=[1.0, 2.0, 1.0], tokens=100)
+    ours = BatchPoint("ddtree:auto", 2, seconds=[0.5, 2.5, 1.25], tokens=100)
+    assert paired_ratios(ours, ar) == pytest.approx([2.0, 0.8, 0.8])
+    header = {"command": "c", "machine": "m", "started": "s", "elapsed_seconds": 1.0, "prompts": 2}
+    header |= {"max_new_tokens": 8, "repeats": 3}
+    report = batch_markdown(header, [ar, ours], BatchVerifyCost(16, {2: {1: 0.01}}))
+    # the ratio of medians (1.0 s / 1.25 s) beside the median of the paired ratios and their range
+    assert "80.0 (0.80x, tau 0.00)" in report
+    assert "| ddtree:auto | 0.80x [0.80-2.00] |" in report
