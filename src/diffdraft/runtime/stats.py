@@ -133,8 +133,9 @@ class StageTimer:
     their stats, so each sequence's timings still add up to the wall time it is charged.
 
     Under ``torch.profiler`` each stage is also a range named ``diffdraft.<stage>``, so a profile of a
-    generation groups its operators by stage (a range costs ~6 us even with no profiler running, and
-    a batch of 8 times some 30 stages a round)."""
+    generation groups its operators by stage (a range costs time even with no profiler running, and
+    a batch times several stages per sequence every round; figures: benchmarks/README.md,
+    'Measurements behind the code')."""
 
     def __init__(self, stats: GenerationStats | Sequence[GenerationStats], device: torch.device) -> None:
         self.shares = [stats] if isinstance(stats, GenerationStats) else list(stats)
