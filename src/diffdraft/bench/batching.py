@@ -238,7 +238,7 @@ def batch_markdown(header: dict, points: Sequence[BatchPoint], cost: BatchVerify
 def paired_ratios(point: BatchPoint, reference: BatchPoint) -> list[float]:
     """``point``'s throughput over ``reference``'s, repeat by repeat (the same tokens, so the ratio of
     the reference's seconds to the point's)."""
-    return [ours / theirs for theirs, ours in zip(point.seconds, reference.seconds, strict=True)]
+    return [plain / mine for mine, plain in zip(point.seconds, reference.seconds, strict=True)]
 
 
 def _paired_cell(ratios: list[float]) -> str:
