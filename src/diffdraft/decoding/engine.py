@@ -246,8 +246,11 @@ class SequenceRun:
             self.target.keep_path(self.cache, start, result.path)
             path = _rows(result.path)
             if self.drafter is not None:
-                # a copy: a view would keep the whole batch's taps alive while the drafter waits to draft
-                hidden = out.hidden[path].clone() if out.hidden is not None else None
+                hidden = out.hidden[path] if out.hidden is not None else None
+                if isinstance(path, slice) and hidden is not None:
+                    # a slice is a view: it would keep the whole batch's taps alive while the drafter
+                    # waits to draft (a list index already copies)
+                    hidden = hidden.clone()
                 self.drafter.extend_context(hidden, start)
             new = [*tree.tokens[path][1:].tolist(), result.next_token]
         stats = self.stats
