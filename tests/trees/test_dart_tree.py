@@ -36,14 +36,13 @@ class TableNgram(PerContextLookups):
 
 def reference_tree(log_probs: torch.Tensor, history: list[int], ngram, s: DartTreeSettings) -> list[tuple]:
     """Algorithm 1 written out plainly: (path, score) of the kept nodes."""
-    k = min(s.top_k, log_probs.shape[1])
+    top_values, top_tokens = Proposal(log_probs=log_probs).top(s.top_k)  # the builder's pick among ties
     beam = [((), 0.0)]
     found = []
     for level in range(log_probs.shape[0]):
-        top = log_probs[level].topk(k)
         extended = []
         for seq, score in beam:
-            for value, token in zip(top.values.tolist(), top.indices.tolist(), strict=True):
+            for value, token in zip(top_values[level].tolist(), top_tokens[level].tolist(), strict=True):
                 draft = min(0.0, math.log(math.exp(value) + s.eps))
                 term = s.logit_decay**level * draft
                 if ngram is not None:

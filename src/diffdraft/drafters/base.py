@@ -14,6 +14,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from diffdraft.kernels.quantized.row_topk import top_rows
+
 
 class Proposal:
     """Draft for the ``depth`` positions that follow the root token.
@@ -67,10 +69,9 @@ class Proposal:
         """The (log-probabilities, token ids) [depth, k'] of the ``k`` likeliest tokens at each depth,
         most likely first; k' = min(k, tokens the drafter scores)."""
         if self._log_probs is None and self._scored is not None:
-            top = self._scored.topk(min(k, self._scored.shape[1]), dim=-1)
-            return top.values, self._vocab[top.indices]
-        top = self.log_probs.topk(min(k, self.log_probs.shape[1]), dim=-1)
-        return top.values, top.indices
+            values, columns = top_rows(self._scored, min(k, self._scored.shape[1]))
+            return values, self._vocab[columns]
+        return top_rows(self.log_probs, min(k, self.log_probs.shape[1]))
 
     @property
     def has_distributions(self) -> bool:

@@ -1,6 +1,6 @@
 """Compile the block-quantized matmuls (``int8_matmul.cpp``, ``q4_1_matmul.cpp``), the fused
-decoder-layer ops (``decoder_ops.cpp``) and the greedy pick (``row_argmax.cpp``) once per machine into
-one library and load it into torch.
+decoder-layer ops (``decoder_ops.cpp``), the greedy pick (``row_argmax.cpp``) and the rows' top k
+(``row_topk.cpp``) once per machine into one library and load it into torch.
 
 The kernels need AVX-512 with the bfloat16 and the int8 (VNNI) dot products and a C++ compiler; they
 are compiled against the installed torch on first use (about 20 s) into the diffdraft cache, keyed by
@@ -28,6 +28,7 @@ SOURCE = Path(__file__).with_name("q4_1_matmul.cpp")
 INT8_SOURCE = Path(__file__).with_name("int8_matmul.cpp")
 DECODER_SOURCE = Path(__file__).with_name("decoder_ops.cpp")
 ARGMAX_SOURCE = Path(__file__).with_name("row_argmax.cpp")
+TOPK_SOURCE = Path(__file__).with_name("row_topk.cpp")
 FLAGS = ["-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
          "-mavx512bf16", "-mavx512vnni", "-mfma"]  # fmt: skip
 """No -march=native: the cached library must not use instructions of the machine that compiled it
@@ -73,7 +74,7 @@ def _library_path() -> Path:
 
 def _sources() -> tuple[Path, ...]:
     """Read at call time, so a test can swap one."""
-    return SOURCE, INT8_SOURCE, DECODER_SOURCE, ARGMAX_SOURCE
+    return SOURCE, INT8_SOURCE, DECODER_SOURCE, ARGMAX_SOURCE, TOPK_SOURCE
 
 
 def _compile(library: Path) -> None:

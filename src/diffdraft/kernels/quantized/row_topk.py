@@ -1,0 +1,36 @@
+"""A draft tree's candidates on the CPU kernel (``row_topk.cpp``): each row's k largest values and
+their indices, as ``torch.topk`` gives them, several times sooner.
+
+DDTree ranks the likeliest tokens of every drafted position each round; torch's topk takes some 130
+us for the default drafter's 7 x 16k log-probabilities on a 2-core CPU (360 us over the full 49k
+vocabulary, where prompt lookup boosted a copy), most of the round's tree building (figures:
+benchmarks/README.md, 'Measurements behind the code').
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from diffdraft.kernels.quantized.kernel_build import block_kernel
+
+MAX_K = 64
+"""Largest k the kernel takes: it keeps a sorted list of k per row, inserting into it one by one."""
+
+
+def top_rows(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, indices) [..., k] of the ``k`` largest of each row of ``scores`` [..., V], largest
+    first: ``scores.topk(k, dim=-1)``, equal values in index order (torch leaves their order open), on
+    the kernel for CPU float32 rows and k up to :data:`MAX_K` where it runs."""
+    kernel = _kernel()
+    if kernel is None or scores.device.type != "cpu" or scores.dtype != torch.float32 or not 0 < k <= MAX_K:
+        top = scores.topk(k, dim=-1)
+        return top.values, top.indices
+    return kernel(scores.contiguous(), k)
+
+
+@functools.cache
+def _kernel():
+    """The op, looked up once (``torch.ops`` attribute lookups cost microseconds per call)."""
+    return None if block_kernel() is None else torch.ops.diffdraft_topk.topk_rows
