@@ -160,6 +160,29 @@ def test_attention_depends_on_the_visible_keys_only():
             assert torch.equal(batched[t], alone[0])
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (12, 2, 40), (5, 5, 256)])
+@pytest.mark.parametrize("mask_dtype", [None, BF16, torch.float16, torch.float32])
+def test_query_heads_sharing_a_kv_head_attend_as_each_does_alone(heads, kv_heads, dim, mask_dtype):
+    """The op attends a token's query heads of one K/V head together (12 / 2: groups of 6, split in two
+    parts); each head's output is, bit for bit, what the op gives that head alone."""
+    tokens, length = 9, 41  # a partial last tile of keys
+    keys, values = _cache_views(kv_heads, length, dim, seed=14)
+    query = _random(tokens, heads, dim, seed=15)
+    mask = None
+    if mask_dtype is not None:
+        visible = torch.rand(tokens, length, generator=torch.Generator().manual_seed(16)) > 0.3
+        visible[:, 0] = True
+        mask = torch.zeros(tokens, length).masked_fill(~visible, float("-inf")).to(mask_dtype)[None, None]
+    together = decoder_ops().attention(query, keys, values, mask, dim**-0.5).view(tokens, heads, dim)
+    group = heads // kv_heads
+    for head in range(heads):
+        kv = slice(head // group, head // group + 1)
+        alone = decoder_ops().attention(
+            query[:, head : head + 1].contiguous(), keys[:, kv], values[:, kv], mask, dim**-0.5
+        )
+        assert torch.equal(together[:, head], alone)
+
+
 def test_a_mask_that_hides_every_key_is_refused():
     keys, values = _cache_views(1, 5, 16, seed=12)
     mask = torch.full((1, 1, 1, 5), float("-inf"))

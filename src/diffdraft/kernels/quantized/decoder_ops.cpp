@@ -212,6 +212,25 @@ struct Cached {
   const BFloat16* row(int64_t head, int64_t index) const { return data + head * head_stride + index * row_stride; }
 };
 
+// One token's row of the additive mask, read in its own dtype: widening bfloat16 and float16 to float32
+// is exact, so the biases and the hidden test are those of the row converted first.
+struct MaskRow {
+  const void* data;  // nullptr: every key visible, no bias
+  at::ScalarType type;
+
+  __m512 bias(int64_t from, __mmask16 lanes) const {
+    switch (type) {
+      case at::kBFloat16: {
+        const __m256i bits = _mm256_maskz_loadu_epi16(lanes, static_cast<const BFloat16*>(data) + from);
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+      }
+      case at::kHalf:
+        return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, static_cast<const c10::Half*>(data) + from));
+      default: return _mm512_maskz_loadu_ps(lanes, static_cast<const float*>(data) + from);
+    }
+  }
+};
+
 // Sums of the lanes of 16 registers, register k's in lane k. Every sum is the same tree over lane
 // indices, (p0 + p2) + (p1 + p3) with p_j = (l_j + l_j+8) + (l_j+4 + l_j+12), so a key's score does not
 // depend on which register of a tile it took.
@@ -230,14 +249,20 @@ inline __m512 lane_sums(__m512 (&v)[kLanes]) {
   return _mm512_permutexvar_ps(register_order, sums);
 }
 
-// Softmax attention of one query row (kPairs x 32 >= dim values, the last register partial if kPartial)
-// over the visible keys of one K/V head. Scores are computed 16 keys at a time and the visible ones
-// packed in order; the weighted sum of values alternates two sets of accumulators by visible key, so the
-// latency of one chain does not bound it.
-template <int kPairs, bool kPartial>
-void attend_row(const BFloat16* query, const Cached& keys, const Cached& values, int64_t kv_head, int64_t length,
-                const float* mask, float hidden_at, float scale, int64_t dim, float* scores, int32_t* visible,
-                BFloat16* out) {
+constexpr int kMaxGroup = 4;  // query heads attended together; a larger group is split
+constexpr int kAccumulators = 24;  // registers the weighted sum of values keeps its sums in
+
+// Softmax attention of kGroup query rows of one token (kPairs x 32 >= dim values each, the last
+// register partial if kPartial, the rows consecutive in `query` and in `out`) that share one K/V head,
+// and so the token's mask row and its visible keys, over those keys. Each row's arithmetic is that of a
+// row alone: the group only shares the loads of keys and values, the widening of values to float32 and
+// the mask's tests. Scores are computed 16 keys at a time and the visible ones packed in order; the
+// weighted sum of values alternates two sets of accumulators by visible key, so the latency of one
+// chain does not bound it. `scores`: kGroup x `stride` floats, `visible`: `stride` indices.
+template <int kPairs, bool kPartial, int kGroup>
+void attend_group(const BFloat16* query, const Cached& keys, const Cached& values, int64_t kv_head,
+                  int64_t length, MaskRow mask, float hidden_at, float scale, int64_t dim, float* scores,
+                  int64_t stride, int32_t* visible, BFloat16* out) {
   __mmask32 pair_lanes[kPairs];
   for (int c = 0; c < kPairs; ++c) {
     const int64_t left = dim - 32 * c;
@@ -247,82 +272,113 @@ void attend_row(const BFloat16* query, const Cached& keys, const Cached& values,
   auto load_pair = [&](const BFloat16* p, int c) {
     return kPartial && c == kPairs - 1 ? _mm512_maskz_loadu_epi16(pair_lanes[c], p) : _mm512_loadu_si512(p);
   };
-  __m512bh q[kPairs];
-  for (int c = 0; c < kPairs; ++c) q[c] = reinterpret_cast<__m512bh>(load_pair(query + 32 * c, c));
+  __m512bh q[kGroup][kPairs];
+  for (int g = 0; g < kGroup; ++g) {
+    for (int c = 0; c < kPairs; ++c) q[g][c] = reinterpret_cast<__m512bh>(load_pair(query + g * dim + 32 * c, c));
+  }
   const __m512i lane_index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   int64_t count = 0;
   for (int64_t tile = 0; tile < length; tile += kLanes) {
     const int64_t keys_here = std::min(kLanes, length - tile);
-    __m512 dots[kLanes];
-    for (int t = 0; t < kLanes; ++t) {
-      dots[t] = _mm512_setzero_ps();
-      if (t >= keys_here) continue;
-      const BFloat16* key = keys.row(kv_head, tile + t);
-      for (int c = 0; c < kPairs; ++c) {
-        const __m512i pair = load_pair(key + 32 * c, c);
-        dots[t] = _mm512_dpbf16_ps(dots[t], q[c], reinterpret_cast<__m512bh>(pair));
-      }
-    }
     const __mmask16 present = lanes_below(keys_here);
-    const __m512 bias = mask != nullptr ? _mm512_maskz_loadu_ps(present, mask + tile) : _mm512_setzero_ps();
+    const __m512 bias = mask.data != nullptr ? mask.bias(tile, present) : _mm512_setzero_ps();
     const __mmask16 shown = _mm512_mask_cmp_ps_mask(present, bias, _mm512_set1_ps(hidden_at), _CMP_GT_OQ);
-    const __m512 score = _mm512_add_ps(_mm512_mul_ps(lane_sums(dots), _mm512_set1_ps(scale)), bias);
     // compress in registers and store whole: compressing stores are microcoded and slow on Zen 4
-    _mm512_storeu_ps(scores + count, _mm512_maskz_compress_ps(shown, score));
     const __m512i index = _mm512_add_epi32(lane_index, _mm512_set1_epi32(static_cast<int32_t>(tile)));
     _mm512_storeu_si512(visible + count, _mm512_maskz_compress_epi32(shown, index));
+    // A last, partial tile takes its last key again in place of the missing ones: a lane's sum is its
+    // register's alone, and those lanes are not shown, so the tile needs no branch per key.
+    const BFloat16* key[kLanes];
+    for (int t = 0; t < kLanes; ++t) key[t] = keys.row(kv_head, tile + std::min<int64_t>(t, keys_here - 1));
+    // a row at a time: the 16 dot products of a tile fill half the registers (the keys come again from L1)
+    for (int g = 0; g < kGroup; ++g) {
+      __m512 dots[kLanes];
+#pragma GCC unroll 16  // in registers: a loop keeps the tile's dot products in memory
+      for (int t = 0; t < kLanes; ++t) {
+        dots[t] = _mm512_setzero_ps();
+        for (int c = 0; c < kPairs; ++c) {
+          const __m512i pair = load_pair(key[t] + 32 * c, c);
+          dots[t] = _mm512_dpbf16_ps(dots[t], q[g][c], reinterpret_cast<__m512bh>(pair));
+        }
+      }
+      const __m512 score = _mm512_add_ps(_mm512_mul_ps(lane_sums(dots), _mm512_set1_ps(scale)), bias);
+      _mm512_storeu_ps(scores + g * stride + count, _mm512_maskz_compress_ps(shown, score));
+    }
     count += __builtin_popcount(shown);
   }
   TORCH_CHECK(count > 0, "a query's mask hides every key");
-  __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t i = 0; i < count; i += kLanes) {
-    top = _mm512_mask_max_ps(top, lanes_below(count - i), top, _mm512_loadu_ps(scores + i));
-  }
-  const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(top));
-  __m512 total = _mm512_setzero_ps();
-  for (int64_t i = 0; i < count; i += kLanes) {
-    const __mmask16 lanes = lanes_below(count - i);
-    const __m512 weight = exponential(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, scores + i), max));
-    _mm512_mask_storeu_ps(scores + i, lanes, weight);
-    total = _mm512_mask_add_ps(total, lanes, total, weight);
-  }
-  // 32 bf16 values at a time: a word shift and a mask make floats of the even and odd dimensions
-  // without a lane-crossing widen; the output interleaves them back.
-  __m512 even[2][kPairs], odd[2][kPairs];  // [visible key parity][32 dimensions]
-  for (int c = 0; c < kPairs; ++c) even[0][c] = even[1][c] = odd[0][c] = odd[1][c] = _mm512_setzero_ps();
-  auto accumulate = [&](int parity, int64_t i) {
-    const __m512 weight = _mm512_set1_ps(scores[i]);
-    const BFloat16* value = values.row(kv_head, visible[i]);
-    for (int c = 0; c < kPairs; ++c) {
-      const __m512i pair = load_pair(value + 32 * c, c);
-      const __m512 low = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
-      const __m512 high = _mm512_castsi512_ps(_mm512_and_si512(pair, _mm512_set1_epi32(0xFFFF0000)));
-      even[parity][c] = _mm512_fmadd_ps(weight, low, even[parity][c]);
-      odd[parity][c] = _mm512_fmadd_ps(weight, high, odd[parity][c]);
+  __m512 sum[kGroup];
+  for (int g = 0; g < kGroup; ++g) {
+    float* row_scores = scores + g * stride;
+    __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t i = 0; i < count; i += kLanes) {
+      top = _mm512_mask_max_ps(top, lanes_below(count - i), top, _mm512_loadu_ps(row_scores + i));
     }
-  };
-  int64_t i = 0;
-  for (; i + 1 < count; i += 2) {
-    accumulate(0, i);
-    accumulate(1, i + 1);
+    const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t i = 0; i < count; i += kLanes) {
+      const __mmask16 lanes = lanes_below(count - i);
+      const __m512 weight = exponential(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, row_scores + i), max));
+      _mm512_mask_storeu_ps(row_scores + i, lanes, weight);
+      total = _mm512_mask_add_ps(total, lanes, total, weight);
+    }
+    sum[g] = _mm512_set1_ps(_mm512_reduce_add_ps(total));
   }
-  if (i < count) accumulate(0, i);
-  const __m512 sum = _mm512_set1_ps(_mm512_reduce_add_ps(total));
-  for (int c = 0; c < kPairs; ++c) {
-    const __m512i low = bfloat16_bits(_mm512_div_ps(_mm512_add_ps(even[0][c], even[1][c]), sum));
-    const __m512i high = bfloat16_bits(_mm512_div_ps(_mm512_add_ps(odd[0][c], odd[1][c]), sum));
-    _mm512_mask_storeu_epi16(out + 32 * c, pair_lanes[c], _mm512_or_si512(low, _mm512_slli_epi32(high, 16)));
+  // The weighted sum of values, 32 bf16 values at a time: a word shift and a mask make floats of the
+  // even and odd dimensions without a lane-crossing widen; the output interleaves them back. Each
+  // register of dimensions has its own sums, so a pass over the visible keys takes only as many
+  // registers as stay in the CPU's, and the next pass the next ones: the sums are the same.
+  constexpr int kStep = std::max(1, std::min(kPairs, kAccumulators / (4 * kGroup)));
+  for (int first = 0; first < kPairs; first += kStep) {
+    __m512 even[2][kGroup][kStep], odd[2][kGroup][kStep];  // [visible key parity][row][32 dimensions]
+    for (int p = 0; p < 2; ++p) {
+      for (int g = 0; g < kGroup; ++g) {
+        for (int s = 0; s < kStep; ++s) even[p][g][s] = odd[p][g][s] = _mm512_setzero_ps();
+      }
+    }
+    auto accumulate = [&](int parity, int64_t i) {
+      const BFloat16* value = values.row(kv_head, visible[i]);
+      __m512 weight[kGroup];
+      for (int g = 0; g < kGroup; ++g) weight[g] = _mm512_set1_ps(scores[g * stride + i]);
+      for (int s = 0; s < kStep && first + s < kPairs; ++s) {
+        const __m512i pair = load_pair(value + 32 * (first + s), first + s);
+        const __m512 low = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
+        const __m512 high = _mm512_castsi512_ps(_mm512_and_si512(pair, _mm512_set1_epi32(0xFFFF0000)));
+        for (int g = 0; g < kGroup; ++g) {
+          even[parity][g][s] = _mm512_fmadd_ps(weight[g], low, even[parity][g][s]);
+          odd[parity][g][s] = _mm512_fmadd_ps(weight[g], high, odd[parity][g][s]);
+        }
+      }
+    };
+    int64_t i = 0;
+    for (; i + 1 < count; i += 2) {
+      accumulate(0, i);
+      accumulate(1, i + 1);
+    }
+    if (i < count) accumulate(0, i);
+    for (int g = 0; g < kGroup; ++g) {
+      for (int s = 0; s < kStep && first + s < kPairs; ++s) {
+        const int c = first + s;
+        const __m512i low = bfloat16_bits(_mm512_div_ps(_mm512_add_ps(even[0][g][s], even[1][g][s]), sum[g]));
+        const __m512i high = bfloat16_bits(_mm512_div_ps(_mm512_add_ps(odd[0][g][s], odd[1][g][s]), sum[g]));
+        _mm512_mask_storeu_epi16(out + g * dim + 32 * c, pair_lanes[c],
+                                 _mm512_or_si512(low, _mm512_slli_epi32(high, 16)));
+      }
+    }
   }
 }
 
-using RowKernel = decltype(&attend_row<1, false>);
+using GroupKernel = decltype(&attend_group<1, false, 1>);
 
-template <int kPairs = 1>
-RowKernel row_kernel(int64_t dim) {
+template <int kPairs = 1, int kGroup = 1>
+GroupKernel group_kernel(int64_t dim, int64_t group) {
   if constexpr (kPairs < kMaxPairs) {
-    if (dim > 32 * kPairs) return row_kernel<kPairs + 1>(dim);
+    if (dim > 32 * kPairs) return group_kernel<kPairs + 1, kGroup>(dim, group);
   }
-  return dim % 32 == 0 ? &attend_row<kPairs, false> : &attend_row<kPairs, true>;
+  if constexpr (kGroup < kMaxGroup) {
+    if (group > kGroup) return group_kernel<kPairs, kGroup + 1>(dim, group);
+  }
+  return dim % 32 == 0 ? &attend_group<kPairs, false, kGroup> : &attend_group<kPairs, true, kGroup>;
 }
 
 float hidden_value(at::ScalarType type) {
@@ -338,6 +394,7 @@ float hidden_value(at::ScalarType type) {
 // query [tokens, heads, dim]; keys, values [1, kv_heads, length, dim] (rows of dim contiguous, any head
 // and row strides, as views of a cache buffer); mask [1, 1, tokens, length] additive, or none (every key
 // visible). Returns [tokens, heads * dim]: the heads side by side, as the output projection reads them.
+// The query heads of a token that share a K/V head are attended together, up to kMaxGroup at a time.
 at::Tensor attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
                      const c10::optional<at::Tensor>& mask, double scale) {
   check_bf16(query, "query");
@@ -357,21 +414,35 @@ at::Tensor attention(const at::Tensor& query, const at::Tensor& keys, const at::
     TORCH_CHECK(mask->numel() == tokens * length && mask->size(-1) == length,
                 "the mask must be [1, 1, tokens, keys], got ", mask->sizes());
     hidden_at = hidden_value(mask->scalar_type());
-    mask_rows = mask->reshape({tokens, length}).to(at::kFloat).contiguous();
+    mask_rows = mask->reshape({tokens, length});
+    if (mask_rows.stride(1) != 1) mask_rows = mask_rows.contiguous();
   }
   at::Tensor out = at::empty({tokens, heads * dim}, query.options());
   const Cached key_rows{keys.data_ptr<BFloat16>(), keys.stride(1), keys.stride(2)};
   const Cached value_rows{values.data_ptr<BFloat16>(), values.stride(1), values.stride(2)};
-  const RowKernel kernel = row_kernel(dim);
   const int64_t group = heads / kv_heads;
-  at::parallel_for(0, tokens * heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(length + kLanes);  // room for a whole register past the last key
-    std::vector<int32_t> visible(length + kLanes);
+  // a group larger than kMaxGroup in parts of at most kMaxGroup, as even as they come
+  const int64_t parts = (group + kMaxGroup - 1) / kMaxGroup, part = (group + parts - 1) / parts;
+  const GroupKernel kernel = group_kernel(dim, part), last_kernel = group_kernel(dim, group - (parts - 1) * part);
+  const auto* query_data = query.data_ptr<BFloat16>();
+  auto* out_data = out.data_ptr<BFloat16>();
+  const auto* mask_data = mask.has_value() ? static_cast<const char*>(mask_rows.data_ptr()) : nullptr;
+  const int64_t mask_stride = mask.has_value() ? mask_rows.stride(0) * mask_rows.element_size() : 0;
+  const at::ScalarType mask_type = mask.has_value() ? mask_rows.scalar_type() : at::kFloat;
+  const int64_t stride = length + kLanes;  // room for a whole register past the last key
+  at::parallel_for(0, tokens * kv_heads * parts, 1, [&](int64_t begin, int64_t end) {
+    // kept across calls: a thread's buffers grow to the longest cache and are not allocated again
+    thread_local std::vector<float> scores;
+    thread_local std::vector<int32_t> visible;
+    if (static_cast<int64_t>(visible.size()) < stride) visible.resize(stride);
+    if (static_cast<int64_t>(scores.size()) < part * stride) scores.resize(part * stride);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t t = item / heads, head = item % heads;
-      const float* bias = mask.has_value() ? mask_rows.data_ptr<float>() + t * length : nullptr;
-      kernel(query.data_ptr<BFloat16>() + item * dim, key_rows, value_rows, head / group, length, bias, hidden_at,
-             static_cast<float>(scale), dim, scores.data(), visible.data(), out.data_ptr<BFloat16>() + item * dim);
+      const int64_t t = item / (kv_heads * parts), kv_head = item / parts % kv_heads, index = item % parts;
+      const int64_t row = t * heads + kv_head * group + index * part;
+      const MaskRow bias{mask_data != nullptr ? mask_data + t * mask_stride : nullptr, mask_type};
+      (index == parts - 1 ? last_kernel : kernel)(query_data + row * dim, key_rows, value_rows, kv_head, length,
+                                                   bias, hidden_at, static_cast<float>(scale), dim, scores.data(),
+                                                   stride, visible.data(), out_data + row * dim);
     }
   });
   return out;
