@@ -10,7 +10,9 @@
 // Attention leaves out the keys a query's additive mask hides (mask values at the mask dtype's
 // lowest, or -inf: their softmax weight is exactly zero anyway) and sums the visible keys in cache
 // order, so a query's output depends on the keys it sees and not on where they lie in the cache: a
-// tree node attends exactly as the same token does once its path is all that is cached.
+// tree node attends exactly as the same token does once its path is all that is cached. The query
+// heads of a token that share a K/V head see the same keys and are attended together, loading each key
+// and value once for all of them; every head's sums are its own, in the order of a head alone.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
