@@ -1,12 +1,11 @@
 // The k largest values of each row and their indices, for float32 rows on AVX-512: a draft tree's
 // candidates, the likeliest tokens of every drafted position.
 //
-// torch's topk sorts its way through a row at about one element per nanosecond, some 130 us for the
-// default drafter's 7 x 16k log-probabilities and 360 us over the full 49k vocabulary: most of a DDTree
-// round's tree building. A row's k-th largest value so far is a threshold that almost every value
-// stays below, so this compares whole registers against it and inserts only the few values above it
-// into a sorted list of k. Values come largest first, equal values in index order (torch's order among
-// ties is unspecified); NaN sorts above every number, as in torch.
+// torch's topk works through every element of a row one at a time, most of a DDTree round's tree
+// building on a CPU (figures: benchmarks/README.md). A row's k-th largest value so far is a threshold
+// that almost every value stays below, so this compares whole registers against it and inserts only
+// the few values above it into a sorted list of k. Values come largest first, equal values in index
+// order (torch's order among ties is unspecified); NaN sorts above every number, as in torch.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

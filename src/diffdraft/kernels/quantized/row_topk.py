@@ -1,10 +1,8 @@
 """A draft tree's candidates on the CPU kernel (``row_topk.cpp``): each row's k largest values and
 their indices, as ``torch.topk`` gives them, several times sooner.
 
-DDTree ranks the likeliest tokens of every drafted position each round; torch's topk takes some 130
-us for the default drafter's 7 x 16k log-probabilities on a 2-core CPU (360 us over the full 49k
-vocabulary, where prompt lookup boosted a copy), most of the round's tree building (figures:
-benchmarks/README.md, 'Measurements behind the code').
+DDTree ranks the likeliest tokens of every drafted position each round, and on a CPU torch's topk
+was most of a round's tree building (figures: benchmarks/README.md, 'Measurements behind the code').
 """
 
 from __future__ import annotations
