@@ -222,13 +222,16 @@ struct MaskRow {
 
   __m512 bias(int64_t from, __mmask16 lanes) const {
     switch (type) {
-      case at::kBFloat16: {
-        const __m256i bits = _mm256_maskz_loadu_epi16(lanes, static_cast<const BFloat16*>(data) + from);
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+      case at::kBFloat16: return load(static_cast<const BFloat16*>(data) + from, lanes);
+      case at::kHalf: {
+        const auto* p = static_cast<const c10::Half*>(data) + from;
+        return _mm512_cvtph_ps(lanes == 0xFFFF ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                                               : _mm256_maskz_loadu_epi16(lanes, p));
       }
-      case at::kHalf:
-        return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, static_cast<const c10::Half*>(data) + from));
-      default: return _mm512_maskz_loadu_ps(lanes, static_cast<const float*>(data) + from);
+      default: {
+        const auto* p = static_cast<const float*>(data) + from;
+        return lanes == 0xFFFF ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(lanes, p);
+      }
     }
   }
 };
@@ -288,18 +291,16 @@ void attend_group(const BFloat16* query, const Cached& keys, const Cached& value
     // compress in registers and store whole: compressing stores are microcoded and slow on Zen 4
     const __m512i index = _mm512_add_epi32(lane_index, _mm512_set1_epi32(static_cast<int32_t>(tile)));
     _mm512_storeu_si512(visible + count, _mm512_maskz_compress_epi32(shown, index));
-    // A last, partial tile takes its last key again in place of the missing ones: a lane's sum is its
-    // register's alone, and those lanes are not shown, so the tile needs no branch per key.
-    const BFloat16* key[kLanes];
-    for (int t = 0; t < kLanes; ++t) key[t] = keys.row(kv_head, tile + std::min<int64_t>(t, keys_here - 1));
+    const BFloat16* key = keys.row(kv_head, tile);
     // a row at a time: the 16 dot products of a tile fill half the registers (the keys come again from L1)
     for (int g = 0; g < kGroup; ++g) {
       __m512 dots[kLanes];
 #pragma GCC unroll 16  // in registers: a loop keeps the tile's dot products in memory
       for (int t = 0; t < kLanes; ++t) {
         dots[t] = _mm512_setzero_ps();
+        if (t >= keys_here) continue;  // past the last key: its lane is not shown
         for (int c = 0; c < kPairs; ++c) {
-          const __m512i pair = load_pair(key[t] + 32 * c, c);
+          const __m512i pair = load_pair(key + t * keys.row_stride + 32 * c, c);
           dots[t] = _mm512_dpbf16_ps(dots[t], q[g][c], reinterpret_cast<__m512bh>(pair));
         }
       }
