@@ -65,12 +65,15 @@ class LeanForward:
         position_ids: torch.Tensor,
         mask: torch.Tensor | None,
         layer_ids: list[int],
+        logits_to_keep: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits [n, V] for every input token and taps [n, T, H] (None when ``layer_ids`` is empty).
+        """Logits [n, V] for every input token (the last ``logits_to_keep`` only, where given) and taps
+        [n, T, H] (None when ``layer_ids`` is empty).
 
         ``mask`` is the additive 4D mask of :meth:`TargetModel.attention_mask`; None only for a
-        single token, which sees the whole cache (a prefill goes through Hugging Face's forward)."""
-        return self.packed([Segment(cache, token_ids.shape[0], mask)], token_ids, position_ids, layer_ids)[0]
+        single token, which sees the whole cache."""
+        segments = [Segment(cache, token_ids.shape[0], mask)]
+        return self.packed(segments, token_ids, position_ids, layer_ids, logits_to_keep)[0]
 
     @kernel_rows_only()
     def packed(
@@ -79,16 +82,18 @@ class LeanForward:
         token_ids: torch.Tensor,
         position_ids: torch.Tensor,
         layer_ids: list[int],
+        logits_to_keep: int = 0,
     ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """:meth:`__call__` for several sequences at once: ``token_ids`` / ``position_ids`` are every
         segment's, concatenated in order. Projections and MLPs run over all tokens in one matmul;
         attention runs per segment over its own cache and mask. Returns (logits, taps) per segment.
-        Block-quantized layers stay on their kernel for any number of tokens (:func:`kernel_rows_only`)."""
+        Block-quantized layers stay on their kernel for any number of tokens (:func:`kernel_rows_only`).
+        ``logits_to_keep`` (one segment only; 0: all) is how many of the last tokens get logits."""
         for segment in segments:
             if segment.mask is None and segment.length != 1:
-                raise ValueError(
-                    "without a mask the lean forward takes one token; prefill through Hugging Face"
-                )
+                raise ValueError("without a mask the lean forward takes one token; give a causal mask")
+        if logits_to_keep and len(segments) > 1:
+            raise ValueError("logits_to_keep applies to one segment; packed segments keep every row's logits")
         hidden = self.decoder.embed_tokens.forward(token_ids[None])
         positions = position_ids[None]
         rotary = self.decoder.rotary_emb(hidden, positions)
@@ -101,7 +106,7 @@ class LeanForward:
         last = len(self.layers) - 1
         if last in wanted:  # Hugging Face reports the last layer's output after the final norm
             taps[last] = hidden
-        logits = self.model.lm_head.forward(hidden[None])[0]
+        logits = self.model.lm_head.forward(hidden[-logits_to_keep:][None])[0]  # [-0:]: every row
         stacked = torch.stack([taps[i] for i in layer_ids], dim=1) if layer_ids else None
         if len(segments) == 1:
             return [(logits, stacked)]

@@ -20,6 +20,10 @@ from diffdraft.kernels.kv_cache import growable_cache, keep_rows
 from diffdraft.kernels.lean_forward import LeanForward
 from diffdraft.kernels.segment import Segment
 
+PREFILL_CHUNK = 256
+"""Prompt tokens per forward of a prefill through fused block ops: the causal mask of a chunk is
+chunk x context, not prompt x prompt."""
+
 
 @dataclass
 class TargetOutput:
@@ -112,9 +116,26 @@ class TargetModel:
 
     @torch.inference_mode()
     def prefill(self, cache: DynamicCache, token_ids: torch.Tensor, layer_ids: list[int]) -> TargetOutput:
-        """Run the prompt through the model; logits are kept for the last position only."""
+        """Run the prompt through the model; logits are kept for the last position only.
+
+        A target on fused block ops (:attr:`LeanForward.fused`) prefills through those ops,
+        :data:`PREFILL_CHUNK` tokens a forward under a causal mask, so each prompt token gets what its
+        own decode step would (and sooner than Hugging Face's forward on the dense copy: figures in
+        benchmarks/README.md, 'Measurements behind the code'); others run Hugging Face's forward."""
         positions = torch.arange(token_ids.shape[0], device=self.device)
-        return self._forward(cache, token_ids, positions, None, layer_ids, logits_to_keep=1)
+        if self.lean is None or self.lean.fused is None:
+            return self._forward(cache, token_ids, positions, None, layer_ids, logits_to_keep=1)
+        token_ids = token_ids.to(self.device)
+        taps = []
+        for start in range(0, token_ids.shape[0], PREFILL_CHUNK):
+            chunk = token_ids[start : start + PREFILL_CHUNK]
+            causal = torch.ones(chunk.shape[0], chunk.shape[0], dtype=torch.bool, device=self.device).tril()
+            mask = self.attention_mask(cache, causal)
+            logits, hidden = self.lean(
+                cache, chunk, positions[start : start + chunk.shape[0]], mask, layer_ids, logits_to_keep=1
+            )
+            taps.append(hidden)
+        return TargetOutput(logits=logits, hidden=torch.cat(taps) if layer_ids else None)
 
     @torch.inference_mode()
     def taps(self, token_ids: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
@@ -123,8 +144,9 @@ class TargetModel:
         end at 27 of SmolLM2's 30 layers). Attention is causal, so padding after a sequence's end
         leaves its rows as they are alone.
 
-        Equal to :meth:`prefill`'s taps; a tap of the last layer takes the full forward, because
-        Hugging Face reports that layer after the final norm.
+        Equal to :meth:`prefill`'s taps where the prefill runs Hugging Face's forward (a target on
+        fused block ops prefills on its kernels instead: close, not equal); a tap of the last layer
+        takes the full forward, because Hugging Face reports that layer after the final norm.
         """
         deepest = max(layer_ids)
         if deepest == self.num_layers - 1:

@@ -16,6 +16,7 @@ from diffdraft.kernels.packed_linear import pack_linear_layers
 from diffdraft.kernels.quantized import decoder_ops as decoder_ops_module
 from diffdraft.kernels.quantized.decoder_ops import decoder_ops
 from diffdraft.runtime.stopping import StopConditions
+from diffdraft.target import model as model_module
 from diffdraft.target.model import TargetModel, VerifyInput
 from diffdraft.trees import ChainBuilder, DDTreeBuilder, DraftTree
 
@@ -253,6 +254,26 @@ def test_tree_nodes_get_the_outputs_of_their_path_decoded_token_by_token(family)
             )
             assert torch.equal(alone.hidden[0], tree.hidden[node])
             assert torch.equal(alone.logits[0], tree.logits[node])
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_prefill_in_chunks_gives_each_prompt_token_what_its_decode_step_would(family, monkeypatch):
+    """A prefill through the fused ops is the prompt decoded token by token, chunk boundaries aside:
+    the last token's logits, every token's taps and the cache it leaves."""
+    monkeypatch.setattr(model_module, "PREFILL_CHUNK", 5)  # 13 tokens: chunks of 5, 5 and 3
+    target = _block_target(family, seed=3)
+    prompt = torch.randint(1, 95, (13,), generator=torch.Generator().manual_seed(3))
+    layer_ids = [0, 2, 3]
+    cache = target.new_cache()
+    prefilled = target.prefill(cache, prompt, layer_ids)
+    stepped, taps = target.new_cache(), []
+    for position, token in enumerate(prompt):
+        step = target.verify(stepped, token[None], torch.tensor([position]), None, layer_ids)
+        taps.append(step.hidden)
+    assert prefilled.logits.shape[0] == 1 and torch.equal(prefilled.logits[0], step.logits[0])
+    assert torch.equal(prefilled.hidden, torch.cat(taps))
+    for a, b in zip(cache.layers, stepped.layers, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
 def test_packed_sequences_get_their_own_forwards_outputs():

@@ -19,12 +19,14 @@ all compute alike:
 Either way each output is one fixed chain of sums, so a token's outputs do not depend on how many
 tokens share the call. Inference only, bf16 activations only.
 
-Many rows at once (a prompt's prefill) turn the kernels compute-bound; there oneDNN's blocked GEMM on
-the dense weight is several times faster, so calls of ``DENSE_ROWS`` rows or more take a dense copy
-made on the first such call (memory, not bandwidth: decoding never reads it). Those rows round
-differently from the kernel's, which costs nothing to losslessness: every method prefills its prompt
-the same way. Decoding and verification forwards run inside :func:`kernel_rows_only`, so a batch of
-trees over 128 tokens still computes each token as its sequence's own decode step would.
+Calls of ``DENSE_ROWS`` rows or more outside :func:`kernel_rows_only` (Hugging Face forwards over
+whole sequences: training's taps, the prefill of a family without fused decoder ops) take a dense
+copy made on the first such call, on oneDNN's blocked GEMM (memory, not bandwidth: decoding never
+reads it). Those rows round differently from the kernel's. Decoding, verification and the fused
+layers' chunked prefill run inside :func:`kernel_rows_only`, so a batch of trees over 128 tokens still
+computes each token as its sequence's own decode step would; through the fused layers that prefill
+is also 1.4-2.2x as fast as Hugging Face's forward on the dense copy (figures: benchmarks/README.md,
+'Measurements behind the code').
 """
 
 from __future__ import annotations
