@@ -75,6 +75,26 @@ def test_a_crop_shortens_and_a_positive_count_is_refused():
         layer.crop(2)
 
 
+def test_a_shared_buffer_reserves_room_in_every_layer_and_extends_them_together():
+    """An op that writes rows into the buffer in place: ``reserve`` makes room (growing it, rows kept)
+    and says where they go, ``extend`` counts them in every layer; nothing before the first append."""
+    cache = growable_cache(tiny_target().config)
+    shared = kv_cache.shared_buffer(cache)
+    assert shared is not None and shared.reserve(4) is None
+    for index, layer in enumerate(cache.layers):
+        layer.update(torch.full((1, 2, 5, 8), float(index)), torch.full((1, 2, 5, 8), -float(index)))
+    capacity = shared.tensor.shape[-2]
+    assert shared.reserve(capacity - 5) == 5 and shared.tensor.shape[-2] == capacity
+    assert shared.reserve(capacity) == 5 and shared.tensor.shape[-2] >= capacity + 5
+    shared.tensor[:, :, :, :, 5:7] = 7.0
+    shared.extend(2)
+    for index, layer in enumerate(cache.layers):
+        assert layer.get_seq_length() == 7
+        assert torch.equal(layer.keys[:, :, :5], torch.full((1, 2, 5, 8), float(index)))
+        assert torch.equal(layer.values[:, :, 5:], torch.full((1, 2, 2, 8), 7.0))
+    assert kv_cache.shared_buffer(growable_cache(tiny_target().config, shared=False)) is None
+
+
 def test_a_finished_cache_is_freed_without_the_cyclic_garbage_collector():
     """A cycle between the shared buffer and its layers would keep every past sequence's cache alive
     until a full collection, which a process holding many objects runs seldom."""

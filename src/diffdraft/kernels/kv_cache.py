@@ -46,6 +46,23 @@ class SharedBuffer:
     def join(self, layer: GrowableLayer) -> None:
         self._layers.append(weakref.ref(layer))
 
+    def reserve(self, rows: int) -> int | None:
+        """Room in every layer for ``rows`` more rows, for an op that writes them into :attr:`tensor` in
+        place (then :meth:`extend`); returns the rows every layer holds (None before the layers'
+        first append: no buffer yet, and :meth:`GrowableLayer.update` makes it)."""
+        layers = self.layers
+        if self.tensor is None or not all(layer.is_initialized for layer in layers):
+            return None
+        held = layers[0].get_seq_length()
+        if held + rows > self.tensor.shape[-2]:
+            self.grow(layers[0].keys, _capacity_for(held + rows))
+        return held
+
+    def extend(self, rows: int) -> None:
+        """Count ``rows`` more rows in every layer: the rows :meth:`reserve` made room for, written."""
+        for layer in self.layers:
+            layer._set_length(layer._length + rows)
+
     def grow(self, like: torch.Tensor, capacity: int) -> None:
         """Reallocate with room for ``capacity`` rows, keeping every layer's rows. Zeroed: a forward
         replayed from a CUDA graph (:mod:`diffdraft.kernels.graphed_verify`) reads every row under a mask, and
@@ -85,7 +102,7 @@ class GrowableLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         end = self._length + key_states.shape[-2]
         if self._key_buffer is None or end > self._key_buffer.shape[-2]:
-            self._grow(key_states, value_states, end + max(SPARE_ROWS, end // 4))
+            self._grow(key_states, value_states, _capacity_for(end))
         self._key_buffer[..., self._length : end, :] = key_states
         self._value_buffer[..., self._length : end, :] = value_states
         self._set_length(end)
@@ -130,6 +147,17 @@ class GrowableLayer(DynamicLayer):
             self.shared.tensor = None
 
 
+def _capacity_for(rows: int) -> int:
+    """The capacity a buffer grows to when ``rows`` outgrow it (see :data:`SPARE_ROWS`)."""
+    return rows + max(SPARE_ROWS, rows // 4)
+
+
+def shared_buffer(cache: DynamicCache) -> SharedBuffer | None:
+    """The buffer holding every layer of ``cache`` (:func:`growable_cache`'s), or None."""
+    shared = getattr(cache.layers[0], "shared", None) if cache.layers else None
+    return shared if shared is not None and shared.layers == cache.layers else None
+
+
 def growable_cache(config, shared: bool = True) -> DynamicCache:
     """A ``DynamicCache`` for ``config`` whose full-attention layers are :class:`GrowableLayer` (sliding
     window layers keep Hugging Face's own, which drop old rows). ``shared``: when every layer is
@@ -147,8 +175,8 @@ def growable_cache(config, shared: bool = True) -> DynamicCache:
 def keep_rows(cache: DynamicCache, start: int, path: list[int]) -> None:
     """Move cache rows ``start + path[i]`` to ``start + i`` in every layer (``path`` increasing)."""
     source = torch.tensor(path, device=cache.layers[0].keys.device) + start
-    shared = getattr(cache.layers[0], "shared", None)
-    if shared is not None and shared.layers == cache.layers:  # growable_cache's shared buffer
+    shared = shared_buffer(cache)
+    if shared is not None:
         rows = shared.tensor.index_select(-2, source)
         shared.tensor[..., start : start + len(path), :] = rows
         return

@@ -184,6 +184,47 @@ def test_query_heads_sharing_a_kv_head_attend_as_each_does_alone(heads, kv_heads
         assert torch.equal(together[:, head], alone)
 
 
+def test_attend_cached_appends_each_segments_rows_and_attends_as_attention_over_its_cache():
+    """One call for three segments (one token without a mask, a tree of 4 and a chain of 3 under masks,
+    over caches of 17, 40 and 0 rows): each buffer gains its segment's keys and values at its start, in
+    the layer asked for and nowhere else, and each segment's rows are `attention` over its grown cache."""
+    heads, kv_heads, dim, layers, capacity, layer = 9, 3, 64, 3, 48, 1
+    counts, starts = [1, 4, 3], [17, 40, 0]
+    tokens = sum(counts)
+    query = _random(tokens, heads, dim, seed=20)
+    key, value = _random(1, kv_heads, tokens, dim, seed=21), _random(1, kv_heads, tokens, dim, seed=22)
+    buffers = [_random(layers, 2, 1, kv_heads, capacity, dim, seed=23 + s) for s in range(3)]
+    before = [buffer.clone() for buffer in buffers]
+    masks = [None]
+    for count, start in zip(counts[1:], starts[1:], strict=True):
+        visible = torch.ones(count, start + count, dtype=torch.bool)
+        visible[:, start:] = torch.ones(count, count, dtype=torch.bool).tril()
+        mask = torch.zeros(count, start + count, dtype=BF16).masked_fill(~visible, torch.finfo(BF16).min)
+        masks.append(mask[None, None])
+    out = decoder_ops().attend_cached(query, key, value, buffers, layer, starts, counts, masks, 0.125)
+    first = 0
+    for s, (count, start) in enumerate(zip(counts, starts, strict=True)):
+        rows = slice(first, first + count)
+        written = slice(start, start + count)
+        assert torch.equal(buffers[s][layer, 0, 0, :, written], key[0, :, rows])
+        assert torch.equal(buffers[s][layer, 1, 0, :, written], value[0, :, rows])
+        untouched = buffers[s].clone()
+        untouched[layer, :, :, :, written] = before[s][layer, :, :, :, written]
+        assert torch.equal(untouched, before[s])
+        cache = buffers[s][layer, :, :, :, : start + count]
+        expected = decoder_ops().attention(query[rows], cache[0], cache[1], masks[s], 0.125)
+        assert torch.equal(out[rows], expected)
+        first += count
+
+
+def test_attend_cached_refuses_rows_past_a_buffers_capacity():
+    buffer = _random(1, 2, 1, 1, 8, 16, seed=30)
+    key = _random(1, 1, 2, 16, seed=31)
+    mask = torch.zeros(1, 1, 2, 9, dtype=BF16)
+    with pytest.raises(RuntimeError, match="do not fit a buffer of 8"):
+        decoder_ops().attend_cached(_random(2, 1, 16, seed=32), key, key, [buffer], 0, [7], [2], [mask], 0.25)
+
+
 def test_a_mask_that_hides_every_key_is_refused():
     keys, values = _cache_views(1, 5, 16, seed=12)
     mask = torch.full((1, 1, 1, 5), float("-inf"))

@@ -12,7 +12,9 @@
 // order, so a query's output depends on the keys it sees and not on where they lie in the cache: a
 // tree node attends exactly as the same token does once its path is all that is cached. The query
 // heads of a token that share a K/V head see the same keys and are attended together, loading each key
-// and value once for all of them; every head's sums are its own, in the order of a head alone.
+// and value once for all of them; every head's sums are its own, in the order of a head alone. A packed
+// forward appends every sequence's keys and values to its cache and attends all sequences in one call a
+// layer (attend_cached), their work shared out among the threads at once.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -394,61 +396,159 @@ float hidden_value(at::ScalarType type) {
   return 0.0f;
 }
 
-// query [tokens, heads, dim]; keys, values [1, kv_heads, length, dim] (rows of dim contiguous, any head
-// and row strides, as views of a cache buffer); mask [1, 1, tokens, length] additive, or none (every key
-// visible). Returns [tokens, heads * dim]: the heads side by side, as the output projection reads them.
-// The query heads of a token that share a K/V head are attended together, up to kMaxGroup at a time.
-at::Tensor attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
-                     const c10::optional<at::Tensor>& mask, double scale) {
-  check_bf16(query, "query");
-  TORCH_CHECK(query.dim() == 3, "query must be [tokens, heads, head_dim]");
+// One sequence's share of an attention call: its queries are the call's rows [first, first + tokens),
+// over the first `length` keys and values of its cache, under its additive mask rows (or none).
+struct CachedSegment {
+  Cached keys, values;
+  int64_t first, tokens, length;
+  const char* mask_data;  // nullptr: every key visible
+  int64_t mask_stride;    // bytes from one token's mask row to the next
+  at::ScalarType mask_type;
+  float hidden_at;
+};
+
+// `mask` [1, 1, tokens, length] additive, or none (every key visible), read in place in its own dtype;
+// returns the rows tensor the segment reads (kept alive by the caller: a reshape may copy).
+at::Tensor use_mask(CachedSegment& segment, const c10::optional<at::Tensor>& mask) {
+  segment.mask_data = nullptr;
+  segment.mask_stride = 0;
+  segment.mask_type = at::kFloat;
+  segment.hidden_at = -std::numeric_limits<float>::infinity();
+  if (!mask.has_value()) return at::Tensor();
+  TORCH_CHECK(mask->numel() == segment.tokens * segment.length && mask->size(-1) == segment.length,
+              "the mask must be [1, 1, tokens, keys] = [1, 1, ", segment.tokens, ", ", segment.length, "], got ",
+              mask->sizes());
+  segment.hidden_at = hidden_value(mask->scalar_type());
+  at::Tensor rows = mask->reshape({segment.tokens, segment.length});
+  if (rows.stride(1) != 1) rows = rows.contiguous();
+  segment.mask_data = static_cast<const char*>(rows.data_ptr());
+  segment.mask_stride = rows.stride(0) * rows.element_size();
+  segment.mask_type = rows.scalar_type();
+  return rows;
+}
+
+// Every segment's queries [tokens, heads, dim] over its own keys (`kv_heads` of them): [tokens, heads * dim],
+// the heads side by side, as the output projection reads them. The query heads of a token that share a
+// K/V head are attended together, up to kMaxGroup at a time; the work of all segments is shared out
+// among the threads at once.
+at::Tensor attend_segments(const at::Tensor& query, const std::vector<CachedSegment>& segments, int64_t kv_heads,
+                           double scale) {
   const int64_t tokens = query.size(0), heads = query.size(1), dim = query.size(2);
-  for (const at::Tensor* t : {&keys, &values}) {
-    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->dim() == 4 && t->size(0) == 1 && t->stride(3) == 1,
-                "keys and values must be bfloat16 [1, kv_heads, length, head_dim] with contiguous rows");
-    TORCH_CHECK(t->sizes() == keys.sizes(), "keys and values differ in shape");
-  }
-  const int64_t kv_heads = keys.size(1), length = keys.size(2);
-  TORCH_CHECK(keys.size(3) == dim && dim <= 32 * kMaxPairs, "head_dim ", keys.size(3), " unsupported");
+  TORCH_CHECK(dim <= 32 * kMaxPairs, "head_dim ", dim, " unsupported");
   TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, heads, " query heads do not share ", kv_heads, " kv heads");
-  at::Tensor mask_rows;
-  float hidden_at = -std::numeric_limits<float>::infinity();
-  if (mask.has_value()) {
-    TORCH_CHECK(mask->numel() == tokens * length && mask->size(-1) == length,
-                "the mask must be [1, 1, tokens, keys], got ", mask->sizes());
-    hidden_at = hidden_value(mask->scalar_type());
-    mask_rows = mask->reshape({tokens, length});
-    if (mask_rows.stride(1) != 1) mask_rows = mask_rows.contiguous();
-  }
   at::Tensor out = at::empty({tokens, heads * dim}, query.options());
-  const Cached key_rows{keys.data_ptr<BFloat16>(), keys.stride(1), keys.stride(2)};
-  const Cached value_rows{values.data_ptr<BFloat16>(), values.stride(1), values.stride(2)};
   const int64_t group = heads / kv_heads;
   // a group larger than kMaxGroup in parts of at most kMaxGroup, as even as they come
   const int64_t parts = (group + kMaxGroup - 1) / kMaxGroup, part = (group + parts - 1) / parts;
   const GroupKernel kernel = group_kernel(dim, part), last_kernel = group_kernel(dim, group - (parts - 1) * part);
+  std::vector<int64_t> ends;  // each segment's last work item + 1
+  int64_t items = 0, longest = 0;
+  for (const CachedSegment& segment : segments) {
+    items += segment.tokens * kv_heads * parts;
+    ends.push_back(items);
+    longest = std::max(longest, segment.length);
+  }
   const auto* query_data = query.data_ptr<BFloat16>();
   auto* out_data = out.data_ptr<BFloat16>();
-  const auto* mask_data = mask.has_value() ? static_cast<const char*>(mask_rows.data_ptr()) : nullptr;
-  const int64_t mask_stride = mask.has_value() ? mask_rows.stride(0) * mask_rows.element_size() : 0;
-  const at::ScalarType mask_type = mask.has_value() ? mask_rows.scalar_type() : at::kFloat;
-  const int64_t stride = length + kLanes;  // room for a whole register past the last key
-  at::parallel_for(0, tokens * kv_heads * parts, 1, [&](int64_t begin, int64_t end) {
+  const int64_t stride = longest + kLanes;  // room for a whole register past the last key
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     // kept across calls: a thread's buffers grow to the longest cache and are not allocated again
     thread_local std::vector<float> scores;
     thread_local std::vector<int32_t> visible;
     if (static_cast<int64_t>(visible.size()) < stride) visible.resize(stride);
     if (static_cast<int64_t>(scores.size()) < part * stride) scores.resize(part * stride);
+    size_t s = std::upper_bound(ends.begin(), ends.end(), begin) - ends.begin();
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t t = item / (kv_heads * parts), kv_head = item / parts % kv_heads, index = item % parts;
-      const int64_t row = t * heads + kv_head * group + index * part;
-      const MaskRow bias{mask_data != nullptr ? mask_data + t * mask_stride : nullptr, mask_type};
-      (index == parts - 1 ? last_kernel : kernel)(query_data + row * dim, key_rows, value_rows, kv_head, length,
-                                                   bias, hidden_at, static_cast<float>(scale), dim, scores.data(),
-                                                   stride, visible.data(), out_data + row * dim);
+      while (item >= ends[s]) ++s;
+      const CachedSegment& segment = segments[s];
+      const int64_t local = item - (s == 0 ? 0 : ends[s - 1]);
+      const int64_t t = local / (kv_heads * parts), kv_head = local / parts % kv_heads, index = local % parts;
+      const int64_t row = (segment.first + t) * heads + kv_head * group + index * part;
+      const MaskRow bias{segment.mask_data != nullptr ? segment.mask_data + t * segment.mask_stride : nullptr,
+                         segment.mask_type};
+      (index == parts - 1 ? last_kernel : kernel)(query_data + row * dim, segment.keys, segment.values, kv_head,
+                                                   segment.length, bias, segment.hidden_at, static_cast<float>(scale),
+                                                   dim, scores.data(), stride, visible.data(), out_data + row * dim);
     }
   });
   return out;
+}
+
+// query [tokens, heads, dim]; keys, values [1, kv_heads, length, dim] (rows of dim contiguous, any head
+// and row strides, as views of a cache buffer); mask [1, 1, tokens, length] additive, or none (every key
+// visible: one token). Returns [tokens, heads * dim].
+at::Tensor attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
+                     const c10::optional<at::Tensor>& mask, double scale) {
+  check_bf16(query, "query");
+  TORCH_CHECK(query.dim() == 3, "query must be [tokens, heads, head_dim]");
+  for (const at::Tensor* t : {&keys, &values}) {
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->dim() == 4 && t->size(0) == 1 && t->stride(3) == 1,
+                "keys and values must be bfloat16 [1, kv_heads, length, head_dim] with contiguous rows");
+    TORCH_CHECK(t->sizes() == keys.sizes(), "keys and values differ in shape");
+  }
+  TORCH_CHECK(keys.size(3) == query.size(2), "keys of head_dim ", keys.size(3), " for queries of ", query.size(2));
+  CachedSegment segment{{keys.data_ptr<BFloat16>(), keys.stride(1), keys.stride(2)},
+                        {values.data_ptr<BFloat16>(), values.stride(1), values.stride(2)},
+                        0, query.size(0), keys.size(2)};
+  const at::Tensor rows = use_mask(segment, mask);
+  return attend_segments(query, {segment}, keys.size(1), scale);
+}
+
+// The attention of a packed forward's segments, each over its own cache after this forward's keys and
+// values are appended to it. query [tokens, heads, dim], key and value [1, kv_heads, tokens, dim] (from
+// rotary_split): segment s owns the next counts[s] tokens. buffers[s]: segment s's cache of every layer,
+// [layers, 2 (keys, values), 1, kv_heads, capacity, dim], holding starts[s] rows; this writes layer `layer`'s
+// rows starts[s].. and attends over the first starts[s] + counts[s] under masks[s] ([1, 1, counts[s],
+// starts[s] + counts[s]], or none: every key visible). One call for every segment: no per-segment views,
+// copies or dispatch.
+at::Tensor attend_cached(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                         at::TensorList buffers, int64_t layer, at::IntArrayRef starts, at::IntArrayRef counts,
+                         const c10::List<c10::optional<at::Tensor>>& masks, double scale) {
+  check_bf16(query, "query");
+  check_bf16(key, "key");
+  check_bf16(value, "value");
+  TORCH_CHECK(query.dim() == 3, "query must be [tokens, heads, head_dim]");
+  const int64_t tokens = query.size(0), dim = query.size(2);
+  TORCH_CHECK(key.dim() == 4 && key.size(0) == 1 && key.size(2) == tokens && key.size(3) == dim &&
+                  value.sizes() == key.sizes(),
+              "key and value must be [1, kv_heads, tokens, head_dim] for the query's tokens and head_dim");
+  const int64_t kv_heads = key.size(1);
+  const size_t count = buffers.size();
+  TORCH_CHECK(starts.size() == count && counts.size() == count && masks.size() == count,
+              "give one start, count and mask per cache buffer");
+  const auto* key_data = key.data_ptr<BFloat16>();
+  const auto* value_data = value.data_ptr<BFloat16>();
+  std::vector<CachedSegment> segments(count);
+  std::vector<at::Tensor> mask_rows(count);
+  int64_t first = 0;
+  for (size_t s = 0; s < count; ++s) {
+    const at::Tensor& buffer = buffers[s];
+    check_bf16(buffer, "a cache buffer");
+    TORCH_CHECK(buffer.dim() == 6 && layer >= 0 && layer < buffer.size(0) && buffer.size(1) == 2 &&
+                    buffer.size(2) == 1 && buffer.size(3) == kv_heads && buffer.size(5) == dim,
+                "a cache buffer must be [layers, 2, 1, kv_heads, capacity, head_dim] holding layer ", layer,
+                ", got ", buffer.sizes());
+    const int64_t capacity = buffer.size(4), start = starts[s], rows = counts[s];
+    TORCH_CHECK(start >= 0 && rows >= 1 && start + rows <= capacity, "segment ", s, ": ", rows, " rows after ", start,
+                " do not fit a buffer of ", capacity);
+    TORCH_CHECK(first + rows <= tokens, "the counts add up to more than the ", tokens, " tokens");
+    BFloat16* key_rows = buffer.data_ptr<BFloat16>() + (2 * layer) * kv_heads * capacity * dim;
+    BFloat16* value_rows = key_rows + kv_heads * capacity * dim;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      std::copy_n(key_data + (h * tokens + first) * dim, rows * dim, key_rows + (h * capacity + start) * dim);
+      std::copy_n(value_data + (h * tokens + first) * dim, rows * dim, value_rows + (h * capacity + start) * dim);
+    }
+    CachedSegment& segment = segments[s];
+    segment.keys = {key_rows, capacity * dim, dim};
+    segment.values = {value_rows, capacity * dim, dim};
+    segment.first = first;
+    segment.tokens = rows;
+    segment.length = start + rows;
+    mask_rows[s] = use_mask(segment, masks.get(s));
+    first += rows;
+  }
+  TORCH_CHECK(first == tokens, "the counts add up to ", first, " of the ", tokens, " tokens");
+  return attend_segments(query, segments, kv_heads, scale);
 }
 
 // SiLU(gate) * up for the stacked gate|up projection [..., 2 x width]: [..., width].
@@ -485,6 +585,9 @@ TORCH_LIBRARY(diffdraft_decoder, m) {
       "rotary_split(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads, Tensor? q_norm=None, "
       "Tensor? k_norm=None, float eps=0.0) -> (Tensor, Tensor, Tensor)");
   m.def("attention(Tensor query, Tensor keys, Tensor values, Tensor? mask, float scale) -> Tensor");
+  m.def(
+      "attend_cached(Tensor query, Tensor key, Tensor value, Tensor[] buffers, int layer, int[] starts, "
+      "int[] counts, Tensor?[] masks, float scale) -> Tensor");
   m.def("silu_gate(Tensor gate_up) -> Tensor");
 }
 
@@ -493,5 +596,6 @@ TORCH_LIBRARY_IMPL(diffdraft_decoder, CPU, m) {
   m.impl("residual_rms_norm", &residual_rms_norm);
   m.impl("rotary_split", &rotary_split);
   m.impl("attention", &attention);
+  m.impl("attend_cached", &attend_cached);
   m.impl("silu_gate", &silu_gate);
 }

@@ -20,6 +20,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from diffdraft.kernels.fused_projections import StackedProjection, stacked_projection
+from diffdraft.kernels.kv_cache import SharedBuffer, shared_buffer
 from diffdraft.kernels.quantized.block_linear import has_block_layers
 from diffdraft.kernels.quantized.kernel_build import block_kernel
 from diffdraft.kernels.segment import Segment
@@ -118,17 +119,23 @@ class FusedDecoderLayers:
         ops = self.ops
         cos, sin = rotary[0][0], rotary[1][0]
         normed = ops.rms_norm(hidden, *self.first_norm)
+        writes = _CacheWrites.reserve(segments)
         taps = {}
         for index, layer in enumerate(self.layers):
             query, key, value = ops.rotary_split(
                 layer.qkv.forward(normed), cos, sin, self.heads, self.kv_heads
             )
-            attended = self._attend(layer, query, key, value, segments, rows)
+            if writes is not None:
+                attended = writes.attend(ops, layer, query, key, value)
+            else:
+                attended = self._attend(layer, query, key, value, segments, rows)
             hidden, normed = ops.residual_rms_norm(hidden, layer.output.forward(attended), *layer.post_norm)
             gated = ops.silu_gate(layer.gate_up.forward(normed))
             hidden, normed = ops.residual_rms_norm(hidden, layer.down.forward(gated), *layer.next_norm)
             if index in wanted:
                 taps[index] = hidden
+        if writes is not None:
+            writes.commit()
         return normed, taps
 
     def _attend(
@@ -140,9 +147,53 @@ class FusedDecoderLayers:
         segments: Sequence[Segment],
         rows: Sequence[slice],
     ) -> torch.Tensor:
-        """Each segment's queries over its own cache, after appending its keys and values to it."""
+        """Each segment's queries over its own cache, after appending its keys and values to it, through
+        the cache's own ``update`` (a cache without a started shared buffer: its first forward)."""
         outputs = []
         for segment, part in zip(segments, rows, strict=True):
             keys, values = segment.cache.update(key[:, :, part], value[:, :, part], layer.cache_index)
             outputs.append(self.ops.attention(query[part], keys, values, segment.mask, layer.scaling))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+
+@dataclass
+class _CacheWrites:
+    """Where a forward's layers write each segment's keys and values: every segment's shared cache
+    buffer, room made for its tokens, so one ``attend_cached`` call a layer appends and attends for
+    all segments. A cache ``update`` and an attention call per segment and layer (views, copies and a
+    parallel region each) had cost more than the attention's arithmetic at batch 8 (figures:
+    benchmarks/README.md, 'Measurements behind the code')."""
+
+    buffers: list[SharedBuffer]
+    tensors: list[torch.Tensor]
+    starts: list[int]
+    counts: list[int]
+    masks: list[torch.Tensor | None]
+
+    @classmethod
+    def reserve(cls, segments: Sequence[Segment]) -> _CacheWrites | None:
+        """None when a segment's cache keeps no started shared buffer."""
+        buffers, starts = [], []
+        for segment in segments:
+            buffer = shared_buffer(segment.cache)
+            start = buffer.reserve(segment.length) if buffer is not None else None
+            if start is None:
+                return None
+            buffers.append(buffer)
+            starts.append(start)
+        tensors = [buffer.tensor for buffer in buffers]  # after every reserve: growing replaces a tensor
+        counts = [segment.length for segment in segments]
+        return cls(buffers, tensors, starts, counts, [segment.mask for segment in segments])
+
+    def attend(
+        self, ops, layer: _Layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> torch.Tensor:
+        """Append ``layer``'s keys and values to every segment's cache and attend each segment's
+        queries over its own: :meth:`FusedDecoderLayers._attend` in one op."""
+        places = (self.tensors, layer.cache_index, self.starts, self.counts, self.masks)
+        return ops.attend_cached(query, key, value, *places, layer.scaling)
+
+    def commit(self) -> None:
+        """Count the written rows in every layer of every segment's cache."""
+        for buffer, count in zip(self.buffers, self.counts, strict=True):
+            buffer.extend(count)
