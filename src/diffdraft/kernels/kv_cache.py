@@ -59,9 +59,15 @@ class SharedBuffer:
         return held
 
     def extend(self, rows: int) -> None:
-        """Count ``rows`` more rows in every layer: the rows :meth:`reserve` made room for, written."""
-        for layer in self.layers:
-            layer._set_length(layer._length + rows)
+        """Count ``rows`` more rows in every layer: the rows :meth:`reserve` made room for, written. The
+        layers' views come from one slice of the buffer each for keys and values, unbound: a view
+        made per layer costs several times as much, per sequence and forward."""
+        layers = self.layers
+        length = layers[0].get_seq_length() + rows
+        keys = self.tensor[:, 0, ..., :length, :].unbind(0)
+        values = self.tensor[:, 1, ..., :length, :].unbind(0)
+        for layer, layer_keys, layer_values in zip(layers, keys, values, strict=True):
+            layer._length, layer.keys, layer.values = length, layer_keys, layer_values
 
     def grow(self, like: torch.Tensor, capacity: int) -> None:
         """Reallocate with room for ``capacity`` rows, keeping every layer's rows. Zeroed: a forward
