@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffdraft.errors import IncompatibleDrafterError
+from diffdraft.errors import IncompatibleDrafterError, InvalidRequestError
 from diffdraft.target.model import TargetModel
 from diffdraft.trees import DraftTree
 
@@ -33,6 +33,14 @@ def path_tokens(tree: DraftTree, node: int) -> list[int]:
         tokens.append(int(tree.tokens[node]))
         node = int(tree.parents[node])
     return tokens[::-1]
+
+
+def test_an_empty_prompt_is_refused_before_any_forward():
+    target = TargetModel(tiny_target())
+    cache = target.new_cache()
+    with pytest.raises(InvalidRequestError, match="at least one prompt token"):
+        target.prefill(cache, torch.tensor([], dtype=torch.long), [])
+    assert cache.get_seq_length() == 0
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])

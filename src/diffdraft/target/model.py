@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from diffdraft.errors import IncompatibleDrafterError, UnsupportedModelError
+from diffdraft.errors import IncompatibleDrafterError, InvalidRequestError, UnsupportedModelError
 from diffdraft.kernels.graphed_verify import GraphedVerify
 from diffdraft.kernels.kv_cache import growable_cache, keep_rows
 from diffdraft.kernels.lean_forward import LeanForward
@@ -122,6 +122,8 @@ class TargetModel:
         :data:`PREFILL_CHUNK` tokens a forward under a causal mask, so each prompt token gets what its
         own decode step would (and sooner than Hugging Face's forward on the dense copy: figures in
         benchmarks/README.md, 'Measurements behind the code'); others run Hugging Face's forward."""
+        if token_ids.shape[0] == 0:
+            raise InvalidRequestError("a prefill needs at least one prompt token; got an empty prompt")
         positions = torch.arange(token_ids.shape[0], device=self.device)
         if self.lean is None or self.lean.fused is None:
             return self._forward(cache, token_ids, positions, None, layer_ids, logits_to_keep=1)
