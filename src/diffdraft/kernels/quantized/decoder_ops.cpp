@@ -476,7 +476,7 @@ at::Tensor attend_segments(const at::Tensor& query, const std::vector<CachedSegm
 
 // query [tokens, heads, dim]; keys, values [1, kv_heads, length, dim] (rows of dim contiguous, any head
 // and row strides, as views of a cache buffer); mask [1, 1, tokens, length] additive, or none (every key
-// visible: one token). Returns [tokens, heads * dim].
+// visible to every token, as a draft block's rows see their block). Returns [tokens, heads * dim].
 at::Tensor attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
                      const c10::optional<at::Tensor>& mask, double scale) {
   check_bf16(query, "query");
