@@ -11,7 +11,7 @@ from diffdraft.budget import cost
 from diffdraft.budget.cost import VerifyCostCurve, load_or_measure, measure_verify_cost
 from diffdraft.target.model import TargetModel
 
-from conftest import tiny_target
+from conftest import needs_block_kernel, q4_1_target, tiny_target
 
 
 def test_the_curve_interpolates_and_extrapolates_linearly_in_size_and_context():
@@ -57,3 +57,17 @@ def test_measuring_gives_every_size_and_the_cache_is_reused_until_it_stops_match
     file.write_text(json.dumps(stale))
     assert not cost.still_valid(VerifyCostCurve(**stale), target)
     assert load_or_measure(target, cache_dir=tmp_path).seconds != stale["seconds"]
+
+
+@needs_block_kernel
+def test_a_block_targets_cached_curve_is_not_reused_once_the_kernel_source_changed(tmp_path, monkeypatch):
+    from diffdraft.kernels.quantized import kernel_build
+
+    block, dense = q4_1_target()
+    before = cost.curve_key(TargetModel(block))
+    plain = cost.curve_key(TargetModel(dense))
+    changed = tmp_path / "changed.cpp"
+    changed.write_text(kernel_build.INT8_SOURCE.read_text() + "\n// changed\n")
+    monkeypatch.setattr(kernel_build, "INT8_SOURCE", changed)
+    assert cost.curve_key(TargetModel(block)) != before
+    assert cost.curve_key(TargetModel(dense)) == plain  # no kernel runs in a dense target

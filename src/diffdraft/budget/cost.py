@@ -29,6 +29,7 @@ from diffdraft.kernels.fused_projections import ProjectionSlice
 from diffdraft.kernels.grouped_attention import ROW_DTYPES
 from diffdraft.kernels.packed_linear import has_packed_layers
 from diffdraft.kernels.quantized.block_linear import block_kernels
+from diffdraft.kernels.quantized.kernel_build import library_key
 from diffdraft.runtime.sampling import SamplingParams
 from diffdraft.target.model import TargetModel
 from diffdraft.trees import DraftTree
@@ -210,6 +211,7 @@ def curve_key(target: TargetModel) -> str:
         "cores": os.cpu_count(),
         "packed": has_packed_layers(target.model),
         "block_kernels": block_kernels(target.model),
+        "kernel_library": library_key() if block_kernels(target.model) else None,
         "attention": target.model.config._attn_implementation,
         "grouped_rows": [str(dtype) for dtype in ROW_DTYPES],
         "stacked": any(isinstance(module, ProjectionSlice) for module in target.model.modules()),

@@ -103,69 +103,59 @@ inline __m512i four_codes(const int8_t* codes) {
   return _mm512_set1_epi32(word);
 }
 
-// kRows input rows from row0 against kTiles column tiles from tile0.
-template <class F, int kRows, int kTiles>
-void tiles(const Job& job, int64_t row0, int64_t tile0) {
+// kRows input rows from row0 against column tile t. One tile at a time, whatever the rows: taking two
+// or four tiles at once to hide the dot-product chains' latency for 1-4 rows made a whole decoding
+// forward of the default target 7-20% slower (benchmarks/README.md, 'Measurements behind the code').
+template <class F, int kRows>
+void tile_rows(const Job& job, int64_t row0, int64_t t) {
   const Activations& x = *job.x;
-  __m512 acc[kTiles][kRows];
-  for (int t = 0; t < kTiles; ++t)
-    for (int r = 0; r < kRows; ++r) acc[t][r] = _mm512_setzero_ps();
+  __m512 acc[kRows];
+  for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < job.blocks; ++b) {
-    const uint8_t* tile[kTiles];
-    for (int t = 0; t < kTiles; ++t) tile[t] = job.weight + ((tile0 + t) * job.blocks + b) * F::kBytes;
-    __m512i sums[kTiles][kRows];
+    const uint8_t* tile = job.weight + (t * job.blocks + b) * F::kBytes;
+    __m512i sums[kRows];
     for (int r = 0; r < kRows; ++r) {
-      const int32_t start = -F::kCodeShift * x.code_sums[(row0 + r) * job.blocks + b];
-      for (int t = 0; t < kTiles; ++t) sums[t][r] = _mm512_set1_epi32(start);
+      sums[r] = _mm512_set1_epi32(-F::kCodeShift * x.code_sums[(row0 + r) * job.blocks + b]);
     }
     for (int j = 0; j < 4; ++j) {
-      for (int t = 0; t < kTiles; ++t) {
-        __m512i low, high;
-        F::codes(tile[t], j, low, high);
-        for (int r = 0; r < kRows; ++r) {
-          const int8_t* q = x.codes.data() + ((row0 + r) * job.blocks + b) * kBlock;
-          sums[t][r] = _mm512_dpbusd_epi32(sums[t][r], low, four_codes(q + 4 * j));
-          sums[t][r] = _mm512_dpbusd_epi32(sums[t][r], high, four_codes(q + 16 + 4 * j));
-        }
+      __m512i low, high;
+      F::codes(tile, j, low, high);
+      for (int r = 0; r < kRows; ++r) {
+        const int8_t* q = x.codes.data() + ((row0 + r) * job.blocks + b) * kBlock;
+        sums[r] = _mm512_dpbusd_epi32(sums[r], low, four_codes(q + 4 * j));
+        sums[r] = _mm512_dpbusd_epi32(sums[r], high, four_codes(q + 16 + 4 * j));
       }
     }
-    for (int t = 0; t < kTiles; ++t) {
-      const auto* halves = reinterpret_cast<const __m256i*>(tile[t] + F::kCodeBytes);
-      const __m512 scales = _mm512_cvtph_ps(_mm256_loadu_si256(halves));
+    const auto* halves = reinterpret_cast<const __m256i*>(tile + F::kCodeBytes);
+    const __m512 scales = _mm512_cvtph_ps(_mm256_loadu_si256(halves));
+    for (int r = 0; r < kRows; ++r) {
+      const __m512 scale = _mm512_mul_ps(scales, _mm512_set1_ps(x.scales[(row0 + r) * job.blocks + b]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r]), scale, acc[r]);
+    }
+    if constexpr (F::kOffsets) {
+      const __m512 offsets = _mm512_cvtph_ps(_mm256_loadu_si256(halves + 1));
       for (int r = 0; r < kRows; ++r) {
-        const __m512 scale = _mm512_mul_ps(scales, _mm512_set1_ps(x.scales[(row0 + r) * job.blocks + b]));
-        acc[t][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[t][r]), scale, acc[t][r]);
-      }
-      if constexpr (F::kOffsets) {
-        const __m512 offsets = _mm512_cvtph_ps(_mm256_loadu_si256(halves + 1));
-        for (int r = 0; r < kRows; ++r) {
-          acc[t][r] = _mm512_fmadd_ps(offsets, _mm512_set1_ps(x.sums[(row0 + r) * job.blocks + b]), acc[t][r]);
-        }
+        acc[r] = _mm512_fmadd_ps(offsets, _mm512_set1_ps(x.sums[(row0 + r) * job.blocks + b]), acc[r]);
       }
     }
   }
-  for (int t = 0; t < kTiles; ++t) {
-    const int64_t column = (tile0 + t) * kTile;
-    const __mmask16 valid = _cvtu32_mask16((1u << std::min<int64_t>(kTile, job.out_features - column)) - 1);
-    for (int r = 0; r < kRows; ++r) {
-      __m512 y = acc[t][r];
-      if (job.bias != nullptr) y = _mm512_add_ps(y, _mm512_loadu_ps(job.bias + column));
-      _mm256_mask_storeu_epi16(job.out + (row0 + r) * job.out_features + column, valid,
-                               reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(y)));
-    }
+  const int64_t column = t * kTile;
+  const __mmask16 valid = _cvtu32_mask16((1u << std::min<int64_t>(kTile, job.out_features - column)) - 1);
+  for (int r = 0; r < kRows; ++r) {
+    __m512 y = acc[r];
+    if (job.bias != nullptr) y = _mm512_add_ps(y, _mm512_loadu_ps(job.bias + column));
+    _mm256_mask_storeu_epi16(job.out + (row0 + r) * job.out_features + column, valid,
+                             reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(y)));
   }
 }
 
-// Few rows leave the dot-product chains' latency exposed, so they take several column tiles at once.
+// ``rows`` input rows from row0 against column tiles [begin, end), the row count made a constant.
 template <class F, int kRows = 1>
 void row_tile(int rows, const Job& job, int64_t row0, int64_t begin, int64_t end) {
   if constexpr (kRows < kRowTile) {
     if (rows != kRows) return row_tile<F, kRows + 1>(rows, job, row0, begin, end);
   }
-  constexpr int kTiles = kRows == 1 ? 4 : kRows <= 4 ? 2 : 1;
-  int64_t t = begin;
-  for (; t + kTiles <= end; t += kTiles) tiles<F, kRows, kTiles>(job, row0, t);
-  for (; t < end; ++t) tiles<F, kRows, 1>(job, row0, t);
+  for (int64_t t = begin; t < end; ++t) tile_rows<F, kRows>(job, row0, t);
 }
 
 template <class F>

@@ -64,12 +64,16 @@ def block_kernel() -> object | None:
     return torch.ops.diffdraft_blocks
 
 
-def _library_path() -> Path:
+def library_key() -> str:
+    """Identifies the kernel library: its sources, torch version and compiler flags (what a cached
+    measurement of its speed depends on, as the compiled library does)."""
     sources = [path.read_bytes() for path in _sources()]
-    key = hashlib.sha1(
-        b"\0".join([*sources, torch.__version__.encode(), " ".join(FLAGS).encode()])
-    ).hexdigest()[:16]
-    return cache_root() / "kernels" / f"q4_1_matmul-{key}.so"
+    digest = hashlib.sha1(b"\0".join([*sources, torch.__version__.encode(), " ".join(FLAGS).encode()]))
+    return digest.hexdigest()[:16]
+
+
+def _library_path() -> Path:
+    return cache_root() / "kernels" / f"q4_1_matmul-{library_key()}.so"
 
 
 def _sources() -> tuple[Path, ...]:
