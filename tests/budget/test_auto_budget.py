@@ -67,3 +67,26 @@ def test_without_a_plan_a_tree_keeps_the_last_budget():
     tree = builder.build(TreeRound(5, proposal, SamplingParams(), None, context=11, stats=stats))
     assert tree.num_nodes == 4
     assert stats.budgets == [4, 4]
+
+
+def test_the_drafter_is_asked_for_as_deep_as_the_rounds_tree_reaches():
+    curve = VerifyCostCurve(sizes=[1, 9, 10, 64], contexts=[512], seconds=[[0.01, 0.01, 0.05, 1.0]])
+    builder = AutoBudgetBuilder(BudgetPlanner(curve), initial_budget=3, refresh=2, lookahead=4)
+    log_probs = torch.randn(20, 50, generator=torch.Generator().manual_seed(0)).log_softmax(-1)
+    stats = GenerationStats()
+    reached = []
+    for _ in range(4):
+        deepest = builder.deepest(5, stats)
+        tree = builder.build(
+            TreeRound(
+                5, Proposal(log_probs=log_probs[:deepest]), SamplingParams(), None, stats=stats, budget=5
+            )
+        )
+        reached.append((deepest, int(tree.depths.max())))
+    # refresh rounds (every second tree) read the surrogate of a tree 4 x the budget; the others
+    # draft to the budget; no tree reaches past what was asked for
+    assert [deepest for deepest, _ in reached] == [20, 5, 20, 5]
+    assert all(depth <= deepest for deepest, depth in reached)
+    assert (
+        builder.deepest(None, GenerationStats()) == 4 * 4
+    )  # a first tree refreshes: initial budget 3, at least 4

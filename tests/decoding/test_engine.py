@@ -146,6 +146,18 @@ def test_oracle_and_drafters_accept_more_than_one_token_per_round(method):
         assert stats.tau > 2.0, stats.acceptance_histogram
 
 
+def test_a_small_ddtree_has_its_drafter_propose_only_the_positions_it_can_reach():
+    target = tiny_target("llama", seed=4)
+    prompt = [3, 4, 5, 6, 7, 3, 4, 5]
+    reference = hf_greedy(target, prompt, 24, None)
+    for method, reach in (("ddtree-2", 2), ("ddtree-2+pld", 2), ("ddtree-32", 6)):
+        drafter, builder = make_method(method, target, reference, prompt, block_size=7, seed=4)
+        ours, stats = run_engine(target, drafter, builder, prompt, 24, target.config.vocab_size - 1)
+        assert ours == reference[: len(ours)]
+        # the last rounds may draft less: only the tokens left to generate are drafted for
+        assert max(stats.draft_depths) == reach and max(stats.draft_depths[:-3]) == reach, method
+
+
 def test_stop_on_context_length():
     target = tiny_target("llama", seed=1, max_positions=20)
     prompt = list(range(1, 15))

@@ -71,14 +71,12 @@ class AutoBudgetBuilder:
         unused (the plan read the context)."""
         proposal = tree_round.proposal
         stats = tree_round.stats if tree_round.stats is not None else GenerationStats()
+        budget, horizon = self._sizes(tree_round.budget, stats)
         built = len(stats.budgets)
-        previous = stats.budgets[-1] if stats.budgets else self.initial_budget
-        budget = min(tree_round.budget or previous, self.planner.max_budget)
         # DDTreeBuilder reads only the round's root and proposal: the same round serves it
-        if built % self.refresh or not proposal.has_distributions:
+        if horizon is None or not proposal.has_distributions:
             tree = DDTreeBuilder(budget).build(tree_round)
         else:
-            horizon = min(self.planner.max_budget, self.lookahead * max(previous, budget, 4))
             largest = DDTreeBuilder(horizon).build(tree_round)
             stats.surrogates.append(surrogate_acceptance(largest, proposal.log_probs))
             if built // self.refresh % 2 == 0:
@@ -89,6 +87,21 @@ class AutoBudgetBuilder:
             tree = DraftTree(largest.tokens[keep], largest.parents[keep], largest.depths[keep])
         stats.budgets.append(budget)
         return tree
+
+    def deepest(self, budget: int | None, stats: GenerationStats | None) -> int:
+        """The round's tree reaches no deeper than its node count: the planned budget, or on a
+        refresh round the bigger tree its surrogate is read from."""
+        budget, horizon = self._sizes(budget, stats if stats is not None else GenerationStats())
+        return horizon or budget
+
+    def _sizes(self, planned: int | None, stats: GenerationStats) -> tuple[int, int | None]:
+        """(this tree's budget: the plan's, else the sequence's last, else the initial one; the
+        bigger tree a refresh round builds first, None on other rounds)."""
+        previous = stats.budgets[-1] if stats.budgets else self.initial_budget
+        budget = min(planned or previous, self.planner.max_budget)
+        if len(stats.budgets) % self.refresh:
+            return budget, None
+        return budget, min(self.planner.max_budget, self.lookahead * max(previous, budget, 4))
 
     def observe_generation(self, stats: GenerationStats, fixed_seconds: float) -> None:
         """Teach the planners a finished sequence's own record (its surrogates, what each round

@@ -25,7 +25,14 @@ from diffdraft.runtime.sampling import SamplingParams, sample_from
 from diffdraft.runtime.stats import StageTimer
 from diffdraft.runtime.stopping import StopDecision
 from diffdraft.target.model import TargetModel, TargetOutput, VerifyInput
-from diffdraft.trees import DraftTree, RoundPlanner, RoundSequence, TreeBuilder, TreeRound
+from diffdraft.trees import (
+    DepthBoundedBuilder,
+    DraftTree,
+    RoundPlanner,
+    RoundSequence,
+    TreeBuilder,
+    TreeRound,
+)
 
 
 class SpeculativeEngine:
@@ -35,6 +42,8 @@ class SpeculativeEngine:
         self.builder = builder
         self.planner = builder if isinstance(builder, RoundPlanner) else None
         """The builder when it plans rounds (a protocol check is too slow to repeat every round)."""
+        self.depth_bound = builder if isinstance(builder, DepthBoundedBuilder) else None
+        """The builder when it can say how deep its tree reaches before the drafter runs."""
         self.layer_ids = list(drafter.target_layer_ids) if drafter is not None else []
         target.check_layer_ids(self.layer_ids)
         if drafter is not None:
@@ -102,7 +111,7 @@ def draft_round(sequences: Sequence[SequenceRun], plans: Sequence[RoundPlan]) ->
     time shared evenly among them. Budget 0: the sequence verifies its free copy, if the plan gave it
     one, else its pending token alone."""
     budgets = [plan.budget for plan in plans]
-    depths = [s.draft_depth(budget) for s, budget in zip(sequences, budgets, strict=True)]
+    depths = [s.tree_depth(budget) for s, budget in zip(sequences, budgets, strict=True)]
     drafting = [i for i, depth in enumerate(depths) if depth > 0]
     token_ids = [sequences[i].token_ids() for i in drafting]
     proposals = [plan.copy or Proposal() for plan in plans]
@@ -175,6 +184,13 @@ class SequenceRun:
         if self.drafter is None or budget == 0:
             return 0
         return max(0, min(self.drafter.max_depth, self.stop.remaining(len(self.generated)) - 1))
+
+    def tree_depth(self, budget: int | None) -> int:
+        """Positions the drafter proposes for this round's tree: :meth:`draft_depth`, cut to what the
+        builder's tree can reach when it says so (positions past it would be drafted for nothing)."""
+        depth = self.draft_depth(budget)
+        bound = self.engine.depth_bound
+        return min(depth, bound.deepest(budget, self.stats)) if depth and bound is not None else depth
 
     def copy_ceiling(self) -> list[float] | None:
         """The most a free copy could expect this round (None: no drafter that copies, or no token

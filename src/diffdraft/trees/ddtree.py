@@ -15,6 +15,7 @@ import math
 import torch
 
 from diffdraft.errors import InvalidRequestError
+from diffdraft.runtime.stats import GenerationStats
 from diffdraft.trees.round import TreeRound
 from diffdraft.trees.tree import DraftTree
 
@@ -35,6 +36,10 @@ class DDTreeBuilder:
                 "pass e.g. --budget 32"
             )
         self.budget = budget
+
+    def deepest(self, budget: int | None = None, stats: GenerationStats | None = None) -> int:
+        """``budget`` nodes reach ``budget`` positions at most (a chain); the arguments are unused."""
+        return self.budget
 
     def build(self, tree_round: TreeRound) -> DraftTree:
         """Reads the round's ``root_token`` and ``proposal``; ``sampling``, ``generator``, ``context``,
