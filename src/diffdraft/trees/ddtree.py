@@ -38,7 +38,8 @@ class DDTreeBuilder:
         self.budget = budget
 
     def deepest(self, budget: int | None = None, stats: GenerationStats | None = None) -> int:
-        """``budget`` nodes reach ``budget`` positions at most (a chain); the arguments are unused."""
+        """A tree of this builder's ``budget`` nodes reaches that many positions at most (a chain); the
+        round's plan and record are unused."""
         return self.budget
 
     def build(self, tree_round: TreeRound) -> DraftTree:
