@@ -26,7 +26,7 @@ needs_packing = pytest.mark.skipif(
 )
 """For tests of diffdraft's packed CPU kernels."""
 
-needs_block_kernel = pytest.mark.skipif(not cpu_supported(), reason="no AVX-512 BF16 on this CPU")
+needs_block_kernel = pytest.mark.skipif(not cpu_supported(), reason="no AVX2 on this CPU")
 """For tests of the Q4_1 kernel (:mod:`diffdraft.kernels.quantized`)."""
 
 FAMILIES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}

@@ -15,6 +15,7 @@ from diffdraft.errors import CheckpointError, InvalidRequestError
 from diffdraft.kernels.fused_projections import ProjectionSlice
 from diffdraft.kernels.grouped_attention import NAME
 from diffdraft.kernels.packed_linear import has_packed_layers, packing_supported
+from diffdraft.kernels.quantized.kernel_build import cpu_supported
 from diffdraft.runtime.stopping import StopConditions
 from diffdraft.target.loading import LoadedModel, end_token_ids, fastest_dtype, load_target, native_bfloat16
 from diffdraft.target.model import TargetModel
@@ -72,20 +73,24 @@ def test_dtype(
     assert load_target(tmp_path, dtype=requested, device="cpu").model.dtype == expected
 
 
-@pytest.mark.parametrize("native", [True, False])
-def test_auto_loads_gguf_targets_in_bfloat16_where_the_device_computes_it(monkeypatch, native) -> None:
-    """A GGUF records no dtype, and its quantized blocks run fastest in bf16 (float32 is 4x slower)."""
+@pytest.mark.parametrize(("native", "kernels"), [(True, True), (False, True), (True, False), (False, False)])
+def test_auto_loads_gguf_targets_in_bfloat16_where_the_device_or_the_block_kernels_compute_it(
+    monkeypatch, native, kernels
+) -> None:
+    """A GGUF records no dtype, and its quantized blocks run fastest in bf16 on our kernels, which any
+    AVX2 CPU runs (dense float32 was 5x slower there); without either, float32."""
     from diffdraft.target import loading
 
     asked = []
     monkeypatch.setattr(loading, "native_bfloat16", lambda device: native)
+    monkeypatch.setattr(loading, "cpu_supported", lambda: kernels)
     monkeypatch.setattr(loading, "default_model_dir", lambda: Path("unused"))
     monkeypatch.setattr(
         loading, "_load_directory", lambda path, dtype, device: asked.append(dtype) or SimpleNamespace()
     )
     loading._load("default", "auto", "cpu")
     loading._load("default", "float32", "cpu")  # asked for explicitly: honoured
-    assert asked == ["bfloat16" if native else "float32", "float32"]
+    assert asked == ["bfloat16" if native or kernels else "float32", "float32"]
 
 
 def test_auto_reads_the_legacy_torch_dtype_key(tmp_path: Path) -> None:
@@ -197,8 +202,9 @@ def test_the_optimized_default_target_decodes_exactly_like_stock_transformers() 
     rounds activations as llama.cpp does, so it is lossless against our own AR, not stock)."""
     stock = load_target("default", dtype="bfloat16").model
     optimized = load_target("default", dtype="bfloat16", optimize=True, block_activations="bf16").model
-    # packed (and so stacked) weights need oneDNN bfloat16, absent on some CPUs; grouped attention not
-    packs = packing_supported(torch.bfloat16, torch.device("cpu"))
+    # laid-out (and so stacked) weights need oneDNN bfloat16 or our block kernels (AVX2), absent on some
+    # CPUs; grouped attention not
+    packs = packing_supported(torch.bfloat16, torch.device("cpu")) or cpu_supported()
     assert has_packed_layers(optimized) == packs
     assert isinstance(optimized.model.layers[0].mlp.up_proj, ProjectionSlice) == packs
     assert optimized.config._attn_implementation == NAME

@@ -94,6 +94,17 @@ def pack_linear(linear: nn.Module) -> nn.Module:
     return PackedLinear(linear.weight, linear.bias)
 
 
+def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module:
+    """An inference layer over ``weight`` [out, in] and ``bias``: packed where :func:`packing_supported`
+    (oneDNN packs bfloat16 only on CPUs with AVX-512 or AVX-NE-CONVERT), else a plain ``nn.Linear``."""
+    out_features, in_features = weight.shape
+    linear = nn.Linear(in_features, out_features, bias=bias is not None, device="meta")  # no weights yet
+    linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
+    if bias is not None:
+        linear.bias = nn.Parameter(bias.detach(), requires_grad=False)
+    return pack_linear(linear)
+
+
 def pack_linear_layers(model: nn.Module, lay_out: Callable[[nn.Module], nn.Module] = pack_linear) -> int:
     """Replace every ``nn.Linear`` inside ``model`` that ``lay_out`` (by default :func:`pack_linear`)
     lays out for inference, in place; returns how many were replaced.

@@ -30,6 +30,7 @@ from diffdraft.kernels.fused_projections import fuse_projections
 from diffdraft.kernels.grouped_attention import use_grouped_attention
 from diffdraft.kernels.packed_linear import pack_linear_layers
 from diffdraft.kernels.quantized.gguf_weights import block_weights_supported, use_gguf_blocks
+from diffdraft.kernels.quantized.kernel_build import cpu_supported
 from diffdraft.target.default_model import MODEL_NAME, default_cache_dir, default_gguf_path
 from diffdraft.util.staging import temp_dir_beside
 
@@ -68,8 +69,8 @@ def load_target(
     ``spec`` is ``"default"`` (the embedded SmolLM2-135M-Instruct), a Hugging Face model directory, or
     a ``.gguf`` file (dequantized to dense weights). ``dtype="auto"`` keeps the checkpoint's recorded
     dtype, except float16 on CPU and unrecorded dtypes, which become float32; a GGUF file (the default
-    target included) loads in bfloat16 where the device computes it natively (:func:`fastest_dtype`:
-    there its blocks run on diffdraft's kernels), float32 elsewhere. ``optimize`` applies
+    target included) loads in bfloat16 where the device computes it natively or its blocks run on
+    diffdraft's kernels (:func:`gguf_dtype`), float32 elsewhere. ``optimize`` applies
     diffdraft's CPU inference kernels (:mod:`diffdraft.kernels.packed_linear`,
     :mod:`diffdraft.kernels.fused_projections`, :mod:`diffdraft.kernels.grouped_attention`): identical
     logits in float32 (bfloat16: equal up to rounding), faster forwards, inference only. With ``optimize`` and
@@ -126,6 +127,15 @@ def fastest_dtype(device: str | torch.device) -> str:
     return "bfloat16" if native_bfloat16(device) else "float32"
 
 
+def gguf_dtype(device: str | torch.device) -> str:
+    """The dtype a GGUF target loads in by default: bfloat16 where the device computes it natively or
+    where this CPU runs diffdraft's block kernels, which keep the file's quantized blocks and take
+    bfloat16 inputs (on an AVX2 CPU without native bfloat16 they decoded 5x as fast as dense float32;
+    figures: benchmarks/README.md, 'Measurements behind the code'), else float32."""
+    device = torch.device(device)
+    return "bfloat16" if native_bfloat16(device) or (device.type == "cpu" and cpu_supported()) else "float32"
+
+
 def _load(spec: str | os.PathLike, dtype: str, device: str | torch.device | None) -> LoadedModel:
     if dtype != "auto" and dtype not in DTYPES:
         raise InvalidRequestError(
@@ -134,7 +144,7 @@ def _load(spec: str | os.PathLike, dtype: str, device: str | torch.device | None
     device = default_device(device)
     gguf_made = str(spec) == "default" or Path(spec).suffix.lower() == ".gguf"
     if dtype == "auto" and gguf_made:
-        dtype = fastest_dtype(device)  # a GGUF records no dtype; its quantized blocks run in bf16
+        dtype = gguf_dtype(device)  # a GGUF records no dtype
     if str(spec) == "default":
         path = default_model_dir()
         loaded = _load_directory(path, dtype, device)

@@ -12,7 +12,7 @@ from diffdraft.decoding.engine import SpeculativeEngine
 from diffdraft.decoding.sequence_spec import SequenceSpec
 from diffdraft.drafters.dflash import DFlashDrafter
 from diffdraft.kernels.fused_projections import fuse_projections
-from diffdraft.kernels.packed_linear import pack_linear_layers
+from diffdraft.kernels.packed_linear import pack_linear_layers, packing_supported
 from diffdraft.kernels.quantized import decoder_ops as decoder_ops_module
 from diffdraft.kernels.quantized.decoder_ops import decoder_ops
 from diffdraft.runtime.stopping import StopConditions
@@ -248,7 +248,9 @@ def test_llama_and_qwen2_block_targets_take_the_fused_path_others_do_not():
     pack_linear_layers(dense)
     fuse_projections(dense)
     lean = TargetModel(dense).lean
-    assert all(s is not None for s in lean.stacked_qkv) and lean.fused is None  # dense: the eager path
+    assert lean.fused is None  # dense: the eager path
+    if packing_supported(BF16, torch.device("cpu")):  # its projections stacked all the same
+        assert all(s is not None for s in lean.stacked_qkv)
 
 
 def test_heads_wider_than_the_attention_op_takes_keep_the_eager_path(monkeypatch):

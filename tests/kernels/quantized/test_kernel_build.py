@@ -37,8 +37,25 @@ def test_the_library_name_changes_with_the_source(fresh_build, monkeypatch, tmp_
     assert first.parent == fresh_build / "kernels"
 
 
+def _cpu(monkeypatch, dot_products: bool, capability: str) -> None:
+    """Make torch report a CPU with or without AVX-512's bfloat16 and VNNI dot products."""
+    for probe in ("_is_avx512_bf16_supported", "_is_vnni_supported"):
+        monkeypatch.setattr(torch.cpu, probe, lambda: dot_products, raising=False)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+
+
 @pytest.mark.parametrize("missing", ["_is_avx512_bf16_supported", "_is_vnni_supported"])
-def test_a_cpu_without_either_dot_product_keeps_dense_weights(fresh_build, monkeypatch, missing):
+def test_a_cpu_without_either_dot_product_builds_the_avx2_emulation(fresh_build, monkeypatch, missing):
+    _cpu(monkeypatch, dot_products=True, capability="AVX512")
+    assert kernel_build.instruction_set() == "avx512"
+    avx512_library = kernel_build._library_path()
     monkeypatch.setattr(torch.cpu, missing, lambda: False, raising=False)
+    assert kernel_build.instruction_set() == "avx2"
+    assert "-mavx2" in kernel_build.flags() and not any("avx512" in flag for flag in kernel_build.flags())
+    assert kernel_build._library_path() != avx512_library  # each build cached under its own name
+
+
+def test_a_cpu_without_avx2_keeps_dense_weights(fresh_build, monkeypatch):
+    _cpu(monkeypatch, dot_products=False, capability="DEFAULT")
     assert not kernel_build.cpu_supported()
     assert kernel_build.block_kernel() is None

@@ -7,11 +7,11 @@ all compute alike:
 
 - ``"int8"`` (the default, ``int8_matmul.cpp``): llama.cpp's arithmetic. Each input row is quantized
   per block of 32 to int8 with a float scale; a block's codes times the weight's codes sum exactly in
-  int32 (AVX-512 VNNI), then take both blocks' scales in float32. On a 2-core Zen 4 it runs SmolLM2's
-  Q4_1 layers 1.5 to 3 times as fast as ``"bf16"`` at 1 to 16 rows, and its Q8_0 head (the embedding's
-  blocks) 2.5 times as fast as the dense bf16 head at 1 row. Rounding the inputs costs accuracy:
-  SmolLM2's logits differ from its float32 model's by 0.2 (median) and 0.8 (99th percentile), against
-  0.12 and 0.5-0.65 for ``"bf16"``.
+  int32 (AVX-512 VNNI, or its AVX2 emulation), then take both blocks' scales in float32. On a 2-core
+  Zen 4 it runs SmolLM2's Q4_1 layers 1.5 to 3 times as fast as ``"bf16"`` at 1 to 16 rows, and its
+  Q8_0 head (the embedding's blocks) 2.5 times as fast as the dense bf16 head at 1 row. Rounding the
+  inputs costs accuracy: SmolLM2's logits differ from its float32 model's by 0.2 (median) and 0.8
+  (99th percentile), against 0.12 and 0.5-0.65 for ``"bf16"``.
 - ``"bf16"`` (``q4_1_matmul.cpp``, Q4_1 only): dequantizes each block in registers to exactly the
   bfloat16 values a dense bf16 copy of the weight holds, so the model is the dense bf16 one up to the
   order of the float32 sums.
@@ -21,12 +21,12 @@ tokens share the call. Inference only, bf16 activations only.
 
 Calls of ``DENSE_ROWS`` rows or more outside :func:`kernel_rows_only` (Hugging Face forwards over
 whole sequences: training's taps, the prefill of a family without fused decoder ops) take a dense
-copy made on the first such call, on oneDNN's blocked GEMM (memory, not bandwidth: decoding never
-reads it). Those rows round differently from the kernel's. Decoding, verification and the fused
-layers' chunked prefill run inside :func:`kernel_rows_only`, so a batch of trees over 128 tokens still
-computes each token as its sequence's own decode step would; through the fused layers that prefill
-is also 1.4-2.2x as fast as Hugging Face's forward on the dense copy (figures: benchmarks/README.md,
-'Measurements behind the code').
+copy made on the first such call, on oneDNN's blocked GEMM where it packs bfloat16 (memory, not
+bandwidth: decoding never reads it). Those rows round differently from the kernel's. Decoding,
+verification and the fused layers' chunked prefill run inside :func:`kernel_rows_only`, so a batch of
+trees over 128 tokens still computes each token as its sequence's own decode step would; through the
+fused layers that prefill is also 1.4-2.2x as fast as Hugging Face's forward on the dense copy
+(figures: benchmarks/README.md, 'Measurements behind the code').
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from diffdraft.kernels.packed_linear import InferenceLinear, PackedLinear
+from diffdraft.kernels.packed_linear import InferenceLinear, dense_linear
 from diffdraft.kernels.quantized.kernel_build import block_kernel
 
 FORMAT = "Q4_1"
@@ -229,7 +229,7 @@ class BlockQuantizedLinear(InferenceLinear):
         else:
             self._matmul = kernel.q4_1_matmul
             self._operands = (weight.codes, weight.scales, weight.offsets)
-        self._dense: list[PackedLinear] = []  # a list, so the copy is no submodule (nor in state_dict)
+        self._dense: list[torch.nn.Module] = []  # a list, so the copy is no submodule (nor in state_dict)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -240,7 +240,7 @@ class BlockQuantizedLinear(InferenceLinear):
             raise TypeError(f"{self.blocks.format} layers compute in bfloat16; got {x.dtype} inputs")
         if x.numel() >= DENSE_ROWS * self.in_features and not _KERNEL_ROWS_ONLY.get():
             if not self._dense:
-                self._dense.append(PackedLinear(self.weight, self.bias))
+                self._dense.append(dense_linear(self.weight, self.bias))
             return self._dense[0](x)
         return self._matmul(x, *self._operands, self.bias)
 

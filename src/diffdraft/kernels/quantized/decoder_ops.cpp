@@ -18,7 +18,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
+#include "avx512_subset.h"
 #include <torch/library.h>
 
 #include <algorithm>
@@ -281,7 +281,7 @@ void attend_group(const BFloat16* query, const Cached& keys, const Cached& value
   };
   __m512bh q[kGroup][kPairs];
   for (int g = 0; g < kGroup; ++g) {
-    for (int c = 0; c < kPairs; ++c) q[g][c] = reinterpret_cast<__m512bh>(load_pair(query + g * dim + 32 * c, c));
+    for (int c = 0; c < kPairs; ++c) q[g][c] = as_bf16_pairs(load_pair(query + g * dim + 32 * c, c));
   }
   const __m512i lane_index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   int64_t count = 0;
@@ -303,7 +303,7 @@ void attend_group(const BFloat16* query, const Cached& keys, const Cached& value
         if (t >= keys_here) continue;  // past the last key: its lane is not shown
         for (int c = 0; c < kPairs; ++c) {
           const __m512i pair = load_pair(key + t * keys.row_stride + 32 * c, c);
-          dots[t] = _mm512_dpbf16_ps(dots[t], q[g][c], reinterpret_cast<__m512bh>(pair));
+          dots[t] = _mm512_dpbf16_ps(dots[t], q[g][c], as_bf16_pairs(pair));
         }
       }
       const __m512 score = _mm512_add_ps(_mm512_mul_ps(lane_sums(dots), _mm512_set1_ps(scale)), bias);

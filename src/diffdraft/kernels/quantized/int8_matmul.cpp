@@ -14,13 +14,15 @@
 // never needs a horizontal add; the columns' float16 scales (and Q4_1 offsets) follow. Both kinds of
 // sum then cost three float32 operations per 16 columns and block, against 8 VPDPBUSD.
 // A Q4_1 byte holds input k in its low nibble and input k + 16 in its high one, as in GGUF.
+// On AVX2 CPUs avx512_subset.h emulates each instruction; Q4_1's codes, below 128, take its cheaper
+// dot product (dpbusd_7bit_epi32).
 //
 // Every output is one fixed chain of float32 operations over its blocks in order, and a row's codes
 // depend on that row alone: a row's result never depends on the rows or threads it shares a call with.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
+#include "avx512_subset.h"
 #include <torch/library.h>
 
 #include <cstring>
@@ -38,6 +40,7 @@ struct Q4_1 {
   static constexpr int64_t kBytes = kCodeBytes + 2 * kScaleBytes;
   static constexpr bool kOffsets = true;
   static constexpr int kCodeShift = 0;
+  static constexpr bool kSevenBitCodes = true;  // nibbles
   // Codes of inputs 4j..4j+3 (low) and 16+4j..16+4j+3 (high) of the tile's 16 columns.
   static void codes(const uint8_t* tile, int j, __m512i& low, __m512i& high) {
     const __m512i packed = _mm512_loadu_si512(tile + 64 * j);
@@ -52,6 +55,7 @@ struct Q8_0 {
   static constexpr int64_t kBytes = kCodeBytes + kScaleBytes;
   static constexpr bool kOffsets = false;
   static constexpr int kCodeShift = 128;
+  static constexpr bool kSevenBitCodes = false;
   static void codes(const uint8_t* tile, int j, __m512i& low, __m512i& high) {
     low = _mm512_loadu_si512(tile + 64 * j);
     high = _mm512_loadu_si512(tile + 64 * (j + 4));
@@ -122,8 +126,13 @@ void tile_rows(const Job& job, int64_t row0, int64_t t) {
       F::codes(tile, j, low, high);
       for (int r = 0; r < kRows; ++r) {
         const int8_t* q = x.codes.data() + ((row0 + r) * job.blocks + b) * kBlock;
-        sums[r] = _mm512_dpbusd_epi32(sums[r], low, four_codes(q + 4 * j));
-        sums[r] = _mm512_dpbusd_epi32(sums[r], high, four_codes(q + 16 + 4 * j));
+        if constexpr (F::kSevenBitCodes) {
+          sums[r] = dpbusd_7bit_epi32(sums[r], low, four_codes(q + 4 * j));
+          sums[r] = dpbusd_7bit_epi32(sums[r], high, four_codes(q + 16 + 4 * j));
+        } else {
+          sums[r] = _mm512_dpbusd_epi32(sums[r], low, four_codes(q + 4 * j));
+          sums[r] = _mm512_dpbusd_epi32(sums[r], high, four_codes(q + 16 + 4 * j));
+        }
       }
     }
     const auto* halves = reinterpret_cast<const __m256i*>(tile + F::kCodeBytes);

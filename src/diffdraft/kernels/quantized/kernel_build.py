@@ -2,10 +2,11 @@
 decoder-layer ops (``decoder_ops.cpp``), the greedy pick (``row_argmax.cpp``) and the rows' top k
 (``row_topk.cpp``) once per machine into one library and load it into torch.
 
-The kernels need AVX-512 with the bfloat16 and the int8 (VNNI) dot products and a C++ compiler; they
-are compiled against the installed torch on first use (about 20 s) into the diffdraft cache, keyed by
-the sources, torch version and compiler flags, so later processes just load them. Where they cannot
-run, callers keep dense weights.
+The kernels are written in AVX-512 intrinsics (with the bfloat16 and the int8 (VNNI) dot products);
+on a CPU with AVX2 but not those, ``avx512_subset.h`` emulates each intrinsic with AVX2, so every
+x86-64 CPU of the last decade runs them. They are compiled against the installed torch on first use
+(about 20-60 s) into the diffdraft cache, keyed by the sources, torch version and compiler flags, so
+later processes just load them. Where they cannot run, callers keep dense weights.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -25,21 +27,39 @@ from diffdraft.util.cache import cache_root
 from diffdraft.util.staging import temp_dir_beside
 
 SOURCE = Path(__file__).with_name("q4_1_matmul.cpp")
+INTRINSICS = Path(__file__).with_name("avx512_subset.h")
 INT8_SOURCE = Path(__file__).with_name("int8_matmul.cpp")
 DECODER_SOURCE = Path(__file__).with_name("decoder_ops.cpp")
 ARGMAX_SOURCE = Path(__file__).with_name("row_argmax.cpp")
 TOPK_SOURCE = Path(__file__).with_name("row_topk.cpp")
-FLAGS = ["-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
-         "-mavx512bf16", "-mavx512vnni", "-mfma"]  # fmt: skip
-"""No -march=native: the cached library must not use instructions of the machine that compiled it
-beyond those :func:`cpu_supported` checks."""
+COMMON_FLAGS = ["-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp"]
+ISA_FLAGS = {
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-Wno-psabi"],
+}
+"""Per instruction set the kernels are built for. No -march=native: the cached library must not use
+instructions of the machine that compiled it beyond those :func:`instruction_set` checks. The AVX2
+build keeps a multiply and an add apart as the AVX-512 intrinsics do."""
+
+
+def instruction_set() -> str | None:
+    """The instruction set this CPU runs the kernels with: "avx512" with the bfloat16 and the int8
+    (VNNI) dot products (Zen 4, Sapphire Rapids), else "avx2" (with FMA and F16C, which every AVX2
+    CPU has), else None."""
+    probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_vnni_supported")]
+    if all(probe is not None and probe() for probe in probes):
+        return "avx512"
+    return "avx2" if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else None
+
+
+def flags() -> list[str]:
+    """The compiler flags of this CPU's build (:func:`instruction_set`)."""
+    return COMMON_FLAGS + ISA_FLAGS[instruction_set() or "avx512"]
 
 
 def cpu_supported() -> bool:
-    """Whether this CPU runs the kernels: AVX-512 with the bfloat16 and the int8 (VNNI) dot products
-    (Zen 4, Sapphire Rapids)."""
-    probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_vnni_supported")]
-    return all(probe is not None and probe() for probe in probes)
+    """Whether this CPU runs the kernels (:func:`instruction_set`)."""
+    return instruction_set() is not None
 
 
 @functools.cache
@@ -68,7 +88,7 @@ def library_key() -> str:
     """Identifies the kernel library: its sources, torch version and compiler flags (what a cached
     measurement of its speed depends on, as the compiled library does)."""
     sources = [path.read_bytes() for path in _sources()]
-    digest = hashlib.sha1(b"\0".join([*sources, torch.__version__.encode(), " ".join(FLAGS).encode()]))
+    digest = hashlib.sha1(b"\0".join([*sources, torch.__version__.encode(), " ".join(flags()).encode()]))
     return digest.hexdigest()[:16]
 
 
@@ -78,12 +98,13 @@ def _library_path() -> Path:
 
 def _sources() -> tuple[Path, ...]:
     """Read at call time, so a test can swap one."""
-    return SOURCE, INT8_SOURCE, DECODER_SOURCE, ARGMAX_SOURCE, TOPK_SOURCE
+    return SOURCE, INT8_SOURCE, DECODER_SOURCE, ARGMAX_SOURCE, TOPK_SOURCE, INTRINSICS
 
 
 def _compile(library: Path) -> None:
     """Compile into a temp dir beside the cache entry, then rename: a concurrent or killed build never
-    leaves a half-written library behind."""
+    leaves a half-written library behind. The sources compile side by side, one compiler per core (the
+    AVX2 build takes minutes on one)."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise OSError("no C++ compiler found (looked for $CXX, g++, c++)")
@@ -93,11 +114,22 @@ def _compile(library: Path) -> None:
         includes = [f"-I{path}" for path in torch.utils.cpp_extension.include_paths()]
         libraries = [f"-L{path}" for path in torch.utils.cpp_extension.library_paths()]
         abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+        sources = [source for source in _sources() if source.suffix == ".cpp"]  # the header is included
+        objects = [tmp / f"{source.stem}.o" for source in sources]
+        print("diffdraft: compiling the quantized CPU kernel (once, 20 s to 2 min) ...", file=sys.stderr)
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            compiled = [
+                pool.submit(_run, [compiler, *flags(), abi, *includes, "-c", str(source), "-o", str(output)])
+                for source, output in zip(sources, objects, strict=True)
+            ]
+            for job in compiled:
+                job.result()
         built = tmp / library.name
-        linked = [*libraries, "-lc10", "-ltorch_cpu"]
-        command = [compiler, *FLAGS, abi, *includes, *map(str, _sources()), *linked, "-o", str(built)]
-        print("diffdraft: compiling the quantized CPU kernel (once, ~20 s) ...", file=sys.stderr)
-        subprocess.run(command, check=True, capture_output=True, text=True)
+        _run([compiler, *flags(), *map(str, objects), *libraries, "-lc10", "-ltorch_cpu", "-o", str(built)])
         os.replace(built, library)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _run(command: list[str]) -> None:
+    subprocess.run(command, check=True, capture_output=True, text=True)

@@ -13,7 +13,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
+#include "avx512_subset.h"
 #include <torch/library.h>
 
 namespace {
@@ -30,7 +30,7 @@ inline __m512bh q4_1_block(const uint8_t* codes, float scale, float offset) {
   const __m256i high = _mm256_srli_epi16(bytes, 4);
   const __m512i index = _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
   const __m512i table = _mm512_castsi256_si512(reinterpret_cast<__m256i>(values));
-  return reinterpret_cast<__m512bh>(_mm512_permutexvar_epi16(index, table));
+  return as_bf16_pairs(_mm512_permutexvar_epi16(index, table));
 }
 
 struct Weight {
@@ -58,7 +58,7 @@ void output_columns(const Weight& w, const at::BFloat16* x, at::BFloat16* out, i
             q4_1_block(w.codes + block * (kBlock / 2), w.scales[block], w.offsets[block]);
         for (int r = 0; r < kRows; ++r) {
           const auto* inputs = x + r * w.in_features + b * kBlock;
-          acc[c][r] = _mm512_dpbf16_ps(acc[c][r], weights, reinterpret_cast<__m512bh>(_mm512_loadu_si512(inputs)));
+          acc[c][r] = _mm512_dpbf16_ps(acc[c][r], weights, as_bf16_pairs(_mm512_loadu_si512(inputs)));
         }
       }
     }

@@ -8,7 +8,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
+#include "avx512_subset.h"
 #include <torch/library.h>
 
 #include <cmath>

@@ -1,0 +1,479 @@
+// The AVX-512 intrinsics the kernels use, on every x86-64 CPU with AVX2, FMA and F16C.
+//
+// Compiled for AVX-512 (with BF16 and VNNI), this is <immintrin.h> and nothing more. Compiled for
+// AVX2 (most CPUs without AVX-512: Zen 1-3, Intel client cores), each 512-bit register becomes a GCC
+// vector of 64 bytes (two ymm registers) and each intrinsic a function with the instruction's own
+// result, so the kernels' sources stay one. Without them an AVX2 machine fell back to dense bfloat16
+// weights, 9x slower than the kernels on an AVX-512 one (benchmarks/README.md, 'Measurements behind
+// the code'). Results equal the instructions' but for denormal inputs to the bfloat16 ones (the
+// hardware reads them as zero) and for _mm512_scalef_ps outside the exponents [-252, 254].
+#pragma once
+
+#include <immintrin.h>
+
+#if defined(__AVX512F__)
+
+// A 512-bit integer register read as 32 bfloat16 values (a no-op).
+inline __m512bh as_bf16_pairs(__m512i v) { return reinterpret_cast<__m512bh>(v); }
+
+// _mm512_dpbusd_epi32 where every unsigned byte of `a` is below 128 (the AVX2 emulation is then
+// cheaper; here it is the instruction).
+inline __m512i dpbusd_7bit_epi32(__m512i src, __m512i a, __m512i b) { return _mm512_dpbusd_epi32(src, a, b); }
+
+#else
+
+#include <cstdint>
+#include <cstring>
+
+#define AVX2_INLINE inline __attribute__((always_inline))
+
+namespace avx512_on_avx2 {
+
+// A 512-bit register as its two 256-bit halves (kept in two ymm registers once inlined); integer
+// registers and bfloat16 pairs are one type.
+struct f32x16 {
+  __m256 lo, hi;
+};
+struct i32x16 {
+  __m256i lo, hi;
+};
+
+// Lane access for the rarer intrinsics, through memory.
+struct Floats {
+  alignas(32) float v[16];
+  AVX2_INLINE explicit Floats(f32x16 a) { _mm256_store_ps(v, a.lo), _mm256_store_ps(v + 8, a.hi); }
+  Floats() = default;
+  AVX2_INLINE f32x16 get() const { return {_mm256_load_ps(v), _mm256_load_ps(v + 8)}; }
+};
+template <class T, int kCount>
+struct Ints {
+  alignas(32) T v[kCount];
+  AVX2_INLINE explicit Ints(i32x16 a) { std::memcpy(v, &a, sizeof(v)); }
+  Ints() = default;
+  AVX2_INLINE i32x16 get() const {
+    i32x16 out;
+    std::memcpy(&out, v, sizeof(v));
+    return out;
+  }
+};
+
+// All ones in the lanes (of eight, from `first`) whose bit of `mask` is set.
+AVX2_INLINE __m256i lane_mask(uint32_t mask, int first) {
+  const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256i bits = _mm256_set1_epi32(static_cast<int32_t>(mask >> first & 0xFF));
+  return _mm256_cmpeq_epi32(_mm256_and_si256(bits, bit), bit);
+}
+AVX2_INLINE f32x16 select(uint32_t mask, f32x16 yes, f32x16 no) {
+  return {_mm256_blendv_ps(no.lo, yes.lo, _mm256_castsi256_ps(lane_mask(mask, 0))),
+          _mm256_blendv_ps(no.hi, yes.hi, _mm256_castsi256_ps(lane_mask(mask, 8)))};
+}
+
+// ---- float arithmetic ----
+AVX2_INLINE f32x16 setzero_ps() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+AVX2_INLINE f32x16 set1_ps(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+AVX2_INLINE f32x16 setr_ps(float a0, float a1, float a2, float a3, float a4, float a5, float a6, float a7,
+                           float a8, float a9, float a10, float a11, float a12, float a13, float a14, float a15) {
+  return {_mm256_setr_ps(a0, a1, a2, a3, a4, a5, a6, a7), _mm256_setr_ps(a8, a9, a10, a11, a12, a13, a14, a15)};
+}
+#define AVX2_PER_HALF_PS(name, op) \
+  AVX2_INLINE f32x16 name(f32x16 a, f32x16 b) { return {op(a.lo, b.lo), op(a.hi, b.hi)}; }
+AVX2_PER_HALF_PS(add_ps, _mm256_add_ps)
+AVX2_PER_HALF_PS(sub_ps, _mm256_sub_ps)
+AVX2_PER_HALF_PS(mul_ps, _mm256_mul_ps)
+AVX2_PER_HALF_PS(div_ps, _mm256_div_ps)
+AVX2_PER_HALF_PS(max_ps, _mm256_max_ps)
+AVX2_PER_HALF_PS(min_ps, _mm256_min_ps)
+AVX2_INLINE f32x16 fmadd_ps(f32x16 a, f32x16 b, f32x16 c) {
+  return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+AVX2_INLINE f32x16 fnmadd_ps(f32x16 a, f32x16 b, f32x16 c) {
+  return {_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)};
+}
+AVX2_INLINE f32x16 abs_ps(f32x16 a) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  return {_mm256_and_ps(a.lo, magnitude), _mm256_and_ps(a.hi, magnitude)};
+}
+
+// Reductions in the order GCC's own _mm512_reduce_*_ps take: halves, quarters, then pairs.
+#define AVX2_REDUCE_PS(name, op256, op128)                                               \
+  AVX2_INLINE float name(f32x16 v) {                                                    \
+    const __m256 eight = op256(v.hi, v.lo);                                              \
+    const __m128 four = op128(_mm256_extractf128_ps(eight, 1), _mm256_castps256_ps128(eight)); \
+    const __m128 two = op128(four, _mm_shuffle_ps(four, four, _MM_SHUFFLE(1, 0, 3, 2))); \
+    return _mm_cvtss_f32(op128(two, _mm_shuffle_ps(two, two, _MM_SHUFFLE(1, 1, 1, 1)))); \
+  }
+AVX2_REDUCE_PS(reduce_add_ps, _mm256_add_ps, _mm_add_ps)
+AVX2_REDUCE_PS(reduce_max_ps, _mm256_max_ps, _mm_max_ps)
+
+// Only the lanes a mask names are read or written: the others may lie past the end of a buffer.
+AVX2_INLINE f32x16 loadu_ps(const void* p) {
+  const float* f = static_cast<const float*>(p);
+  return {_mm256_loadu_ps(f), _mm256_loadu_ps(f + 8)};
+}
+AVX2_INLINE void storeu_ps(void* p, f32x16 v) {
+  float* f = static_cast<float*>(p);
+  _mm256_storeu_ps(f, v.lo), _mm256_storeu_ps(f + 8, v.hi);
+}
+AVX2_INLINE f32x16 maskz_loadu_ps(uint32_t mask, const void* p) {
+  const float* f = static_cast<const float*>(p);
+  return {_mm256_maskload_ps(f, lane_mask(mask, 0)), _mm256_maskload_ps(f + 8, lane_mask(mask, 8))};
+}
+AVX2_INLINE void mask_storeu_ps(void* p, uint32_t mask, f32x16 v) {
+  float* f = static_cast<float*>(p);
+  _mm256_maskstore_ps(f, lane_mask(mask, 0), v.lo), _mm256_maskstore_ps(f + 8, lane_mask(mask, 8), v.hi);
+}
+AVX2_INLINE f32x16 mask_mov_ps(f32x16 src, uint32_t mask, f32x16 a) { return select(mask, a, src); }
+AVX2_INLINE f32x16 mask_add_ps(f32x16 src, uint32_t mask, f32x16 a, f32x16 b) {
+  return select(mask, add_ps(a, b), src);
+}
+AVX2_INLINE f32x16 mask_max_ps(f32x16 src, uint32_t mask, f32x16 a, f32x16 b) {
+  return select(mask, max_ps(a, b), src);
+}
+
+template <int kPredicate>
+AVX2_INLINE __mmask16 cmp_ps_mask(f32x16 a, f32x16 b) {
+  const int low = _mm256_movemask_ps(_mm256_cmp_ps(a.lo, b.lo, kPredicate));
+  const int high = _mm256_movemask_ps(_mm256_cmp_ps(a.hi, b.hi, kPredicate));
+  return static_cast<__mmask16>(low | high << 8);
+}
+
+template <int kImmediate>
+AVX2_INLINE f32x16 roundscale_ps(f32x16 a) {
+  static_assert((kImmediate >> 4) == 0, "only rounding to whole numbers is emulated");
+  return {_mm256_round_ps(a.lo, kImmediate), _mm256_round_ps(a.hi, kImmediate)};
+}
+
+// a * 2^floor(b), in two exact steps of at most 2^127 each so no power of two overflows.
+AVX2_INLINE __m256 scalef_half(__m256 a, __m256 b) {
+  const __m256 floor = _mm256_min_ps(_mm256_max_ps(_mm256_floor_ps(b), _mm256_set1_ps(-252)), _mm256_set1_ps(254));
+  const __m256i n = _mm256_cvttps_epi32(floor);
+  const __m256i first = _mm256_srai_epi32(_mm256_add_epi32(n, _mm256_srli_epi32(n, 31)), 1);  // n / 2
+  const __m256i second = _mm256_sub_epi32(n, first);
+  const __m256i bias = _mm256_set1_epi32(127);
+  const __m256 first_power = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(first, bias), 23));
+  const __m256 second_power = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(second, bias), 23));
+  return _mm256_mul_ps(_mm256_mul_ps(a, first_power), second_power);
+}
+AVX2_INLINE f32x16 scalef_ps(f32x16 a, f32x16 b) { return {scalef_half(a.lo, b.lo), scalef_half(a.hi, b.hi)}; }
+
+// ---- conversions ----
+AVX2_INLINE f32x16 cvtph_ps(__m256i halves) {
+  return {_mm256_cvtph_ps(_mm256_castsi256_si128(halves)), _mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1))};
+}
+AVX2_INLINE i32x16 cvtps_epi32(f32x16 a) { return {_mm256_cvtps_epi32(a.lo), _mm256_cvtps_epi32(a.hi)}; }
+AVX2_INLINE f32x16 cvtepi32_ps(i32x16 a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
+// 16 int32 lanes to their low 16 bits, in order.
+AVX2_INLINE __m256i low_words(i32x16 a) {
+  const __m256i word = _mm256_set1_epi32(0xFFFF);
+  const __m256i packed = _mm256_packus_epi32(_mm256_and_si256(a.lo, word), _mm256_and_si256(a.hi, word));
+  return _mm256_permute4x64_epi64(packed, _MM_SHUFFLE(3, 1, 2, 0));
+}
+AVX2_INLINE __m256i cvtepi32_epi16(i32x16 a) { return low_words(a); }
+AVX2_INLINE __m128i cvtepi32_epi8(i32x16 a) {
+  const __m256i words = _mm256_and_si256(low_words(a), _mm256_set1_epi16(0xFF));
+  return _mm_packus_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
+}
+AVX2_INLINE i32x16 cvtepu16_epi32(__m256i a) {
+  return {_mm256_cvtepu16_epi32(_mm256_castsi256_si128(a)), _mm256_cvtepu16_epi32(_mm256_extracti128_si256(a, 1))};
+}
+
+// bfloat16 rounded to nearest even; NaNs stay (quiet) NaNs.
+AVX2_INLINE __m256i bfloat16_half(__m256 a) {
+  const __m256i bits = _mm256_castps_si256(a);
+  const __m256i top = _mm256_srli_epi32(bits, 16);
+  const __m256i bias = _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), _mm256_and_si256(top, _mm256_set1_epi32(1)));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, bias), 16);
+  const __m256i nan = _mm256_or_si256(top, _mm256_set1_epi32(0x40));
+  return _mm256_blendv_epi8(rounded, nan, _mm256_castps_si256(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)));
+}
+AVX2_INLINE __m256bh cvtneps_pbh(f32x16 a) {
+  return reinterpret_cast<__m256bh>(low_words({bfloat16_half(a.lo), bfloat16_half(a.hi)}));
+}
+
+// ---- integers ----
+AVX2_INLINE i32x16 set1_epi32(int32_t x) { return {_mm256_set1_epi32(x), _mm256_set1_epi32(x)}; }
+AVX2_INLINE i32x16 set1_epi8(char x) { return {_mm256_set1_epi8(x), _mm256_set1_epi8(x)}; }
+AVX2_INLINE i32x16 setr_epi32(int a0, int a1, int a2, int a3, int a4, int a5, int a6, int a7, int a8, int a9,
+                              int a10, int a11, int a12, int a13, int a14, int a15) {
+  return {_mm256_setr_epi32(a0, a1, a2, a3, a4, a5, a6, a7), _mm256_setr_epi32(a8, a9, a10, a11, a12, a13, a14, a15)};
+}
+#define AVX2_PER_HALF_SI(name, op) \
+  AVX2_INLINE i32x16 name(i32x16 a, i32x16 b) { return {op(a.lo, b.lo), op(a.hi, b.hi)}; }
+AVX2_PER_HALF_SI(add_epi32, _mm256_add_epi32)
+AVX2_PER_HALF_SI(and_si512, _mm256_and_si256)
+AVX2_PER_HALF_SI(or_si512, _mm256_or_si256)
+#define AVX2_SHIFT(name, op) \
+  AVX2_INLINE i32x16 name(i32x16 a, unsigned int count) { return {op(a.lo, count), op(a.hi, count)}; }
+AVX2_SHIFT(slli_epi32, _mm256_slli_epi32)
+AVX2_SHIFT(srli_epi32, _mm256_srli_epi32)
+AVX2_SHIFT(srli_epi16, _mm256_srli_epi16)
+AVX2_INLINE int32_t reduce_add_epi32(i32x16 a) {
+  const __m256i eight = _mm256_add_epi32(a.lo, a.hi);
+  const __m128i four = _mm_add_epi32(_mm256_castsi256_si128(eight), _mm256_extracti128_si256(eight, 1));
+  const __m128i two = _mm_add_epi32(four, _mm_shuffle_epi32(four, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtsi128_si32(_mm_add_epi32(two, _mm_shuffle_epi32(two, _MM_SHUFFLE(1, 1, 1, 1))));
+}
+AVX2_INLINE i32x16 mask_mov_epi32(i32x16 src, uint32_t mask, i32x16 a) {
+  return {_mm256_blendv_epi8(src.lo, a.lo, lane_mask(mask, 0)), _mm256_blendv_epi8(src.hi, a.hi, lane_mask(mask, 8))};
+}
+
+AVX2_INLINE f32x16 castsi512_ps(i32x16 a) { return {_mm256_castsi256_ps(a.lo), _mm256_castsi256_ps(a.hi)}; }
+AVX2_INLINE i32x16 castps_si512(f32x16 a) { return {_mm256_castps_si256(a.lo), _mm256_castps_si256(a.hi)}; }
+AVX2_INLINE i32x16 castsi256_si512(__m256i a) { return {a, _mm256_setzero_si256()}; }
+template <int kHalf>
+AVX2_INLINE i32x16 inserti64x4(i32x16 a, __m256i b) {
+  return kHalf & 1 ? i32x16{a.lo, b} : i32x16{b, a.hi};
+}
+
+AVX2_INLINE i32x16 loadu_si512(const void* p) {
+  const __m256i* v = static_cast<const __m256i*>(p);
+  return {_mm256_loadu_si256(v), _mm256_loadu_si256(v + 1)};
+}
+AVX2_INLINE void storeu_si512(void* p, i32x16 a) {
+  __m256i* v = static_cast<__m256i*>(p);
+  _mm256_storeu_si256(v, a.lo), _mm256_storeu_si256(v + 1, a.hi);
+}
+AVX2_INLINE i32x16 maskz_loadu_epi16(uint32_t mask, const void* p) {
+  if (mask == 0xFFFFFFFFu) return loadu_si512(p);
+  Ints<int16_t, 32> words{};
+  for (int i = 0; i < 32; ++i) {
+    if (mask >> i & 1) words.v[i] = static_cast<const int16_t*>(p)[i];
+  }
+  return words.get();
+}
+AVX2_INLINE void mask_storeu_epi16(void* p, uint32_t mask, i32x16 a) {
+  if (mask == 0xFFFFFFFFu) return storeu_si512(p, a);
+  const Ints<int16_t, 32> words(a);
+  for (int i = 0; i < 32; ++i) {
+    if (mask >> i & 1) static_cast<int16_t*>(p)[i] = words.v[i];
+  }
+}
+AVX2_INLINE __m256i maskz_loadu_epi16_256(uint32_t mask, const void* p) {
+  if ((mask & 0xFFFF) == 0xFFFF) return _mm256_loadu_si256(static_cast<const __m256i*>(p));
+  alignas(32) int16_t words[16] = {};
+  for (int i = 0; i < 16; ++i) {
+    if (mask >> i & 1) words[i] = static_cast<const int16_t*>(p)[i];
+  }
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(words));
+}
+AVX2_INLINE void mask_storeu_epi16_256(void* p, uint32_t mask, __m256i a) {
+  if ((mask & 0xFFFF) == 0xFFFF) return _mm256_storeu_si256(static_cast<__m256i*>(p), a);
+  alignas(32) int16_t words[16];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(words), a);
+  for (int i = 0; i < 16; ++i) {
+    if (mask >> i & 1) static_cast<int16_t*>(p)[i] = words[i];
+  }
+}
+
+// ---- lane movement ----
+template <int kImmediate>
+AVX2_INLINE f32x16 shuffle_ps(f32x16 a, f32x16 b) {
+  return {_mm256_shuffle_ps(a.lo, b.lo, kImmediate), _mm256_shuffle_ps(a.hi, b.hi, kImmediate)};
+}
+// 128-bit lanes 0-3 (lo's two, then hi's): the result's first two picked from a, the last two from b.
+template <int kImmediate>
+AVX2_INLINE f32x16 shuffle_f32x4(f32x16 a, f32x16 b) {
+  constexpr int kLow = (kImmediate & 3) | (kImmediate >> 2 & 3) << 4, kHigh = (kImmediate >> 4 & 3) | (kImmediate >> 6 & 3) << 4;
+  return {_mm256_permute2f128_ps(a.lo, a.hi, kLow), _mm256_permute2f128_ps(b.lo, b.hi, kHigh)};
+}
+AVX2_INLINE f32x16 permutexvar_ps(i32x16 index, f32x16 a) {
+  const Floats values(a);
+  const Ints<int32_t, 16> at(index);
+  Floats out;
+  for (int i = 0; i < 16; ++i) out.v[i] = values.v[at.v[i] & 15];
+  return out.get();
+}
+AVX2_INLINE i32x16 permutexvar_epi16(i32x16 index, i32x16 a) {
+  const Ints<int16_t, 32> words(a), at(index);
+  Ints<int16_t, 32> out;
+  for (int i = 0; i < 32; ++i) out.v[i] = words.v[at.v[i] & 31];
+  return out.get();
+}
+AVX2_INLINE f32x16 maskz_compress_ps(uint32_t mask, f32x16 a) {
+  const Floats values(a);
+  Floats out{};
+  int kept = 0;
+  for (int i = 0; i < 16; ++i) {
+    if (mask >> i & 1) out.v[kept++] = values.v[i];
+  }
+  return out.get();
+}
+AVX2_INLINE i32x16 maskz_compress_epi32(uint32_t mask, i32x16 a) {
+  const Ints<int32_t, 16> values(a);
+  Ints<int32_t, 16> out{};
+  int kept = 0;
+  for (int i = 0; i < 16; ++i) {
+    if (mask >> i & 1) out.v[kept++] = values.v[i];
+  }
+  return out.get();
+}
+
+// ---- dot products ----
+// Per int32 lane, src + the sum of four unsigned-by-signed byte products (no saturation): bytes
+// widened to 16 bits, even and odd ones apart, so each VPMADDWD sum stays exact.
+AVX2_INLINE __m256i dpbusd_half(__m256i src, __m256i u, __m256i s) {
+  const __m256i even = _mm256_madd_epi16(_mm256_and_si256(u, _mm256_set1_epi16(0xFF)),
+                                         _mm256_srai_epi16(_mm256_slli_epi16(s, 8), 8));
+  const __m256i odd = _mm256_madd_epi16(_mm256_srli_epi16(u, 8), _mm256_srai_epi16(s, 8));
+  return _mm256_add_epi32(src, _mm256_add_epi32(even, odd));
+}
+AVX2_INLINE i32x16 dpbusd_epi32(i32x16 src, i32x16 a, i32x16 b) {
+  return {dpbusd_half(src.lo, a.lo, b.lo), dpbusd_half(src.hi, a.hi, b.hi)};
+}
+// The same where every byte of `a` is below 128: then no pair of products can leave int16, so
+// VPMADDUBSW's saturating sums are exact (half the instructions of the general case).
+AVX2_INLINE __m256i dpbusd_7bit_half(__m256i src, __m256i u, __m256i s) {
+  return _mm256_add_epi32(src, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+AVX2_INLINE i32x16 dpbusd_7bit_epi32(i32x16 src, i32x16 a, i32x16 b) {
+  return {dpbusd_7bit_half(src.lo, a.lo, b.lo), dpbusd_7bit_half(src.hi, a.hi, b.hi)};
+}
+
+// Per float lane, src + a_odd * b_odd + a_even * b_even over bfloat16 pairs (each product exact).
+AVX2_INLINE __m256 dpbf16_half(__m256 src, __m256i a, __m256i b) {
+  const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  const __m256 odd = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(a, high)),
+                                     _mm256_castsi256_ps(_mm256_and_si256(b, high)), src);
+  return _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(a, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(b, 16)), odd);
+}
+AVX2_INLINE f32x16 dpbf16_ps(f32x16 src, i32x16 a, i32x16 b) {
+  return {dpbf16_half(src.lo, a.lo, b.lo), dpbf16_half(src.hi, a.hi, b.hi)};
+}
+
+}  // namespace avx512_on_avx2
+
+AVX2_INLINE avx512_on_avx2::i32x16 as_bf16_pairs(avx512_on_avx2::i32x16 v) { return v; }
+using avx512_on_avx2::dpbusd_7bit_epi32;
+
+// The kernels' names for them.
+#define __m512 avx512_on_avx2::f32x16
+#define __m512i avx512_on_avx2::i32x16
+#define __m512bh avx512_on_avx2::i32x16
+#define AVX512_ON_AVX2(name) avx512_on_avx2::name
+#undef _cvtu32_mask16
+#define _cvtu32_mask16(x) static_cast<__mmask16>(x)
+#undef _mm512_setzero_ps
+#define _mm512_setzero_ps AVX512_ON_AVX2(setzero_ps)
+#undef _mm512_set1_ps
+#define _mm512_set1_ps AVX512_ON_AVX2(set1_ps)
+#undef _mm512_setr_ps
+#define _mm512_setr_ps AVX512_ON_AVX2(setr_ps)
+#undef _mm512_add_ps
+#define _mm512_add_ps AVX512_ON_AVX2(add_ps)
+#undef _mm512_sub_ps
+#define _mm512_sub_ps AVX512_ON_AVX2(sub_ps)
+#undef _mm512_mul_ps
+#define _mm512_mul_ps AVX512_ON_AVX2(mul_ps)
+#undef _mm512_div_ps
+#define _mm512_div_ps AVX512_ON_AVX2(div_ps)
+#undef _mm512_fmadd_ps
+#define _mm512_fmadd_ps AVX512_ON_AVX2(fmadd_ps)
+#undef _mm512_fnmadd_ps
+#define _mm512_fnmadd_ps AVX512_ON_AVX2(fnmadd_ps)
+#undef _mm512_max_ps
+#define _mm512_max_ps AVX512_ON_AVX2(max_ps)
+#undef _mm512_min_ps
+#define _mm512_min_ps AVX512_ON_AVX2(min_ps)
+#undef _mm512_abs_ps
+#define _mm512_abs_ps AVX512_ON_AVX2(abs_ps)
+#undef _mm512_reduce_add_ps
+#define _mm512_reduce_add_ps AVX512_ON_AVX2(reduce_add_ps)
+#undef _mm512_reduce_max_ps
+#define _mm512_reduce_max_ps AVX512_ON_AVX2(reduce_max_ps)
+#undef _mm512_loadu_ps
+#define _mm512_loadu_ps AVX512_ON_AVX2(loadu_ps)
+#undef _mm512_storeu_ps
+#define _mm512_storeu_ps AVX512_ON_AVX2(storeu_ps)
+#undef _mm512_maskz_loadu_ps
+#define _mm512_maskz_loadu_ps AVX512_ON_AVX2(maskz_loadu_ps)
+#undef _mm512_mask_storeu_ps
+#define _mm512_mask_storeu_ps AVX512_ON_AVX2(mask_storeu_ps)
+#undef _mm512_mask_mov_ps
+#define _mm512_mask_mov_ps AVX512_ON_AVX2(mask_mov_ps)
+#undef _mm512_mask_add_ps
+#define _mm512_mask_add_ps AVX512_ON_AVX2(mask_add_ps)
+#undef _mm512_mask_max_ps
+#define _mm512_mask_max_ps AVX512_ON_AVX2(mask_max_ps)
+#undef _mm512_cmp_ps_mask
+#define _mm512_cmp_ps_mask(a, b, predicate) AVX512_ON_AVX2(cmp_ps_mask<(predicate)>)(a, b)
+#undef _mm512_mask_cmp_ps_mask
+#define _mm512_mask_cmp_ps_mask(mask, a, b, predicate) \
+  static_cast<__mmask16>((mask) & AVX512_ON_AVX2(cmp_ps_mask<(predicate)>)(a, b))
+#undef _mm512_roundscale_ps
+#define _mm512_roundscale_ps(a, immediate) AVX512_ON_AVX2(roundscale_ps<(immediate)>)(a)
+#undef _mm512_scalef_ps
+#define _mm512_scalef_ps AVX512_ON_AVX2(scalef_ps)
+#undef _mm512_cvtph_ps
+#define _mm512_cvtph_ps AVX512_ON_AVX2(cvtph_ps)
+#undef _mm512_cvtps_epi32
+#define _mm512_cvtps_epi32 AVX512_ON_AVX2(cvtps_epi32)
+#undef _mm512_cvtepi32_ps
+#define _mm512_cvtepi32_ps AVX512_ON_AVX2(cvtepi32_ps)
+#undef _mm512_cvtepi32_epi8
+#define _mm512_cvtepi32_epi8 AVX512_ON_AVX2(cvtepi32_epi8)
+#undef _mm512_cvtepi32_epi16
+#define _mm512_cvtepi32_epi16 AVX512_ON_AVX2(cvtepi32_epi16)
+#undef _mm512_cvtepu16_epi32
+#define _mm512_cvtepu16_epi32 AVX512_ON_AVX2(cvtepu16_epi32)
+#undef _mm512_cvtneps_pbh
+#define _mm512_cvtneps_pbh AVX512_ON_AVX2(cvtneps_pbh)
+#undef _mm512_set1_epi32
+#define _mm512_set1_epi32 AVX512_ON_AVX2(set1_epi32)
+#undef _mm512_set1_epi8
+#define _mm512_set1_epi8 AVX512_ON_AVX2(set1_epi8)
+#undef _mm512_setr_epi32
+#define _mm512_setr_epi32 AVX512_ON_AVX2(setr_epi32)
+#undef _mm512_add_epi32
+#define _mm512_add_epi32 AVX512_ON_AVX2(add_epi32)
+#undef _mm512_and_si512
+#define _mm512_and_si512 AVX512_ON_AVX2(and_si512)
+#undef _mm512_or_si512
+#define _mm512_or_si512 AVX512_ON_AVX2(or_si512)
+#undef _mm512_slli_epi32
+#define _mm512_slli_epi32 AVX512_ON_AVX2(slli_epi32)
+#undef _mm512_srli_epi32
+#define _mm512_srli_epi32 AVX512_ON_AVX2(srli_epi32)
+#undef _mm512_srli_epi16
+#define _mm512_srli_epi16 AVX512_ON_AVX2(srli_epi16)
+#undef _mm512_reduce_add_epi32
+#define _mm512_reduce_add_epi32 AVX512_ON_AVX2(reduce_add_epi32)
+#undef _mm512_mask_mov_epi32
+#define _mm512_mask_mov_epi32 AVX512_ON_AVX2(mask_mov_epi32)
+#undef _mm512_castsi512_ps
+#define _mm512_castsi512_ps AVX512_ON_AVX2(castsi512_ps)
+#undef _mm512_castps_si512
+#define _mm512_castps_si512 AVX512_ON_AVX2(castps_si512)
+#undef _mm512_castsi256_si512
+#define _mm512_castsi256_si512 AVX512_ON_AVX2(castsi256_si512)
+#undef _mm512_inserti64x4
+#define _mm512_inserti64x4(a, b, which) AVX512_ON_AVX2(inserti64x4<(which)>)(a, b)
+#undef _mm512_loadu_si512
+#define _mm512_loadu_si512 AVX512_ON_AVX2(loadu_si512)
+#undef _mm512_storeu_si512
+#define _mm512_storeu_si512 AVX512_ON_AVX2(storeu_si512)
+#undef _mm512_maskz_loadu_epi16
+#define _mm512_maskz_loadu_epi16 AVX512_ON_AVX2(maskz_loadu_epi16)
+#undef _mm512_mask_storeu_epi16
+#define _mm512_mask_storeu_epi16 AVX512_ON_AVX2(mask_storeu_epi16)
+#undef _mm256_maskz_loadu_epi16
+#define _mm256_maskz_loadu_epi16 AVX512_ON_AVX2(maskz_loadu_epi16_256)
+#undef _mm256_mask_storeu_epi16
+#define _mm256_mask_storeu_epi16 AVX512_ON_AVX2(mask_storeu_epi16_256)
+#undef _mm512_shuffle_ps
+#define _mm512_shuffle_ps(a, b, immediate) AVX512_ON_AVX2(shuffle_ps<(immediate)>)(a, b)
+#undef _mm512_shuffle_f32x4
+#define _mm512_shuffle_f32x4(a, b, immediate) AVX512_ON_AVX2(shuffle_f32x4<(immediate)>)(a, b)
+#undef _mm512_permutexvar_ps
+#define _mm512_permutexvar_ps AVX512_ON_AVX2(permutexvar_ps)
+#undef _mm512_permutexvar_epi16
+#define _mm512_permutexvar_epi16 AVX512_ON_AVX2(permutexvar_epi16)
+#undef _mm512_maskz_compress_ps
+#define _mm512_maskz_compress_ps AVX512_ON_AVX2(maskz_compress_ps)
+#undef _mm512_maskz_compress_epi32
+#define _mm512_maskz_compress_epi32 AVX512_ON_AVX2(maskz_compress_epi32)
+#undef _mm512_dpbusd_epi32
+#define _mm512_dpbusd_epi32 AVX512_ON_AVX2(dpbusd_epi32)
+#undef _mm512_dpbf16_ps
+#define _mm512_dpbf16_ps AVX512_ON_AVX2(dpbf16_ps)
+
+#endif
