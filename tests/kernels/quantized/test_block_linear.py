@@ -94,6 +94,7 @@ def test_bf16_outputs_are_the_dense_bf16_matmul_up_to_the_order_of_sums(rows, in
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize(("rows", "inputs"), [(1, 32), (5, 64), (37, 96), (64, 128), (200, 576)])
 def test_int8_outputs_are_the_int8_math_and_near_the_dense_matmul(rows, inputs, bias, format):
+    torch.manual_seed(rows)  # fixed data: a one-column layer's worst output sat past 2% in ~1 run of 10
     blocks = _blocks(format, rows, inputs)
     layer = BlockQuantizedLinear(blocks, torch.randn(rows) if bias else None)
     x = torch.randn(2, 23, inputs).to(torch.bfloat16)

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -38,7 +43,9 @@ def test_the_library_name_changes_with_the_source(fresh_build, monkeypatch, tmp_
 
 
 def _cpu(monkeypatch, dot_products: bool, capability: str) -> None:
-    """Make torch report a CPU with or without AVX-512's bfloat16 and VNNI dot products."""
+    """Make torch report a CPU with or without AVX-512's bfloat16 and VNNI dot products (and ask for no
+    instruction set: the AVX2 check below runs these tests with one asked for)."""
+    monkeypatch.delenv(kernel_build.ISA_VARIABLE, raising=False)
     for probe in ("_is_avx512_bf16_supported", "_is_vnni_supported"):
         monkeypatch.setattr(torch.cpu, probe, lambda: dot_products, raising=False)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
@@ -53,6 +60,32 @@ def test_a_cpu_without_either_dot_product_builds_the_avx2_emulation(fresh_build,
     assert kernel_build.instruction_set() == "avx2"
     assert "-mavx2" in kernel_build.flags() and not any("avx512" in flag for flag in kernel_build.flags())
     assert kernel_build._library_path() != avx512_library  # each build cached under its own name
+
+
+def test_the_avx2_emulation_can_be_asked_for_and_nothing_else(monkeypatch):
+    _cpu(monkeypatch, dot_products=True, capability="AVX512")
+    monkeypatch.setenv(kernel_build.ISA_VARIABLE, "avx2")
+    assert kernel_build.instruction_set() == "avx2"
+    monkeypatch.setenv(kernel_build.ISA_VARIABLE, "avx512f")
+    with pytest.raises(ValueError, match="may only be 'avx2'"):
+        kernel_build.instruction_set()
+
+
+@pytest.mark.skipif(
+    kernel_build.instruction_set() != "avx512", reason="the AVX2 emulation is what this CPU runs anyway"
+)
+def test_the_kernel_tests_pass_on_the_avx2_emulation_too():
+    """A CPU with AVX-512 runs the native build everywhere else, so the emulation that every AVX2 CPU
+    runs is checked here: the kernel tests again, in a process that builds and loads it."""
+    folder = Path(__file__).parent
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(folder)],
+        env={**os.environ, kernel_build.ISA_VARIABLE: "avx2"},
+        cwd=folder.parents[2],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
 
 
 def test_a_cpu_without_avx2_keeps_dense_weights(fresh_build, monkeypatch):

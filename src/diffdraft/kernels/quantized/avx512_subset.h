@@ -1,12 +1,14 @@
 // The AVX-512 intrinsics the kernels use, on every x86-64 CPU with AVX2, FMA and F16C.
 //
-// Compiled for AVX-512 (with BF16 and VNNI), this is <immintrin.h> and nothing more. Compiled for
-// AVX2 (most CPUs without AVX-512: Zen 1-3, Intel client cores), each 512-bit register becomes a GCC
-// vector of 64 bytes (two ymm registers) and each intrinsic a function with the instruction's own
-// result, so the kernels' sources stay one. Without them an AVX2 machine fell back to dense bfloat16
-// weights, 9x slower than the kernels on an AVX-512 one (benchmarks/README.md, 'Measurements behind
-// the code'). Results equal the instructions' but for denormal inputs to the bfloat16 ones (the
-// hardware reads them as zero) and for _mm512_scalef_ps outside the exponents [-252, 254].
+// Compiled for AVX-512 (with BF16 and VNNI), this is <immintrin.h> and a few helpers. Compiled for AVX2
+// (most CPUs without AVX-512: Zen 1-3, Intel client cores), each 512-bit register becomes two 256-bit
+// halves in a struct and each intrinsic a function with the instruction's own result, so the kernels'
+// sources stay one. Without it an AVX2 machine took dense weights, a third of the emulated kernels'
+// speed or less (benchmarks/README.md, 'Measurements behind the code'). Results equal the
+// instructions' but for denormal inputs to the bfloat16 ones (the hardware reads them as zero) and
+// for _mm512_scalef_ps outside the exponents [-252, 254]. The sources name a few operations that are
+// no single intrinsic: as_bf16_pairs (a cast) and VPDPBUSD for narrower bytes (dpbusd_7bit_epi32 and
+// dpbusd_offset128_*), which the emulation does in fewer instructions.
 #pragma once
 
 #include <immintrin.h>
@@ -19,6 +21,12 @@ inline __m512bh as_bf16_pairs(__m512i v) { return reinterpret_cast<__m512bh>(v);
 // _mm512_dpbusd_epi32 where every unsigned byte of `a` is below 128 (the AVX2 emulation is then
 // cheaper; here it is the instruction).
 inline __m512i dpbusd_7bit_epi32(__m512i src, __m512i a, __m512i b) { return _mm512_dpbusd_epi32(src, a, b); }
+
+// _mm512_dpbusd_epi32 over bytes `a` stored plus 128 and `b` in -127..127, a sum started at
+// dpbusd_offset128_start(the sum of b's bytes): together they sum (a - 128) * b. Here the start takes
+// the offset off; the AVX2 emulation multiplies a - 128 directly.
+inline int32_t dpbusd_offset128_start(int32_t b_sum) { return -128 * b_sum; }
+inline __m512i dpbusd_offset128_epi32(__m512i src, __m512i a, __m512i b) { return _mm512_dpbusd_epi32(src, a, b); }
 
 #else
 
@@ -75,14 +83,15 @@ AVX2_INLINE f32x16 setr_ps(float a0, float a1, float a2, float a3, float a4, flo
                            float a8, float a9, float a10, float a11, float a12, float a13, float a14, float a15) {
   return {_mm256_setr_ps(a0, a1, a2, a3, a4, a5, a6, a7), _mm256_setr_ps(a8, a9, a10, a11, a12, a13, a14, a15)};
 }
-#define AVX2_PER_HALF_PS(name, op) \
-  AVX2_INLINE f32x16 name(f32x16 a, f32x16 b) { return {op(a.lo, b.lo), op(a.hi, b.hi)}; }
-AVX2_PER_HALF_PS(add_ps, _mm256_add_ps)
-AVX2_PER_HALF_PS(sub_ps, _mm256_sub_ps)
-AVX2_PER_HALF_PS(mul_ps, _mm256_mul_ps)
-AVX2_PER_HALF_PS(div_ps, _mm256_div_ps)
-AVX2_PER_HALF_PS(max_ps, _mm256_max_ps)
-AVX2_PER_HALF_PS(min_ps, _mm256_min_ps)
+// A binary intrinsic as its 256-bit counterpart on each half.
+#define AVX2_PER_HALF(type, name, op) \
+  AVX2_INLINE type name(type a, type b) { return {op(a.lo, b.lo), op(a.hi, b.hi)}; }
+AVX2_PER_HALF(f32x16, add_ps, _mm256_add_ps)
+AVX2_PER_HALF(f32x16, sub_ps, _mm256_sub_ps)
+AVX2_PER_HALF(f32x16, mul_ps, _mm256_mul_ps)
+AVX2_PER_HALF(f32x16, div_ps, _mm256_div_ps)
+AVX2_PER_HALF(f32x16, max_ps, _mm256_max_ps)
+AVX2_PER_HALF(f32x16, min_ps, _mm256_min_ps)
 AVX2_INLINE f32x16 fmadd_ps(f32x16 a, f32x16 b, f32x16 c) {
   return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
 }
@@ -197,11 +206,9 @@ AVX2_INLINE i32x16 setr_epi32(int a0, int a1, int a2, int a3, int a4, int a5, in
                               int a10, int a11, int a12, int a13, int a14, int a15) {
   return {_mm256_setr_epi32(a0, a1, a2, a3, a4, a5, a6, a7), _mm256_setr_epi32(a8, a9, a10, a11, a12, a13, a14, a15)};
 }
-#define AVX2_PER_HALF_SI(name, op) \
-  AVX2_INLINE i32x16 name(i32x16 a, i32x16 b) { return {op(a.lo, b.lo), op(a.hi, b.hi)}; }
-AVX2_PER_HALF_SI(add_epi32, _mm256_add_epi32)
-AVX2_PER_HALF_SI(and_si512, _mm256_and_si256)
-AVX2_PER_HALF_SI(or_si512, _mm256_or_si256)
+AVX2_PER_HALF(i32x16, add_epi32, _mm256_add_epi32)
+AVX2_PER_HALF(i32x16, and_si512, _mm256_and_si256)
+AVX2_PER_HALF(i32x16, or_si512, _mm256_or_si256)
 #define AVX2_SHIFT(name, op) \
   AVX2_INLINE i32x16 name(i32x16 a, unsigned int count) { return {op(a.lo, count), op(a.hi, count)}; }
 AVX2_SHIFT(slli_epi32, _mm256_slli_epi32)
@@ -233,36 +240,38 @@ AVX2_INLINE void storeu_si512(void* p, i32x16 a) {
   __m256i* v = static_cast<__m256i*>(p);
   _mm256_storeu_si256(v, a.lo), _mm256_storeu_si256(v + 1, a.hi);
 }
+// The 16-bit words a mask names, read from `p` (the others zero) or written to it (the others left).
+template <int kLanes>
+AVX2_INLINE void load_words(uint32_t mask, const void* p, int16_t* words) {
+  for (int i = 0; i < kLanes; ++i) words[i] = mask >> i & 1 ? static_cast<const int16_t*>(p)[i] : 0;
+}
+template <int kLanes>
+AVX2_INLINE void store_words(uint32_t mask, void* p, const int16_t* words) {
+  for (int i = 0; i < kLanes; ++i) {
+    if (mask >> i & 1) static_cast<int16_t*>(p)[i] = words[i];
+  }
+}
 AVX2_INLINE i32x16 maskz_loadu_epi16(uint32_t mask, const void* p) {
   if (mask == 0xFFFFFFFFu) return loadu_si512(p);
-  Ints<int16_t, 32> words{};
-  for (int i = 0; i < 32; ++i) {
-    if (mask >> i & 1) words.v[i] = static_cast<const int16_t*>(p)[i];
-  }
+  Ints<int16_t, 32> words;
+  load_words<32>(mask, p, words.v);
   return words.get();
 }
 AVX2_INLINE void mask_storeu_epi16(void* p, uint32_t mask, i32x16 a) {
   if (mask == 0xFFFFFFFFu) return storeu_si512(p, a);
-  const Ints<int16_t, 32> words(a);
-  for (int i = 0; i < 32; ++i) {
-    if (mask >> i & 1) static_cast<int16_t*>(p)[i] = words.v[i];
-  }
+  store_words<32>(mask, p, Ints<int16_t, 32>(a).v);
 }
 AVX2_INLINE __m256i maskz_loadu_epi16_256(uint32_t mask, const void* p) {
   if ((mask & 0xFFFF) == 0xFFFF) return _mm256_loadu_si256(static_cast<const __m256i*>(p));
-  alignas(32) int16_t words[16] = {};
-  for (int i = 0; i < 16; ++i) {
-    if (mask >> i & 1) words[i] = static_cast<const int16_t*>(p)[i];
-  }
+  alignas(32) int16_t words[16];
+  load_words<16>(mask, p, words);
   return _mm256_load_si256(reinterpret_cast<const __m256i*>(words));
 }
 AVX2_INLINE void mask_storeu_epi16_256(void* p, uint32_t mask, __m256i a) {
   if ((mask & 0xFFFF) == 0xFFFF) return _mm256_storeu_si256(static_cast<__m256i*>(p), a);
   alignas(32) int16_t words[16];
   _mm256_store_si256(reinterpret_cast<__m256i*>(words), a);
-  for (int i = 0; i < 16; ++i) {
-    if (mask >> i & 1) static_cast<int16_t*>(p)[i] = words[i];
-  }
+  store_words<16>(mask, p, words);
 }
 
 // ---- lane movement ----
@@ -328,6 +337,17 @@ AVX2_INLINE __m256i dpbusd_7bit_half(__m256i src, __m256i u, __m256i s) {
 AVX2_INLINE i32x16 dpbusd_7bit_epi32(i32x16 src, i32x16 a, i32x16 b) {
   return {dpbusd_7bit_half(src.lo, a.lo, b.lo), dpbusd_7bit_half(src.hi, a.hi, b.hi)};
 }
+// src + the sum of (a - 128) * b over a's bytes stored plus 128 and b in -127..127: a - 128 as a signed
+// byte c, |c| (128 read unsigned) times b with c's sign, so again no pair of products leaves int16.
+AVX2_INLINE __m256i dpbusd_offset128_half(__m256i src, __m256i u, __m256i s) {
+  const __m256i c = _mm256_xor_si256(u, _mm256_set1_epi8(static_cast<char>(0x80)));
+  const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(c, c), _mm256_sign_epi8(s, c));
+  return _mm256_add_epi32(src, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+AVX2_INLINE i32x16 dpbusd_offset128_epi32(i32x16 src, i32x16 a, i32x16 b) {
+  return {dpbusd_offset128_half(src.lo, a.lo, b.lo), dpbusd_offset128_half(src.hi, a.hi, b.hi)};
+}
+AVX2_INLINE int32_t dpbusd_offset128_start(int32_t) { return 0; }
 
 // Per float lane, src + a_odd * b_odd + a_even * b_even over bfloat16 pairs (each product exact).
 AVX2_INLINE __m256 dpbf16_half(__m256 src, __m256i a, __m256i b) {
@@ -344,6 +364,8 @@ AVX2_INLINE f32x16 dpbf16_ps(f32x16 src, i32x16 a, i32x16 b) {
 
 AVX2_INLINE avx512_on_avx2::i32x16 as_bf16_pairs(avx512_on_avx2::i32x16 v) { return v; }
 using avx512_on_avx2::dpbusd_7bit_epi32;
+using avx512_on_avx2::dpbusd_offset128_epi32;
+using avx512_on_avx2::dpbusd_offset128_start;
 
 // The kernels' names for them.
 #define __m512 avx512_on_avx2::f32x16

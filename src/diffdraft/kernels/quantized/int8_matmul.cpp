@@ -6,7 +6,7 @@
 //   Q4_1 (w = d_w * c + m_w, codes c in 0..15): d_w * d_x * sum(c q_x) + m_w * s_x, s_x = d_x * sum(q_x)
 //   Q8_0 (w = d_w * c, codes c in -128..127):   d_w * d_x * sum(c q_x)
 // VPDPBUSD multiplies unsigned by signed bytes, so Q8_0 codes are stored plus 128 and each block's sum
-// starts at -128 * sum(q_x) instead of zero.
+// starts at -128 * sum(q_x) instead of zero (dpbusd_offset128_start / _epi32).
 //
 // Weights are repacked once (``tiled`` in block_linear.py) into tiles of 16 output columns: per tile
 // and block, the codes of inputs 4j..4j+3 of all 16 columns form 64 contiguous bytes, so one VPDPBUSD
@@ -14,8 +14,8 @@
 // never needs a horizontal add; the columns' float16 scales (and Q4_1 offsets) follow. Both kinds of
 // sum then cost three float32 operations per 16 columns and block, against 8 VPDPBUSD.
 // A Q4_1 byte holds input k in its low nibble and input k + 16 in its high one, as in GGUF.
-// On AVX2 CPUs avx512_subset.h emulates each instruction; Q4_1's codes, below 128, take its cheaper
-// dot product (dpbusd_7bit_epi32).
+// On AVX2 CPUs avx512_subset.h emulates each instruction, the dot products of either format by its
+// own cheaper form (dpbusd_7bit_epi32 for Q4_1's nibbles, dpbusd_offset128_epi32 for Q8_0).
 //
 // Every output is one fixed chain of float32 operations over its blocks in order, and a row's codes
 // depend on that row alone: a row's result never depends on the rows or threads it shares a call with.
@@ -39,8 +39,9 @@ struct Q4_1 {
   static constexpr int64_t kCodeBytes = kTile * kBlock / 2;
   static constexpr int64_t kBytes = kCodeBytes + 2 * kScaleBytes;
   static constexpr bool kOffsets = true;
-  static constexpr int kCodeShift = 0;
-  static constexpr bool kSevenBitCodes = true;  // nibbles
+  // A block's sum starts at zero and its codes, nibbles, are below 128.
+  static int32_t start(int32_t) { return 0; }
+  static __m512i dot(__m512i sum, __m512i codes, __m512i inputs) { return dpbusd_7bit_epi32(sum, codes, inputs); }
   // Codes of inputs 4j..4j+3 (low) and 16+4j..16+4j+3 (high) of the tile's 16 columns.
   static void codes(const uint8_t* tile, int j, __m512i& low, __m512i& high) {
     const __m512i packed = _mm512_loadu_si512(tile + 64 * j);
@@ -54,8 +55,11 @@ struct Q8_0 {
   static constexpr int64_t kCodeBytes = kTile * kBlock;
   static constexpr int64_t kBytes = kCodeBytes + kScaleBytes;
   static constexpr bool kOffsets = false;
-  static constexpr int kCodeShift = 128;
-  static constexpr bool kSevenBitCodes = false;
+  // Codes stored plus 128 (and inputs in -127..127): the sum takes off 128 times the inputs' sum.
+  static int32_t start(int32_t input_sum) { return dpbusd_offset128_start(input_sum); }
+  static __m512i dot(__m512i sum, __m512i codes, __m512i inputs) {
+    return dpbusd_offset128_epi32(sum, codes, inputs);
+  }
   static void codes(const uint8_t* tile, int j, __m512i& low, __m512i& high) {
     low = _mm512_loadu_si512(tile + 64 * j);
     high = _mm512_loadu_si512(tile + 64 * (j + 4));
@@ -119,20 +123,15 @@ void tile_rows(const Job& job, int64_t row0, int64_t t) {
     const uint8_t* tile = job.weight + (t * job.blocks + b) * F::kBytes;
     __m512i sums[kRows];
     for (int r = 0; r < kRows; ++r) {
-      sums[r] = _mm512_set1_epi32(-F::kCodeShift * x.code_sums[(row0 + r) * job.blocks + b]);
+      sums[r] = _mm512_set1_epi32(F::start(x.code_sums[(row0 + r) * job.blocks + b]));
     }
     for (int j = 0; j < 4; ++j) {
       __m512i low, high;
       F::codes(tile, j, low, high);
       for (int r = 0; r < kRows; ++r) {
         const int8_t* q = x.codes.data() + ((row0 + r) * job.blocks + b) * kBlock;
-        if constexpr (F::kSevenBitCodes) {
-          sums[r] = dpbusd_7bit_epi32(sums[r], low, four_codes(q + 4 * j));
-          sums[r] = dpbusd_7bit_epi32(sums[r], high, four_codes(q + 16 + 4 * j));
-        } else {
-          sums[r] = _mm512_dpbusd_epi32(sums[r], low, four_codes(q + 4 * j));
-          sums[r] = _mm512_dpbusd_epi32(sums[r], high, four_codes(q + 16 + 4 * j));
-        }
+        sums[r] = F::dot(sums[r], low, four_codes(q + 4 * j));
+        sums[r] = F::dot(sums[r], high, four_codes(q + 16 + 4 * j));
       }
     }
     const auto* halves = reinterpret_cast<const __m256i*>(tile + F::kCodeBytes);

@@ -42,14 +42,23 @@ instructions of the machine that compiled it beyond those :func:`instruction_set
 build keeps a multiply and an add apart as the AVX-512 intrinsics do."""
 
 
+ISA_VARIABLE = "DIFFDRAFT_KERNEL_ISA"
+"""Set to "avx2" to build and run the AVX2 emulation on a CPU with AVX-512 too: the tests check it that
+way on either kind of machine, and it compares the two builds' speed."""
+
+
 def instruction_set() -> str | None:
     """The instruction set this CPU runs the kernels with: "avx512" with the bfloat16 and the int8
-    (VNNI) dot products (Zen 4, Sapphire Rapids), else "avx2" (with FMA and F16C, which every AVX2
-    CPU has), else None."""
+    (VNNI) dot products (Zen 4, Sapphire Rapids) unless :data:`ISA_VARIABLE` asks for "avx2", else
+    "avx2" (with FMA and F16C, which every AVX2 CPU has), else None."""
+    asked = os.environ.get(ISA_VARIABLE, "")
+    if asked not in ("", "avx2"):
+        raise ValueError(f"${ISA_VARIABLE} may only be 'avx2' (or unset, for this CPU's best); got {asked!r}")
+    avx2 = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
     probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_vnni_supported")]
-    if all(probe is not None and probe() for probe in probes):
+    if not asked and all(probe is not None and probe() for probe in probes):
         return "avx512"
-    return "avx2" if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else None
+    return "avx2" if avx2 else None
 
 
 def flags() -> list[str]:
