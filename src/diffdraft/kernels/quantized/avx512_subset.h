@@ -46,24 +46,21 @@ struct i32x16 {
   __m256i lo, hi;
 };
 
-// Lane access for the rarer intrinsics, through memory.
-struct Floats {
-  alignas(32) float v[16];
-  AVX2_INLINE explicit Floats(f32x16 a) { _mm256_store_ps(v, a.lo), _mm256_store_ps(v + 8, a.hi); }
-  Floats() = default;
-  AVX2_INLINE f32x16 get() const { return {_mm256_load_ps(v), _mm256_load_ps(v + 8)}; }
-};
-template <class T, int kCount>
-struct Ints {
+// A register's lanes as an array, for the rarer intrinsics (through memory).
+template <class T, int kCount, class V = i32x16>
+struct Lanes {
   alignas(32) T v[kCount];
-  AVX2_INLINE explicit Ints(i32x16 a) { std::memcpy(v, &a, sizeof(v)); }
-  Ints() = default;
-  AVX2_INLINE i32x16 get() const {
-    i32x16 out;
+  Lanes() = default;
+  AVX2_INLINE explicit Lanes(V a) { std::memcpy(v, &a, sizeof(v)); }
+  AVX2_INLINE V get() const {
+    V out;
     std::memcpy(&out, v, sizeof(v));
     return out;
   }
 };
+using Floats = Lanes<float, 16, f32x16>;
+template <class T, int kCount>
+using Ints = Lanes<T, kCount>;
 
 // All ones in the lanes (of eight, from `first`) whose bit of `mask` is set.
 AVX2_INLINE __m256i lane_mask(uint32_t mask, int first) {
@@ -298,24 +295,19 @@ AVX2_INLINE i32x16 permutexvar_epi16(i32x16 index, i32x16 a) {
   for (int i = 0; i < 32; ++i) out.v[i] = words.v[at.v[i] & 31];
   return out.get();
 }
-AVX2_INLINE f32x16 maskz_compress_ps(uint32_t mask, f32x16 a) {
-  const Floats values(a);
-  Floats out{};
+// The lanes a mask names, packed to the front in order; the rest zero.
+template <class Array, class V>
+AVX2_INLINE V compress(uint32_t mask, V a) {
+  const Array values(a);
+  Array out{};
   int kept = 0;
   for (int i = 0; i < 16; ++i) {
     if (mask >> i & 1) out.v[kept++] = values.v[i];
   }
   return out.get();
 }
-AVX2_INLINE i32x16 maskz_compress_epi32(uint32_t mask, i32x16 a) {
-  const Ints<int32_t, 16> values(a);
-  Ints<int32_t, 16> out{};
-  int kept = 0;
-  for (int i = 0; i < 16; ++i) {
-    if (mask >> i & 1) out.v[kept++] = values.v[i];
-  }
-  return out.get();
-}
+AVX2_INLINE f32x16 maskz_compress_ps(uint32_t mask, f32x16 a) { return compress<Floats>(mask, a); }
+AVX2_INLINE i32x16 maskz_compress_epi32(uint32_t mask, i32x16 a) { return compress<Ints<int32_t, 16>>(mask, a); }
 
 // ---- dot products ----
 // Per int32 lane, src + the sum of four unsigned-by-signed byte products (no saturation): bytes

@@ -5,7 +5,7 @@ decoder-layer ops (``decoder_ops.cpp``), the greedy pick (``row_argmax.cpp``) an
 The kernels are written in AVX-512 intrinsics (with the bfloat16 and the int8 (VNNI) dot products);
 on a CPU with AVX2 but not those, ``avx512_subset.h`` emulates each intrinsic with AVX2, so every
 x86-64 CPU of the last decade runs them. They are compiled against the installed torch on first use
-(about 20-60 s) into the diffdraft cache, keyed by the sources, torch version and compiler flags, so
+(20 s to 2 minutes) into the diffdraft cache, keyed by the sources, torch version and compiler flags, so
 later processes just load them. Where they cannot run, callers keep dense weights.
 """
 
@@ -123,18 +123,19 @@ def _compile(library: Path) -> None:
         includes = [f"-I{path}" for path in torch.utils.cpp_extension.include_paths()]
         libraries = [f"-L{path}" for path in torch.utils.cpp_extension.library_paths()]
         abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+        cflags = flags()
         sources = [source for source in _sources() if source.suffix == ".cpp"]  # the header is included
         objects = [tmp / f"{source.stem}.o" for source in sources]
         print("diffdraft: compiling the quantized CPU kernel (once, 20 s to 2 min) ...", file=sys.stderr)
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
             compiled = [
-                pool.submit(_run, [compiler, *flags(), abi, *includes, "-c", str(source), "-o", str(output)])
+                pool.submit(_run, [compiler, *cflags, abi, *includes, "-c", str(source), "-o", str(output)])
                 for source, output in zip(sources, objects, strict=True)
             ]
             for job in compiled:
                 job.result()
         built = tmp / library.name
-        _run([compiler, *flags(), *map(str, objects), *libraries, "-lc10", "-ltorch_cpu", "-o", str(built)])
+        _run([compiler, *cflags, *map(str, objects), *libraries, "-lc10", "-ltorch_cpu", "-o", str(built)])
         os.replace(built, library)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
