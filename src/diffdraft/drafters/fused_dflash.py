@@ -57,8 +57,10 @@ class FusedDraftLayers:
         ]
         if model.variant == DFLASH:
             self.fc, self.hidden_norm = model.fc, norm_weights(model.hidden_norm)
-        else:  # DFlare's per-layer mix of the taps, its softmax taken once
-            self.tap_weights = model.fusion.weight.float().softmax(-1).to(torch.bfloat16)
+        else:  # DFlare's per-layer mix of the taps, its softmax taken once; mixed in float32 (a CPU
+            # without native bfloat16 matmuls takes 2-4x as long in bfloat16), then rounded as a
+            # bfloat16 matmul rounds its float32 sums
+            self.tap_weights = model.fusion.weight.float().softmax(-1).to(torch.bfloat16).float()
             self.context_norms = [norm_weights(layer.context_norm) for layer in model.layers]
         self.variant = model.variant
 
@@ -86,8 +88,9 @@ class FusedDraftLayers:
             shared = self.ops.rms_norm(self.fc.forward(taps.flatten(-2)), *self.hidden_norm)
             return [shared] * len(self.layers)
         rows, taps_count, hidden = taps.shape
-        by_tap = taps.transpose(0, 1).reshape(taps_count, rows * hidden)  # one matmul mixes every layer's
-        mixed = torch.matmul(self.tap_weights, by_tap).view(len(self.layers), rows, hidden)
+        # one matmul mixes every layer's taps
+        by_tap = taps.transpose(0, 1).reshape(taps_count, rows * hidden).float()
+        mixed = torch.matmul(self.tap_weights, by_tap).to(taps.dtype).view(len(self.layers), rows, hidden)
         return [self.ops.rms_norm(m, *norm) for m, norm in zip(mixed, self.context_norms, strict=True)]
 
     def context_kv(

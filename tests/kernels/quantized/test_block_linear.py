@@ -30,7 +30,11 @@ def _weight(rows: int, inputs: int, seed: int = 0) -> torch.Tensor:
 def _blocks(format: str, rows: int, inputs: int) -> BlockWeight | Q8Weight:
     if format == "Q4_1":
         return q4_1_blocks(_weight(rows, inputs))
-    return Q8Weight.from_gguf(quants.quantize(_weight(rows, inputs).numpy(), GGMLQuantizationType.Q8_0))
+    return _blocks_of(_weight(rows, inputs))
+
+
+def _blocks_of(weight: torch.Tensor) -> Q8Weight:
+    return Q8Weight.from_gguf(quants.quantize(weight.numpy(), GGMLQuantizationType.Q8_0))
 
 
 def _int8_reference(x: torch.Tensor, blocks: BlockWeight | Q8Weight) -> torch.Tensor:
@@ -107,6 +111,20 @@ def test_int8_outputs_are_the_int8_math_and_near_the_dense_matmul(rows, inputs, 
     torch.testing.assert_close(out.double(), same_math, rtol=2**-8, atol=1e-5)
     dense = x.double() @ blocks.dequantize().double().T + added
     assert (out.double() - dense).abs().max() < 0.02 * dense.abs().max()
+
+
+@needs_block_kernel
+@pytest.mark.parametrize("format", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_int8_sums_stay_exact_where_every_product_is_at_its_largest(format, sign):
+    """Largest codes times inputs of code +-127 everywhere: the AVX2 build sums Q4_1's products in
+    16-bit lanes, which must not saturate (any lost bit shows against the reference)."""
+    weight = torch.ones(48, 64)
+    weight[:, ::32] = 0 if format == "Q4_1" else -1  # Q4_1: codes 0 and 15; Q8_0: -127 and 127
+    blocks = q4_1_blocks(weight) if format == "Q4_1" else _blocks_of(weight)
+    layer = BlockQuantizedLinear(blocks, None)
+    x = torch.full((13, 64), sign, dtype=torch.bfloat16)
+    torch.testing.assert_close(layer(x).double(), _int8_reference(x, blocks), rtol=2**-8, atol=0)
 
 
 @needs_block_kernel

@@ -7,7 +7,7 @@
 // speed or less (benchmarks/README.md, 'Measurements behind the code'). Results equal the
 // instructions' but for denormal inputs to the bfloat16 ones (the hardware reads them as zero) and
 // for _mm512_scalef_ps outside the exponents [-252, 254]. The sources name a few operations that are
-// no single intrinsic: as_bf16_pairs (a cast) and VPDPBUSD for narrower bytes (dpbusd_7bit_epi32 and
+// no single intrinsic: as_bf16_pairs (a cast) and VPDPBUSD over narrower bytes (nibble_* chains and
 // dpbusd_offset128_*), which the emulation does in fewer instructions.
 #pragma once
 
@@ -18,9 +18,13 @@
 // A 512-bit integer register read as 32 bfloat16 values (a no-op).
 inline __m512bh as_bf16_pairs(__m512i v) { return reinterpret_cast<__m512bh>(v); }
 
-// _mm512_dpbusd_epi32 where every unsigned byte of `a` is below 128 (the AVX2 emulation is then
-// cheaper; here it is the instruction).
-inline __m512i dpbusd_7bit_epi32(__m512i src, __m512i a, __m512i b) { return _mm512_dpbusd_epi32(src, a, b); }
+// A chain of at most eight _mm512_dpbusd_epi32 from zero over 4-bit codes `a` (bytes 0..15):
+// nibble_dot adds one, nibble_total gives the int32 sums. Here a nibble_sum is the int32 sums; the AVX2
+// emulation keeps pairs of products in 16 bits (8 * 2 * 15 * 128 < 2^15) and widens them once.
+using nibble_sum = __m512i;
+inline nibble_sum nibble_zero() { return _mm512_setzero_si512(); }
+inline nibble_sum nibble_dot(nibble_sum sum, __m512i a, __m512i b) { return _mm512_dpbusd_epi32(sum, a, b); }
+inline __m512i nibble_total(nibble_sum sum) { return sum; }
 
 // _mm512_dpbusd_epi32 over bytes `a` stored plus 128 and `b` in -127..127, a sum started at
 // dpbusd_offset128_start(the sum of b's bytes): together they sum (a - 128) * b. Here the start takes
@@ -321,13 +325,27 @@ AVX2_INLINE __m256i dpbusd_half(__m256i src, __m256i u, __m256i s) {
 AVX2_INLINE i32x16 dpbusd_epi32(i32x16 src, i32x16 a, i32x16 b) {
   return {dpbusd_half(src.lo, a.lo, b.lo), dpbusd_half(src.hi, a.hi, b.hi)};
 }
-// The same where every byte of `a` is below 128: then no pair of products can leave int16, so
-// VPMADDUBSW's saturating sums are exact (half the instructions of the general case).
-AVX2_INLINE __m256i dpbusd_7bit_half(__m256i src, __m256i u, __m256i s) {
-  return _mm256_add_epi32(src, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+// Ends GCC's view into a sum: without it GCC reassociates a row tile's chains of integer dot
+// products into trees of all the products, which spill out of the 16 ymm registers (a multi-row
+// matmul ran at half speed).
+AVX2_INLINE void keep_chain(__m256i& lo, __m256i& hi) { asm("" : "+x"(lo), "+x"(hi)); }
+
+// Chains over 4-bit codes: VPMADDUBSW's pairs of products stay far inside int16 (no saturation), so
+// eight of them add up in 16-bit lanes and one VPMADDWD per chain widens them (a quarter of the general
+// case's instructions per product).
+struct nibble_sum {
+  __m256i lo, hi;  // int16 sums of product pairs
+};
+AVX2_INLINE nibble_sum nibble_zero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+AVX2_INLINE nibble_sum nibble_dot(nibble_sum sum, i32x16 a, i32x16 b) {
+  nibble_sum out{_mm256_add_epi16(sum.lo, _mm256_maddubs_epi16(a.lo, b.lo)),
+                 _mm256_add_epi16(sum.hi, _mm256_maddubs_epi16(a.hi, b.hi))};
+  keep_chain(out.lo, out.hi);
+  return out;
 }
-AVX2_INLINE i32x16 dpbusd_7bit_epi32(i32x16 src, i32x16 a, i32x16 b) {
-  return {dpbusd_7bit_half(src.lo, a.lo, b.lo), dpbusd_7bit_half(src.hi, a.hi, b.hi)};
+AVX2_INLINE i32x16 nibble_total(nibble_sum sum) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  return {_mm256_madd_epi16(sum.lo, ones), _mm256_madd_epi16(sum.hi, ones)};
 }
 // src + the sum of (a - 128) * b over a's bytes stored plus 128 and b in -127..127: a - 128 as a signed
 // byte c, |c| (128 read unsigned) times b with c's sign, so again no pair of products leaves int16.
@@ -337,7 +355,9 @@ AVX2_INLINE __m256i dpbusd_offset128_half(__m256i src, __m256i u, __m256i s) {
   return _mm256_add_epi32(src, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
 AVX2_INLINE i32x16 dpbusd_offset128_epi32(i32x16 src, i32x16 a, i32x16 b) {
-  return {dpbusd_offset128_half(src.lo, a.lo, b.lo), dpbusd_offset128_half(src.hi, a.hi, b.hi)};
+  i32x16 out{dpbusd_offset128_half(src.lo, a.lo, b.lo), dpbusd_offset128_half(src.hi, a.hi, b.hi)};
+  keep_chain(out.lo, out.hi);
+  return out;
 }
 AVX2_INLINE int32_t dpbusd_offset128_start(int32_t) { return 0; }
 
@@ -355,7 +375,10 @@ AVX2_INLINE f32x16 dpbf16_ps(f32x16 src, i32x16 a, i32x16 b) {
 }  // namespace avx512_on_avx2
 
 AVX2_INLINE avx512_on_avx2::i32x16 as_bf16_pairs(avx512_on_avx2::i32x16 v) { return v; }
-using avx512_on_avx2::dpbusd_7bit_epi32;
+using avx512_on_avx2::nibble_dot;
+using avx512_on_avx2::nibble_sum;
+using avx512_on_avx2::nibble_total;
+using avx512_on_avx2::nibble_zero;
 using avx512_on_avx2::dpbusd_offset128_epi32;
 using avx512_on_avx2::dpbusd_offset128_start;
 

@@ -238,6 +238,19 @@ struct MaskRow {
   }
 };
 
+#ifdef __AVX512F__
+constexpr int kMaxGroup = 4;       // query heads attended together; a larger group is split
+constexpr int kAccumulators = 24;  // registers the weighted sum of values keeps its sums in
+constexpr int kParities = 2;       // sets of sums the visible keys alternate between (hides FMA latency)
+#else
+// AVX2 has 16 registers, two to each 512-bit one: groups of two heads, 4 of those for sums and one set
+// (its 8 chains already hide the latency), or the sums spill to memory and wait on it.
+constexpr int kMaxGroup = 2;
+constexpr int kAccumulators = 4;
+constexpr int kParities = 1;
+#endif
+
+#ifdef __AVX512F__
 // Sums of the lanes of 16 registers, register k's in lane k. Every sum is the same tree over lane
 // indices, (p0 + p2) + (p1 + p3) with p_j = (l_j + l_j+8) + (l_j+4 + l_j+12), so a key's score does not
 // depend on which register of a tile it took.
@@ -256,16 +269,76 @@ inline __m512 lane_sums(__m512 (&v)[kLanes]) {
   return _mm512_permutexvar_ps(register_order, sums);
 }
 
-constexpr int kMaxGroup = 4;  // query heads attended together; a larger group is split
-constexpr int kAccumulators = 24;  // registers the weighted sum of values keeps its sums in
+// One query row's dot products with 16 keys (the first `keys_here` of them), key t's in lane t: each
+// key's in one register, the 16 then summed across lanes by lane_sums.
+template <int kPairs, class LoadPair>
+__m512 key_dots(const __m512bh (&q)[kPairs], const BFloat16* key, int64_t row_stride, int64_t keys_here,
+                LoadPair load_pair) {
+  __m512 dots[kLanes];
+#pragma GCC unroll 16  // in registers: a loop keeps the tile's dot products in memory
+  for (int t = 0; t < kLanes; ++t) {
+    dots[t] = _mm512_setzero_ps();
+    if (t >= keys_here) continue;  // past the last key: its lane is not shown
+    for (int c = 0; c < kPairs; ++c) {
+      dots[t] = _mm512_dpbf16_ps(dots[t], q[c], as_bf16_pairs(load_pair(key + t * row_stride + 32 * c, c)));
+    }
+  }
+  return lane_sums(dots);
+}
+#else
+// Eight AVX2 registers' lane sums, register k's in lane k, every sum by the same tree
+// ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)).
+inline __m256 lane_sums8(const __m256 (&v)[8]) {
+  const __m256 low = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 high = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20), _mm256_permute2f128_ps(low, high, 0x31));
+}
+
+// key_dots on AVX2: eight keys at a time, each key's products in one 256-bit register (16 of
+// lane_sums' would spill), q's dimensions widened to floats once per call.
+template <int kPairs, class LoadPair>
+__m512 key_dots(const __m512bh (&q)[kPairs], const BFloat16* key, int64_t row_stride, int64_t keys_here,
+                LoadPair load_pair) {
+  const __m256i high_word = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  auto odd = [&](__m256i v) { return _mm256_castsi256_ps(_mm256_and_si256(v, high_word)); };
+  auto even = [&](__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); };
+  __m256 query[kPairs][2][2];  // [pair][half][odd, even dimensions]
+  for (int c = 0; c < kPairs; ++c) {
+    for (int h = 0; h < 2; ++h) {
+      const __m256i v = h ? q[c].hi : q[c].lo;
+      query[c][h][0] = odd(v);
+      query[c][h][1] = even(v);
+    }
+  }
+  __m256 sums[2];
+  for (int half = 0; half < 2; ++half) {
+    __m256 dots[8];
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; ++t) {
+      dots[t] = _mm256_setzero_ps();
+      if (8 * half + t >= keys_here) continue;  // past the last key: its lane is not shown
+      for (int c = 0; c < kPairs; ++c) {
+        const __m512i pair = load_pair(key + (8 * half + t) * row_stride + 32 * c, c);
+        for (int h = 0; h < 2; ++h) {
+          const __m256i v = h ? pair.hi : pair.lo;
+          dots[t] = _mm256_fmadd_ps(query[c][h][0], odd(v), dots[t]);
+          dots[t] = _mm256_fmadd_ps(query[c][h][1], even(v), dots[t]);
+        }
+      }
+    }
+    sums[half] = lane_sums8(dots);
+  }
+  return {sums[0], sums[1]};
+}
+#endif
 
 // Softmax attention of kGroup query rows of one token (kPairs x 32 >= dim values each, the last
 // register partial if kPartial, the rows consecutive in `query` and in `out`) that share one K/V head,
 // and so the token's mask row and its visible keys, over those keys. Each row's arithmetic is that of a
 // row alone: the group only shares the loads of keys and values, the widening of values to float32 and
-// the mask's tests. Scores are computed 16 keys at a time and the visible ones packed in order; the
-// weighted sum of values alternates two sets of accumulators by visible key, so the latency of one
-// chain does not bound it. `scores`: kGroup x `stride` floats, `visible`: `stride` indices.
+// the mask's tests. Scores are computed 16 keys at a time and the visible ones packed in order; with
+// AVX-512 the weighted sum of values alternates two sets of accumulators by visible key, so the latency
+// of one chain does not bound it. `scores`: kGroup x `stride` floats, `visible`: `stride` indices.
 template <int kPairs, bool kPartial, int kGroup>
 void attend_group(const BFloat16* query, const Cached& keys, const Cached& values, int64_t kv_head,
                   int64_t length, MaskRow mask, float hidden_at, float scale, int64_t dim, float* scores,
@@ -296,17 +369,8 @@ void attend_group(const BFloat16* query, const Cached& keys, const Cached& value
     const BFloat16* key = keys.row(kv_head, tile);
     // a row at a time: the 16 dot products of a tile fill half the registers (the keys come again from L1)
     for (int g = 0; g < kGroup; ++g) {
-      __m512 dots[kLanes];
-#pragma GCC unroll 16  // in registers: a loop keeps the tile's dot products in memory
-      for (int t = 0; t < kLanes; ++t) {
-        dots[t] = _mm512_setzero_ps();
-        if (t >= keys_here) continue;  // past the last key: its lane is not shown
-        for (int c = 0; c < kPairs; ++c) {
-          const __m512i pair = load_pair(key + t * keys.row_stride + 32 * c, c);
-          dots[t] = _mm512_dpbf16_ps(dots[t], q[g][c], as_bf16_pairs(pair));
-        }
-      }
-      const __m512 score = _mm512_add_ps(_mm512_mul_ps(lane_sums(dots), _mm512_set1_ps(scale)), bias);
+      const __m512 dots = key_dots<kPairs>(q[g], key, keys.row_stride, keys_here, load_pair);
+      const __m512 score = _mm512_add_ps(_mm512_mul_ps(dots, _mm512_set1_ps(scale)), bias);
       _mm512_storeu_ps(scores + g * stride + count, _mm512_maskz_compress_ps(shown, score));
     }
     count += __builtin_popcount(shown);
@@ -333,10 +397,10 @@ void attend_group(const BFloat16* query, const Cached& keys, const Cached& value
   // even and odd dimensions without a lane-crossing widen; the output interleaves them back. Each
   // register of dimensions has its own sums, so a pass over the visible keys takes only as many
   // registers as stay in the CPU's, and the next pass the next ones: the sums are the same.
-  constexpr int kStep = std::max(1, std::min(kPairs, kAccumulators / (4 * kGroup)));
+  constexpr int kStep = std::max(1, std::min(kPairs, kAccumulators / (2 * kParities * kGroup)));
   for (int first = 0; first < kPairs; first += kStep) {
-    __m512 even[2][kGroup][kStep], odd[2][kGroup][kStep];  // [visible key parity][row][32 dimensions]
-    for (int p = 0; p < 2; ++p) {
+    __m512 even[kParities][kGroup][kStep], odd[kParities][kGroup][kStep];  // [key parity][row][32 dimensions]
+    for (int p = 0; p < kParities; ++p) {
       for (int g = 0; g < kGroup; ++g) {
         for (int s = 0; s < kStep; ++s) even[p][g][s] = odd[p][g][s] = _mm512_setzero_ps();
       }
@@ -356,16 +420,23 @@ void attend_group(const BFloat16* query, const Cached& keys, const Cached& value
       }
     };
     int64_t i = 0;
-    for (; i + 1 < count; i += 2) {
-      accumulate(0, i);
-      accumulate(1, i + 1);
+    if constexpr (kParities == 2) {
+      for (; i + 1 < count; i += 2) {
+        accumulate(0, i);
+        accumulate(1, i + 1);
+      }
     }
-    if (i < count) accumulate(0, i);
+    for (; i < count; ++i) accumulate(0, i);
     for (int g = 0; g < kGroup; ++g) {
       for (int s = 0; s < kStep && first + s < kPairs; ++s) {
         const int c = first + s;
-        const __m512i low = bfloat16_bits(_mm512_div_ps(_mm512_add_ps(even[0][g][s], even[1][g][s]), sum[g]));
-        const __m512i high = bfloat16_bits(_mm512_div_ps(_mm512_add_ps(odd[0][g][s], odd[1][g][s]), sum[g]));
+        __m512 even_sum = even[0][g][s], odd_sum = odd[0][g][s];
+        if constexpr (kParities == 2) {
+          even_sum = _mm512_add_ps(even_sum, even[1][g][s]);
+          odd_sum = _mm512_add_ps(odd_sum, odd[1][g][s]);
+        }
+        const __m512i low = bfloat16_bits(_mm512_div_ps(even_sum, sum[g]));
+        const __m512i high = bfloat16_bits(_mm512_div_ps(odd_sum, sum[g]));
         _mm512_mask_storeu_epi16(out + g * dim + 32 * c, pair_lanes[c],
                                  _mm512_or_si512(low, _mm512_slli_epi32(high, 16)));
       }

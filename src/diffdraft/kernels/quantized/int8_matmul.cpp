@@ -15,7 +15,7 @@
 // sum then cost three float32 operations per 16 columns and block, against 8 VPDPBUSD.
 // A Q4_1 byte holds input k in its low nibble and input k + 16 in its high one, as in GGUF.
 // On AVX2 CPUs avx512_subset.h emulates each instruction, the dot products of either format by its
-// own cheaper form (dpbusd_7bit_epi32 for Q4_1's nibbles, dpbusd_offset128_epi32 for Q8_0).
+// own cheaper form (nibble_dot for Q4_1's codes, dpbusd_offset128_epi32 for Q8_0).
 //
 // Every output is one fixed chain of float32 operations over its blocks in order, and a row's codes
 // depend on that row alone: a row's result never depends on the rows or threads it shares a call with.
@@ -31,7 +31,13 @@ namespace {
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kTile = 16;     // output columns per weight tile, one int32 / float32 lane each
-constexpr int kRowTile = 12;      // most input rows sharing one unpacked weight tile (two registers each)
+// Most input rows sharing one unpacked weight tile: each row's sums take two registers, of 32 with
+// AVX-512 and of 16 with AVX2 (where a 512-bit register is two).
+#ifdef __AVX512F__
+constexpr int kRowTile = 12;
+#else
+constexpr int kRowTile = 4;
+#endif
 constexpr int64_t kChunk = 4;     // column tiles every row tile visits in turn while they sit in cache
 constexpr int64_t kScaleBytes = kTile * 2;  // a tile's float16 scales (or offsets) for one block
 
@@ -39,9 +45,11 @@ struct Q4_1 {
   static constexpr int64_t kCodeBytes = kTile * kBlock / 2;
   static constexpr int64_t kBytes = kCodeBytes + 2 * kScaleBytes;
   static constexpr bool kOffsets = true;
-  // A block's sum starts at zero and its codes, nibbles, are below 128.
-  static int32_t start(int32_t) { return 0; }
-  static __m512i dot(__m512i sum, __m512i codes, __m512i inputs) { return dpbusd_7bit_epi32(sum, codes, inputs); }
+  // A block's sum starts at zero and takes eight dot products of nibble codes.
+  using Sum = nibble_sum;
+  static Sum start(int32_t) { return nibble_zero(); }
+  static Sum dot(Sum sum, __m512i codes, __m512i inputs) { return nibble_dot(sum, codes, inputs); }
+  static __m512i total(Sum sum) { return nibble_total(sum); }
   // Codes of inputs 4j..4j+3 (low) and 16+4j..16+4j+3 (high) of the tile's 16 columns.
   static void codes(const uint8_t* tile, int j, __m512i& low, __m512i& high) {
     const __m512i packed = _mm512_loadu_si512(tile + 64 * j);
@@ -56,10 +64,10 @@ struct Q8_0 {
   static constexpr int64_t kBytes = kCodeBytes + kScaleBytes;
   static constexpr bool kOffsets = false;
   // Codes stored plus 128 (and inputs in -127..127): the sum takes off 128 times the inputs' sum.
-  static int32_t start(int32_t input_sum) { return dpbusd_offset128_start(input_sum); }
-  static __m512i dot(__m512i sum, __m512i codes, __m512i inputs) {
-    return dpbusd_offset128_epi32(sum, codes, inputs);
-  }
+  using Sum = __m512i;
+  static Sum start(int32_t input_sum) { return _mm512_set1_epi32(dpbusd_offset128_start(input_sum)); }
+  static Sum dot(Sum sum, __m512i codes, __m512i inputs) { return dpbusd_offset128_epi32(sum, codes, inputs); }
+  static __m512i total(Sum sum) { return sum; }
   static void codes(const uint8_t* tile, int j, __m512i& low, __m512i& high) {
     low = _mm512_loadu_si512(tile + 64 * j);
     high = _mm512_loadu_si512(tile + 64 * (j + 4));
@@ -121,10 +129,8 @@ void tile_rows(const Job& job, int64_t row0, int64_t t) {
   for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < job.blocks; ++b) {
     const uint8_t* tile = job.weight + (t * job.blocks + b) * F::kBytes;
-    __m512i sums[kRows];
-    for (int r = 0; r < kRows; ++r) {
-      sums[r] = _mm512_set1_epi32(F::start(x.code_sums[(row0 + r) * job.blocks + b]));
-    }
+    typename F::Sum sums[kRows];
+    for (int r = 0; r < kRows; ++r) sums[r] = F::start(x.code_sums[(row0 + r) * job.blocks + b]);
     for (int j = 0; j < 4; ++j) {
       __m512i low, high;
       F::codes(tile, j, low, high);
@@ -138,7 +144,7 @@ void tile_rows(const Job& job, int64_t row0, int64_t t) {
     const __m512 scales = _mm512_cvtph_ps(_mm256_loadu_si256(halves));
     for (int r = 0; r < kRows; ++r) {
       const __m512 scale = _mm512_mul_ps(scales, _mm512_set1_ps(x.scales[(row0 + r) * job.blocks + b]));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r]), scale, acc[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(F::total(sums[r])), scale, acc[r]);
     }
     if constexpr (F::kOffsets) {
       const __m512 offsets = _mm512_cvtph_ps(_mm256_loadu_si256(halves + 1));
