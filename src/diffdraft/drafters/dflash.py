@@ -23,6 +23,7 @@ from diffdraft.errors import IncompatibleDrafterError
 from diffdraft.kernels.fused_projections import fuse_projections
 from diffdraft.kernels.packed_linear import has_packed_layers, pack_linear, pack_linear_layers
 from diffdraft.kernels.quantized.block_linear import BlockQuantizedLinear, q8_linear, runs_int8_kernel
+from diffdraft.kernels.rotary_table import RotaryTable
 from diffdraft.target.model import TargetModel
 
 
@@ -40,6 +41,7 @@ class DFlashDrafter(ForksByCopy):
             if self.model.variant == DFLASH:
                 self.model.fc = lay_out(self.model.fc)
         self._fused = FusedDraftLayers.build(self.model)
+        self._rope = RotaryTable(self.model.rotary_emb)  # for the fused forward (the module has its own)
         self.vocab_size = target.vocab_size
         self.target_layer_ids = list(model.target_layer_ids)
         self.max_depth = model.block_size - 1
@@ -68,7 +70,7 @@ class DFlashDrafter(ForksByCopy):
                 new = self.model.context_kv(hidden[None], positions)
             else:
                 features = self._fused.context_features(hidden)
-                cos, sin = self.model.rope(positions, features[0])
+                cos, sin = self._rope(features[0], positions)
                 new = self._fused.context_kv(features, cos[0], sin[0])
             self._context.append(new)
             self._pending = []
@@ -85,7 +87,7 @@ class DFlashDrafter(ForksByCopy):
         if self._fused is None:
             hidden = self.model(embeds[None], positions, context.layers())[0]
         else:
-            cos, sin = self.model.rope(positions, embeds)
+            cos, sin = self._rope(embeds, positions)
             hidden = self._fused(embeds, cos[0], sin[0], [context], [slice(None)])
         return self._proposal(self.head(hidden[1:]).float().log_softmax(-1))
 
@@ -137,7 +139,7 @@ class DFlashDrafter(ForksByCopy):
         edges = list(itertools.accumulate((depth + 1 for depth in depths), initial=0))
         rows = [slice(a, b) for a, b in itertools.pairwise(edges)]
         embeds = self.embed(blocks.to(self._device))
-        cos, sin = self.model.rope(positions.to(self._device)[None], embeds)
+        cos, sin = self._rope(embeds, positions.to(self._device)[None])
         contexts = [fork._projected_context() for fork in forks]
         hidden = self._fused(embeds, cos[0], sin[0], contexts, rows)
         drafted = torch.cat([hidden[part][1:] for part in rows])  # every row but each block's anchor

@@ -29,6 +29,7 @@ from transformers.models.llama.modeling_llama import (
 from diffdraft.kernels.fused_projections import StackedProjection, stacked_projection
 from diffdraft.kernels.quantized.block_linear import kernel_rows_only
 from diffdraft.kernels.quantized.decoder_ops import FusedDecoderLayers
+from diffdraft.kernels.rotary_table import RotaryTable
 from diffdraft.kernels.segment import Segment
 
 SUPPORTED_LAYERS = {"LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"}
@@ -41,6 +42,7 @@ class LeanForward:
     def __init__(self, model: PreTrainedModel) -> None:
         self.model = model
         self.decoder = model.get_decoder()
+        self.rotary = RotaryTable(self.decoder.rotary_emb)
         self.layers = list(self.decoder.layers[: model.config.num_hidden_layers])
         self.stacked_qkv = [_stacked_qkv(layer.self_attn) for layer in self.layers]
         self.fused = FusedDecoderLayers.build(model, self.layers, self.stacked_qkv)
@@ -96,7 +98,7 @@ class LeanForward:
             raise ValueError("logits_to_keep applies to one segment; packed segments keep every row's logits")
         hidden = self.decoder.embed_tokens.forward(token_ids[None])
         positions = position_ids[None]
-        rotary = self.decoder.rotary_emb(hidden, positions)
+        rotary = self.rotary(hidden, positions)
         wanted = set(layer_ids)
         rows = segment_rows(segments)
         if self.fused is not None:

@@ -1,0 +1,45 @@
+"""A rotary embedding's cos/sin looked up per position instead of computed every forward.
+
+Hugging Face's rotary module recomputes cos and sin for the forward's positions on every call, a
+dozen small ops (figures: benchmarks/README.md, 'Measurements behind the code'): once per target
+forward and twice per drafting round.
+For the rope types whose frequencies never change each entry is one product of a position and a
+frequency, then cos / sin, scaling and rounding, all elementwise, so rows computed once for a range of
+positions and indexed are the module's own values bit for bit. Other types (dynamic, longrope:
+frequencies that follow the sequence length) call the module.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
+"""Rope types whose module keeps one set of frequencies for every position."""
+FIRST_ROWS = 1024
+"""Positions a table covers at first; it doubles past them."""
+
+
+class RotaryTable:
+    """``(cos, sin)`` of ``rotary`` for ``position_ids``, as ``rotary(like, position_ids)`` returns them."""
+
+    def __init__(self, rotary: nn.Module) -> None:
+        self.rotary = rotary
+        self.static = getattr(rotary, "rope_type", None) in STATIC_ROPE_TYPES
+        self._tables: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, like: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.static:
+            return self.rotary(like, position_ids)
+        cos, sin = self._table(like, int(position_ids.max()) + 1)
+        return cos[position_ids], sin[position_ids]
+
+    def _table(self, like: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (like.dtype, like.device)
+        table = self._tables.get(key)
+        if table is None or table[0].shape[0] < rows:
+            size = max(rows, FIRST_ROWS, 2 * table[0].shape[0] if table is not None else 0)
+            positions = torch.arange(size, device=like.device)[None]
+            cos, sin = self.rotary(like, positions)
+            table = self._tables[key] = (cos[0], sin[0])
+        return table

@@ -1,0 +1,53 @@
+"""The rotary table gives the rotary module's own cos/sin, bit for bit, for any positions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from diffdraft.kernels.rotary_table import FIRST_ROWS, RotaryTable
+
+
+def _rotary(rope: dict) -> LlamaRotaryEmbedding:
+    config = LlamaConfig(
+        hidden_size=64, num_attention_heads=4, max_position_embeddings=4096, rope_parameters=rope
+    )
+    return LlamaRotaryEmbedding(config)
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "default", "rope_theta": 10000.0},
+        {"rope_type": "linear", "rope_theta": 500000.0, "factor": 4.0},
+    ],
+    ids=["default", "linear"],
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_looked_up_rows_are_the_modules_own(rope, dtype):
+    rotary = _rotary(rope)
+    table = RotaryTable(rotary)
+    like = torch.zeros(1, 1, 64, dtype=dtype)
+    assert table.static
+    # a block after a long context, a tree's repeated depths, and one past the first table (it grows)
+    for positions in (
+        torch.arange(700, 709),
+        torch.tensor([5, 6, 6, 7, 7, 7]),
+        torch.tensor([3, 2 * FIRST_ROWS + 1]),
+    ):
+        expected = rotary(like, positions[None])
+        got = table(like, positions[None])
+        for a, b in zip(got, expected, strict=True):
+            assert a.dtype == dtype and torch.equal(a, b)
+
+
+def test_frequencies_that_follow_the_length_are_computed_every_call():
+    rotary = _rotary({"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
+    table = RotaryTable(rotary)
+    like = torch.zeros(1, 1, 64)
+    positions = torch.arange(5000, 5003)[None]  # past max_position_embeddings: the frequencies change
+    assert not table.static
+    for a, b in zip(table(like, positions), rotary(like, positions), strict=True):
+        assert torch.equal(a, b)
