@@ -1,6 +1,7 @@
 // The work of a Llama-family decoder layer between its matmuls, one op per step, for bfloat16
-// activations on AVX-512 BF16: RMSNorm (with the residual add before it), rotary (after Qwen3's per-head norms, where given) on the stacked
-// q|k|v projection, attention over the cache, and SiLU gating.
+// activations on AVX-512 BF16 (emulated on AVX2 CPUs by avx512_subset.h): RMSNorm (with the residual
+// add before it), rotary (after Qwen3's per-head norms, where given) on the stacked q|k|v projection,
+// attention over the cache, and SiLU gating.
 //
 // Each op computes in float32 and rounds to bfloat16 where Hugging Face's modules round (RMSNorm
 // rounds the normalized row before the weight, rotary rounds each product and the sum, SiLU rounds
@@ -243,8 +244,9 @@ constexpr int kMaxGroup = 4;       // query heads attended together; a larger gr
 constexpr int kAccumulators = 24;  // registers the weighted sum of values keeps its sums in
 constexpr int kParities = 2;       // sets of sums the visible keys alternate between (hides FMA latency)
 #else
-// AVX2 has 16 registers, two to each 512-bit one: groups of two heads, 4 of those for sums and one set
-// (its 8 chains already hide the latency), or the sums spill to memory and wait on it.
+// AVX2 has 16 registers, two to each 512-bit one: heads attended in groups of two and 4 512-bit
+// registers of value sums in one set (its 8 chains already hide the latency). With more, the sums
+// spilled to memory and each step waited on the last one's store.
 constexpr int kMaxGroup = 2;
 constexpr int kAccumulators = 4;
 constexpr int kParities = 1;
@@ -294,8 +296,8 @@ inline __m256 lane_sums8(const __m256 (&v)[8]) {
   return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20), _mm256_permute2f128_ps(low, high, 0x31));
 }
 
-// key_dots on AVX2: eight keys at a time, each key's products in one 256-bit register (16 of
-// lane_sums' would spill), q's dimensions widened to floats once per call.
+// key_dots on AVX2: eight keys at a time, each key's products in one 256-bit register (16 keys of two
+// registers each spilled), q's dimensions widened to floats once per call.
 template <int kPairs, class LoadPair>
 __m512 key_dots(const __m512bh (&q)[kPairs], const BFloat16* key, int64_t row_stride, int64_t keys_here,
                 LoadPair load_pair) {
