@@ -51,3 +51,12 @@ def test_frequencies_that_follow_the_length_are_computed_every_call():
     assert not table.static
     for a, b in zip(table(like, positions), rotary(like, positions), strict=True):
         assert torch.equal(a, b)
+
+
+def test_other_devices_than_the_cpu_call_the_module():
+    """A lookup reads the positions on the host: on an accelerator (or in a captured CUDA graph) the
+    module computes cos/sin where they are used, and no table is built."""
+    rotary = _rotary({"rope_type": "default", "rope_theta": 10000.0}).to("meta")
+    table = RotaryTable(rotary)
+    cos, sin = table(torch.zeros(1, 1, 64, device="meta"), torch.arange(3, device="meta")[None])
+    assert cos.device.type == sin.device.type == "meta" and cos.shape == (1, 3, 16) and not table._tables

@@ -6,7 +6,9 @@ forward and twice per drafting round.
 For the rope types whose frequencies never change each entry is one product of a position and a
 frequency, then cos / sin, scaling and rounding, all elementwise, so rows computed once for a range of
 positions and indexed are the module's own values bit for bit. Other types (dynamic, longrope:
-frequencies that follow the sequence length) call the module.
+frequencies that follow the sequence length) call the module, and so does every device but the CPU:
+a lookup sizes the table from the positions on the host, which would wait on an accelerator (and cannot
+happen inside the CUDA graph a verification is captured in).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ class RotaryTable:
         self._tables: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __call__(self, like: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.static:
+        if not self.static or like.device.type != "cpu":
             return self.rotary(like, position_ids)
         cos, sin = self._table(like, int(position_ids.max()) + 1)
         return cos[position_ids], sin[position_ids]
