@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from diffdraft.drafters.base import Proposal
+from diffdraft.drafters.base import Proposal, vocab_columns
 from diffdraft.drafters.lookup_boost import LookupBoostedDrafter
 
 
@@ -42,6 +42,32 @@ def test_copied_tokens_get_the_lookup_weight_and_rows_stay_distributions():
     assert math.isclose(probs[1, 1], 0.5 * base[1, 1] + 0.5, rel_tol=1e-5)
     torch.testing.assert_close(probs[0, 3:], 0.5 * base[0, 3:])
     torch.testing.assert_close(probs[2], base[2])  # lookup copied two tokens only: depth 3 untouched
+
+
+class RestrictedDrafter(FixedDrafter):
+    """Scores a draft vocabulary only, as DFlash / DART heads with ``draft_vocab_size`` do."""
+
+    VOCAB = torch.tensor([5, 1, 2, 7])
+
+    def propose(self, token_ids: torch.Tensor, depth: int) -> Proposal:
+        scored = self.log_probs[:depth].clone()
+        return Proposal.restricted(scored, self.VOCAB, 8, vocab_columns(self.VOCAB))
+
+
+@pytest.mark.parametrize(("context", "scored_only"), [([7, 1, 2, 1], True), ([4, 1, 3, 1], False)])
+def test_a_restricted_proposal_is_boosted_as_its_full_rows_would_be(context, scored_only):
+    """A copy of draft-vocabulary tokens is mixed into the scored columns (the rows are never
+    written out); one that leaves the vocabulary ("3") is mixed into the full rows: the same numbers."""
+    log_probs = torch.randn(3, 4, generator=torch.Generator().manual_seed(1)).log_softmax(-1)
+    restricted = LookupBoostedDrafter(RestrictedDrafter(log_probs), weight=0.5)
+    proposal = restricted.propose(torch.tensor(context), 3)
+    full_rows = Proposal.restricted(log_probs.clone(), RestrictedDrafter.VOCAB, 8).log_probs
+    full = LookupBoostedDrafter(FixedDrafter(full_rows), weight=0.5).propose(torch.tensor(context), 3)
+    assert (proposal._log_probs is None) == scored_only
+    torch.testing.assert_close(proposal.log_probs, full.log_probs, rtol=0, atol=0)
+    for k in (1, 3):
+        for ours, theirs in zip(proposal.top(k), full.top(k), strict=True):
+            assert torch.equal(ours, theirs)
 
 
 def test_without_a_match_the_drafter_proposal_is_unchanged():

@@ -75,9 +75,10 @@ def test_a_crop_shortens_and_a_positive_count_is_refused():
         layer.crop(2)
 
 
-def test_a_shared_buffer_reserves_room_in_every_layer_and_extends_them_together():
+def test_a_shared_buffer_reserves_room_extends_and_crops_every_layer_together():
     """An op that writes rows into the buffer in place: ``reserve`` makes room (growing it, rows kept)
-    and says where they go, ``extend`` counts them in every layer; nothing before the first append."""
+    and says where they go, ``extend`` counts them in every layer (``crop`` drops them from every
+    layer); nothing before the first append."""
     cache = growable_cache(tiny_target().config)
     shared = kv_cache.shared_buffer(cache)
     assert shared is not None and shared.reserve(4) is None
@@ -92,6 +93,10 @@ def test_a_shared_buffer_reserves_room_in_every_layer_and_extends_them_together(
         assert layer.get_seq_length() == 7
         assert torch.equal(layer.keys[:, :, :5], torch.full((1, 2, 5, 8), float(index)))
         assert torch.equal(layer.values[:, :, 5:], torch.full((1, 2, 2, 8), 7.0))
+    shared.crop(3)  # every layer at once, as DynamicCache.crop(-3) does layer by layer
+    for index, layer in enumerate(cache.layers):
+        assert layer.get_seq_length() == 4 and layer.keys.shape == (1, 2, 4, 8)
+        assert torch.equal(layer.values, torch.full((1, 2, 4, 8), -float(index)))
     assert kv_cache.shared_buffer(growable_cache(tiny_target().config, shared=False)) is None
 
 

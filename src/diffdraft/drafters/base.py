@@ -8,7 +8,7 @@ The engine never learns a drafter's name. It tells the drafter which target laye
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -44,18 +44,40 @@ class Proposal:
         self._scored: torch.Tensor | None = None
         self._vocab: torch.Tensor | None = None
         self._vocab_size = 0
+        self._columns: Mapping[int, int] | None = None
 
     @classmethod
-    def restricted(cls, scored: torch.Tensor, vocab: torch.Tensor | None, vocab_size: int) -> Proposal:
+    def restricted(
+        cls,
+        scored: torch.Tensor,
+        vocab: torch.Tensor | None,
+        vocab_size: int,
+        columns: Mapping[int, int] | None = None,
+    ) -> Proposal:
         """A proposal over token ids ``vocab`` only: ``scored`` [depth, len(vocab)] are
         their log-probabilities, and every other of the ``vocab_size`` tokens has probability 0.
         ``vocab`` None (a drafter without a draft vocabulary): ``scored`` [depth, vocab_size] score
-        every token, and they are the proposal's ``log_probs``."""
+        every token, and they are the proposal's ``log_probs``. ``columns``: each of ``vocab``'s ids'
+        column (the drafter's, built once), which lets :meth:`scores_of` find tokens without
+        writing out whole rows."""
         if vocab is None:
             return cls(log_probs=scored)
         proposal = cls()
         proposal._scored, proposal._vocab, proposal._vocab_size = scored, vocab, vocab_size
+        proposal._columns = columns
         return proposal
+
+    def scores_of(self, token_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, columns): the proposal's log-probabilities [depth, width] to change in place, and
+        where each of ``token_ids`` is in them, a [len(token_ids)] index. The scored columns alone where
+        they hold every one of those tokens (and :meth:`restricted` was given their columns), else
+        the whole [depth, V] :attr:`log_probs`, written out."""
+        if self._log_probs is None and self._columns is not None:
+            columns = [self._columns.get(token, -1) for token in token_ids]
+            if min(columns, default=0) >= 0:
+                return self._scored, torch.tensor(columns, device=self._scored.device)
+        rows = self.log_probs
+        return rows, torch.tensor(list(token_ids), device=rows.device)
 
     @property
     def log_probs(self) -> torch.Tensor | None:
@@ -89,6 +111,12 @@ class Proposal:
         source = self._log_probs if self._log_probs is not None else self._scored
         source = source if source is not None else self.tokens
         return 0 if source is None else int(source.shape[0])
+
+
+def vocab_columns(vocab: torch.Tensor | None) -> dict[int, int] | None:
+    """Each token id of a draft vocabulary -> its column in the drafter's scores (for
+    :meth:`Proposal.restricted`; built once per drafter); None without a draft vocabulary."""
+    return None if vocab is None else {token: column for column, token in enumerate(vocab.tolist())}
 
 
 @runtime_checkable

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from diffdraft.drafters.base import ForksByCopy, Proposal
+from diffdraft.drafters.base import ForksByCopy, Proposal, vocab_columns
 from diffdraft.drafters.compatibility import check_fits_target
 from diffdraft.drafters.dart_model import DARTDraftModel
 from diffdraft.kernels.packed_linear import has_packed_layers, pack_linear_layers
@@ -31,6 +31,7 @@ class DARTDrafter(ForksByCopy):
         self.max_depth = model.max_depth
         self._device = target.device
         self._draft_vocab = model.draft_vocab if model.d2t.shape[0] < target.vocab_size else None
+        self._vocab_columns = vocab_columns(self._draft_vocab)
         self.reset()
 
     def reset(self) -> None:
@@ -68,7 +69,7 @@ class DARTDrafter(ForksByCopy):
         )
         log_probs = model.logits(hidden[0]).float().log_softmax(-1)
         # tokens outside the draft vocabulary (if any) get probability 0
-        return Proposal.restricted(log_probs, self._draft_vocab, self.vocab_size)
+        return Proposal.restricted(log_probs, self._draft_vocab, self.vocab_size, self._vocab_columns)
 
     def _add_prefix_rows(self, token_ids: torch.Tensor) -> None:
         """Turn the waiting taps (positions ``root - n .. root - 1``) into cached prefix rows."""

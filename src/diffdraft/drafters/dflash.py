@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from diffdraft.drafters.base import ForksByCopy, Proposal
+from diffdraft.drafters.base import ForksByCopy, Proposal, vocab_columns
 from diffdraft.drafters.compatibility import check_fits_target
 from diffdraft.drafters.dflash_model import DFLASH, DFlashDraftModel, draft_head
 from diffdraft.drafters.draft_context import DraftContext
@@ -43,6 +43,7 @@ class DFlashDrafter(ForksByCopy):
         self._fused = FusedDraftLayers.build(self.model)
         self._rope = RotaryTable(self.model.rotary_emb)  # for the fused forward (the module has its own)
         self.vocab_size = target.vocab_size
+        self._vocab_columns = vocab_columns(self.model.draft_vocab)
         self.target_layer_ids = list(model.target_layer_ids)
         self.max_depth = model.block_size - 1
         self._device = target.device
@@ -62,10 +63,14 @@ class DFlashDrafter(ForksByCopy):
     def _projected_context(self) -> DraftContext:
         """The context keys/values of every draft layer, the pending states projected first."""
         if self._pending:
-            hidden = torch.cat([states for states, _ in self._pending])
-            positions = torch.cat(
-                [torch.arange(start, start + states.shape[0]) for states, start in self._pending]
-            ).to(self._device)[None]
+            if len(self._pending) == 1:  # one round's commit (the usual case): no copies
+                [(hidden, start)] = self._pending
+                positions = torch.arange(start, start + hidden.shape[0], device=self._device)[None]
+            else:
+                hidden = torch.cat([states for states, _ in self._pending])
+                positions = torch.cat(
+                    [torch.arange(start, start + states.shape[0]) for states, start in self._pending]
+                ).to(self._device)[None]
             if self._fused is None:
                 new = self.model.context_kv(hidden[None], positions)
             else:
@@ -78,8 +83,8 @@ class DFlashDrafter(ForksByCopy):
 
     @torch.inference_mode()
     def propose(self, token_ids: torch.Tensor, depth: int) -> Proposal:
-        root = token_ids[-1:].to(self._device)
-        block = torch.cat([root, torch.full((depth,), self.model.mask_token_id, device=self._device)])
+        block = torch.full((depth + 1,), self.model.mask_token_id, device=self._device)
+        block[0] = token_ids[-1]  # the root, copied on the device (int() would wait for a GPU)
         start = token_ids.shape[0] - 1
         positions = torch.arange(start, start + depth + 1, device=self._device)[None]
         context = self._projected_context()
@@ -149,7 +154,7 @@ class DFlashDrafter(ForksByCopy):
     def _proposal(self, log_probs: torch.Tensor) -> Proposal:
         """The proposal of drafted rows ``log_probs`` [depth, draft vocabulary]: tokens outside the
         draft vocabulary get probability 0."""
-        return Proposal.restricted(log_probs, self.model.draft_vocab, self.vocab_size)
+        return Proposal.restricted(log_probs, self.model.draft_vocab, self.vocab_size, self._vocab_columns)
 
 
 def _drafting_head(lm_head: nn.Module, draft_vocab: torch.Tensor | None, laid_out: bool) -> nn.Module:

@@ -135,16 +135,19 @@ class LookupBoostedDrafter:
         self._last_copy = (len(ids) - 1, ngram, follow)
         if not follow:
             return proposal
-        mixed = proposal.log_probs  # the inner drafter's fresh tensor: mixed in place
-        beyond = len(follow) - mixed.shape[0]
+        beyond = len(follow) - proposal.depth
         if beyond > 0:  # past the drafter's block only the copy speaks; q is uniform there
+            mixed = proposal.log_probs
             vocab = mixed.shape[1]
             mixed = torch.cat([mixed, mixed.new_full((beyond, vocab), -math.log(vocab))])
+            proposal, copied = Proposal(log_probs=mixed), torch.tensor(follow, device=mixed.device)
+        else:  # the inner drafter's fresh scores, mixed in place (its draft vocabulary's columns where
+            # they hold the copy: rows a third as wide as the whole vocabulary's, never written out)
+            mixed, copied = proposal.scores_of(follow)
         copy_rows = mixed[: len(follow)]
         weight = torch.from_numpy(self.weights(ngram, len(follow))).to(mixed.device)
         # log((1 - w) q + w * onehot) without leaving log space for the untouched entries
         copy_rows += torch.log1p(-weight).to(mixed.dtype)[:, None]
         rows = torch.arange(len(follow), device=mixed.device)
-        copied = torch.tensor(follow, device=mixed.device)
         copy_rows[rows, copied] = torch.logaddexp(copy_rows[rows, copied], weight.log().to(mixed.dtype))
-        return Proposal(log_probs=mixed)
+        return proposal

@@ -59,11 +59,18 @@ class SharedBuffer:
         return held
 
     def extend(self, rows: int) -> None:
-        """Count ``rows`` more rows in every layer: the rows :meth:`reserve` made room for, written. The
-        layers' views come from one slice of the buffer each for keys and values, unbound: a view
-        made per layer costs several times as much, per sequence and forward."""
+        """Count ``rows`` more rows in every layer: the rows :meth:`reserve` made room for, written."""
         layers = self.layers
-        length = layers[0].get_seq_length() + rows
+        self._set_length(layers, layers[0].get_seq_length() + rows)
+
+    def crop(self, rows: int) -> None:
+        """Drop every layer's last ``rows`` rows (what ``DynamicCache.crop(-rows)`` does, in one go)."""
+        layers = self.layers
+        self._set_length(layers, max(0, layers[0].get_seq_length() - rows))
+
+    def _set_length(self, layers: list[GrowableLayer], length: int) -> None:
+        """Every layer's views of its first ``length`` rows, from one slice of the buffer each for keys
+        and values, unbound: a view made per layer costs several times as much, per sequence and round."""
         keys = self.tensor[:, 0, ..., :length, :].unbind(0)
         values = self.tensor[:, 1, ..., :length, :].unbind(0)
         for layer, layer_keys, layer_values in zip(layers, keys, values, strict=True):

@@ -16,7 +16,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from diffdraft.errors import IncompatibleDrafterError, InvalidRequestError, UnsupportedModelError
 from diffdraft.kernels.graphed_verify import GraphedVerify
-from diffdraft.kernels.kv_cache import growable_cache, keep_rows
+from diffdraft.kernels.kv_cache import growable_cache, keep_rows, shared_buffer
 from diffdraft.kernels.lean_forward import LeanForward
 from diffdraft.kernels.segment import Segment
 
@@ -204,11 +204,9 @@ class TargetModel:
     def attention_mask(self, cache: DynamicCache, tree_mask: torch.Tensor) -> torch.Tensor:
         """The additive 4D mask for :meth:`verify`: every node sees the whole cached context, and
         the tree nodes ``tree_mask`` [n, n] allows (its ancestors and itself)."""
-        past = cache.get_seq_length()
-        context = torch.ones(tree_mask.shape[0], past, dtype=torch.bool, device=self.device)
-        visible = torch.cat([context, tree_mask.to(self.device)], dim=1)
-        mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
-        mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
+        past, nodes = cache.get_seq_length(), tree_mask.shape[0]
+        mask = torch.zeros((nodes, past + nodes), dtype=self.dtype, device=self.device)
+        mask[:, past:].masked_fill_(~tree_mask.to(self.device), torch.finfo(self.dtype).min)
         return mask[None, None]
 
     @torch.inference_mode()
@@ -279,11 +277,15 @@ class TargetModel:
         cropped. A path that is already a prefix (every chain) needs the crop only.
         """
         keep = len(path)
-        if path != list(range(keep)):
+        if keep and path[-1] != keep - 1:  # rising indices from 0: a prefix when the last is keep - 1
             keep_rows(cache, start, path)
         excess = cache.get_seq_length() - (start + keep)
         if excess > 0:
-            cache.crop(-excess)
+            shared = shared_buffer(cache)
+            if shared is not None and shared.tensor is not None:
+                shared.crop(excess)
+            else:
+                cache.crop(-excess)
 
 
 def _as_batch(token_ids: torch.Tensor) -> torch.Tensor:

@@ -302,6 +302,7 @@ AVX2_INLINE i32x16 permutexvar_epi16(i32x16 index, i32x16 a) {
 // The lanes a mask names, packed to the front in order; the rest zero.
 template <class Array, class V>
 AVX2_INLINE V compress(uint32_t mask, V a) {
+  if ((mask & 0xFFFF) == 0xFFFF) return a;  // every lane kept (the common case): nothing moves
   const Array values(a);
   Array out{};
   int kept = 0;
