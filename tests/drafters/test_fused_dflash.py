@@ -9,6 +9,7 @@ import torch
 from diffdraft.drafters.dflash import DFlashDrafter
 from diffdraft.drafters.dflash_model import DFLARE, DFLASH
 from diffdraft.kernels.fused_projections import fuse_projections
+from diffdraft.kernels.quantized.block_linear import BlockQuantizedLinear
 from diffdraft.target.model import TargetModel
 
 from conftest import needs_block_kernel, q4_1_target, tiny_drafter
@@ -49,6 +50,8 @@ def test_fused_proposals_are_the_module_forwards(variant, draft_vocab):
         torch.testing.assert_close(probs[0], probs[1], rtol=0, atol=0.02)
         assert torch.equal(proposals[0].isinf(), proposals[1].isinf())  # the same draft vocabulary
     assert fused._context.length == eager._context.length == committed
+    block_layers = [m for m in fused.model.modules() if isinstance(m, BlockQuantizedLinear)]
+    assert block_layers and not any(m._dense for m in block_layers)  # 300 rows stayed on the kernel
 
 
 def test_forks_draft_from_contexts_of_their_own():

@@ -22,7 +22,12 @@ from diffdraft.drafters.fused_dflash import FusedDraftLayers
 from diffdraft.errors import IncompatibleDrafterError
 from diffdraft.kernels.fused_projections import fuse_projections
 from diffdraft.kernels.packed_linear import has_packed_layers, pack_linear, pack_linear_layers
-from diffdraft.kernels.quantized.block_linear import BlockQuantizedLinear, q8_linear, runs_int8_kernel
+from diffdraft.kernels.quantized.block_linear import (
+    BlockQuantizedLinear,
+    kernel_rows_only,
+    q8_linear,
+    runs_int8_kernel,
+)
 from diffdraft.kernels.rotary_table import RotaryTable
 from diffdraft.target.model import TargetModel
 
@@ -57,11 +62,15 @@ class DFlashDrafter(ForksByCopy):
     def extend_context(self, hidden: torch.Tensor | None, start: int) -> None:
         """Keep the committed tokens' states; they are projected when this sequence next drafts, all
         at once, so a round that does not draft (budget 0) costs the drafter nothing."""
-        self._pending = [*self._pending, (hidden, start)]
+        self._pending.append((hidden, start))  # reset rebinds the list: a fork never shares it
 
     @torch.inference_mode()
+    @kernel_rows_only()
     def _projected_context(self) -> DraftContext:
-        """The context keys/values of every draft layer, the pending states projected first."""
+        """The context keys/values of every draft layer, the pending states projected first. Block
+        layers stay on their kernel however many states are pending (a prompt's, or those of many
+        rounds without drafting): a dense copy computes other numbers than later rounds' kernel, and
+        on a CPU without bfloat16 matmuls (AVX2) takes nine times as long for a prompt."""
         if self._pending:
             if len(self._pending) == 1:  # one round's commit (the usual case): no copies
                 [(hidden, start)] = self._pending

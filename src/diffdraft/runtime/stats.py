@@ -73,6 +73,9 @@ class GenerationStats:
     """The drafter's promised acceptance per budget on each of the auto budget's refresh rounds: the
     sequence's own prior while it runs, and what the planner learns from once it finished (a planner
     input, so not in :meth:`to_dict`)."""
+    fruitless_explorations: int = 0
+    """In a batch, the explorations since this sequence last drafted of its own accord: each doubles
+    the round planner's interval to its next one (a planner input, so not in :meth:`to_dict`)."""
     tau_estimate: TauEstimate | None = None
     """The round planner's expected acceptance length per budget for this sequence (re-estimated
     every few drafted rounds: a planner input, so not in :meth:`to_dict`)."""
