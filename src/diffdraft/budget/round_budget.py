@@ -171,13 +171,11 @@ class RoundBudgetPlanner:
     sequence exploring at that interval cost the batch a visible share of its throughput). In a
     batch each exploration after which the sequence still did not draft of its own accord doubles
     its interval, up to ``2 ** explore_backoff`` times, and its next voluntary drafting round resets
-    it: where drafting never pays the forced trees are what the batch pays for nothing (at batch 2 on
-    a 2-core Zen 3, 25 exploring rounds of 842 made the forwards 9% slower on average than plain
-    decoding's). Alone, a
-    drafting round costs about what it gains even where drafting does not pay, and a sequence that
-    stopped drafting on a hard stretch of text must notice soon that drafting pays again (at a
-    32-round interval some sequences went on drafting in most of their rounds; figures:
-    benchmarks/README.md, 'Measurements behind the code').
+    it: where drafting does not pay (under load on a small CPU), the whole batch waits for each
+    forced tree and gains little from it. Alone, a drafting round costs about what it gains even
+    where drafting does not pay, and a sequence that stopped drafting on a hard stretch of text must
+    notice soon that drafting pays again (at a 32-round interval some sequences went on drafting in
+    most of their rounds; figures: benchmarks/README.md, 'Measurements behind the code').
 
     A sequence's acceptance estimate is refreshed after ``refresh`` drafted rounds, after any drafted
     round once it stopped drafting (an exploration is news), with each new surrogate and when a
