@@ -72,14 +72,10 @@ class DFlashDrafter(ForksByCopy):
         rounds without drafting): a dense copy computes other numbers than later rounds' kernel, and
         on a CPU without bfloat16 matmuls (AVX2) takes nine times as long for a prompt."""
         if self._pending:
-            if len(self._pending) == 1:  # one round's commit (the usual case): no copies
-                [(hidden, start)] = self._pending
-                positions = torch.arange(start, start + hidden.shape[0], device=self._device)[None]
-            else:
-                hidden = torch.cat([states for states, _ in self._pending])
-                positions = torch.cat(
-                    [torch.arange(start, start + states.shape[0]) for states, start in self._pending]
-                ).to(self._device)[None]
+            states = [hidden for hidden, _ in self._pending]
+            hidden = states[0] if len(states) == 1 else torch.cat(states)  # one round's commit: no copy
+            spans = [range(start, start + rows.shape[0]) for rows, start in self._pending]
+            positions = torch.tensor([p for span in spans for p in span], device=self._device)[None]
             if self._fused is None:
                 new = self.model.context_kv(hidden[None], positions)
             else:

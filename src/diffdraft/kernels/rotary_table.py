@@ -28,7 +28,8 @@ class RotaryTable:
     def __init__(self, rotary: nn.Module) -> None:
         self.rotary = rotary
         self.static = getattr(rotary, "rope_type", None) in STATIC_ROPE_TYPES
-        self._tables: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        """Per dtype, the CPU's table (other devices call the module)."""
 
     def __call__(self, like: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.static or like.device.type != "cpu":
@@ -37,11 +38,10 @@ class RotaryTable:
         return cos[position_ids], sin[position_ids]
 
     def _table(self, like: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (like.dtype, like.device)
-        table = self._tables.get(key)
+        table = self._tables.get(like.dtype)
         if table is None or table[0].shape[0] < rows:
             size = max(rows, FIRST_ROWS, 2 * table[0].shape[0] if table is not None else 0)
             positions = torch.arange(size, device=like.device)[None]
             cos, sin = self.rotary(like, positions)
-            table = self._tables[key] = (cos[0], sin[0])
+            table = self._tables[like.dtype] = (cos[0], sin[0])
         return table

@@ -282,7 +282,7 @@ class TargetModel:
         excess = cache.get_seq_length() - (start + keep)
         if excess > 0:
             shared = shared_buffer(cache)
-            if shared is not None and shared.tensor is not None:
+            if shared is not None:  # rows to drop: its buffer exists
                 shared.crop(excess)
             else:
                 cache.crop(-excess)
