@@ -8,7 +8,8 @@
 // instructions' but for denormal inputs to the bfloat16 ones (the hardware reads them as zero) and
 // for _mm512_scalef_ps outside the exponents [-252, 254]. The sources name a few operations that are
 // no single intrinsic: as_bf16_pairs (a cast) and VPDPBUSD over narrower bytes (nibble_* chains and
-// dpbusd_offset128_*), which the emulation does in fewer instructions.
+// dpbusd_offset128_*), which the emulation does in fewer instructions; and, in either build, the
+// widening of bfloat16 to float32 every kernel does (bf16_to_ps, bf16_even_ps, bf16_odd_ps).
 #pragma once
 
 #include <immintrin.h>
@@ -362,12 +363,17 @@ AVX2_INLINE i32x16 dpbusd_offset128_epi32(i32x16 src, i32x16 a, i32x16 b) {
 }
 AVX2_INLINE int32_t dpbusd_offset128_start(int32_t) { return 0; }
 
+// Eight bfloat16 pairs as float32: each pair's even element (its low word) and its odd one. A
+// bfloat16 is the high half of the float32 of the same bits, so each is one shift or one mask.
+AVX2_INLINE __m256 bf16_even_half(__m256i pairs) { return _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16)); }
+AVX2_INLINE __m256 bf16_odd_half(__m256i pairs) {
+  return _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+}
+
 // Per float lane, src + a_odd * b_odd + a_even * b_even over bfloat16 pairs (each product exact).
 AVX2_INLINE __m256 dpbf16_half(__m256 src, __m256i a, __m256i b) {
-  const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
-  const __m256 odd = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(a, high)),
-                                     _mm256_castsi256_ps(_mm256_and_si256(b, high)), src);
-  return _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(a, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(b, 16)), odd);
+  const __m256 odd = _mm256_fmadd_ps(bf16_odd_half(a), bf16_odd_half(b), src);
+  return _mm256_fmadd_ps(bf16_even_half(a), bf16_even_half(b), odd);
 }
 AVX2_INLINE f32x16 dpbf16_ps(f32x16 src, i32x16 a, i32x16 b) {
   return {dpbf16_half(src.lo, a.lo, b.lo), dpbf16_half(src.hi, a.hi, b.hi)};
@@ -515,3 +521,13 @@ using avx512_on_avx2::dpbusd_offset128_start;
 #define _mm512_dpbf16_ps AVX512_ON_AVX2(dpbf16_ps)
 
 #endif
+
+// ---- bfloat16 as float32, in either build ----
+// 16 bfloat16 widened to float32 (exact: a bfloat16 is the high half of the float32 of the same bits).
+inline __m512 bf16_to_ps(__m256i bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)); }
+// 32 bfloat16 read as 16 pairs: each pair's even element (its low word), and its odd one, as float32,
+// without the lane-crossing of a widening.
+inline __m512 bf16_even_ps(__m512i pairs) { return _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)); }
+inline __m512 bf16_odd_ps(__m512i pairs) {
+  return _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+}

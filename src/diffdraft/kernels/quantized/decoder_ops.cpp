@@ -42,9 +42,8 @@ inline __mmask16 lanes_below(int64_t count) {
 
 // Masked loads and stores are slow on Zen 4: only a row's last, partial register takes them.
 inline __m512 load(const BFloat16* p, __mmask16 lanes) {
-  const __m256i bits = lanes == 0xFFFF ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
-                                       : _mm256_maskz_loadu_epi16(lanes, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  return bf16_to_ps(lanes == 0xFFFF ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                                    : _mm256_maskz_loadu_epi16(lanes, p));
 }
 
 // Round to nearest even as c10::BFloat16 does (NaN to its quiet NaN); the bf16 in each lane's low half.
@@ -301,15 +300,13 @@ inline __m256 lane_sums8(const __m256 (&v)[8]) {
 template <int kPairs, class LoadPair>
 __m512 key_dots(const __m512bh (&q)[kPairs], const BFloat16* key, int64_t row_stride, int64_t keys_here,
                 LoadPair load_pair) {
-  const __m256i high_word = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
-  auto odd = [&](__m256i v) { return _mm256_castsi256_ps(_mm256_and_si256(v, high_word)); };
-  auto even = [&](__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); };
+  using avx512_on_avx2::bf16_even_half, avx512_on_avx2::bf16_odd_half;
   __m256 query[kPairs][2][2];  // [pair][half][odd, even dimensions]
   for (int c = 0; c < kPairs; ++c) {
     for (int h = 0; h < 2; ++h) {
       const __m256i v = h ? q[c].hi : q[c].lo;
-      query[c][h][0] = odd(v);
-      query[c][h][1] = even(v);
+      query[c][h][0] = bf16_odd_half(v);
+      query[c][h][1] = bf16_even_half(v);
     }
   }
   __m256 sums[2];
@@ -323,8 +320,8 @@ __m512 key_dots(const __m512bh (&q)[kPairs], const BFloat16* key, int64_t row_st
         const __m512i pair = load_pair(key + (8 * half + t) * row_stride + 32 * c, c);
         for (int h = 0; h < 2; ++h) {
           const __m256i v = h ? pair.hi : pair.lo;
-          dots[t] = _mm256_fmadd_ps(query[c][h][0], odd(v), dots[t]);
-          dots[t] = _mm256_fmadd_ps(query[c][h][1], even(v), dots[t]);
+          dots[t] = _mm256_fmadd_ps(query[c][h][0], bf16_odd_half(v), dots[t]);
+          dots[t] = _mm256_fmadd_ps(query[c][h][1], bf16_even_half(v), dots[t]);
         }
       }
     }
@@ -413,8 +410,7 @@ void attend_group(const BFloat16* query, const Cached& keys, const Cached& value
       for (int g = 0; g < kGroup; ++g) weight[g] = _mm512_set1_ps(scores[g * stride + i]);
       for (int s = 0; s < kStep && first + s < kPairs; ++s) {
         const __m512i pair = load_pair(value + 32 * (first + s), first + s);
-        const __m512 low = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
-        const __m512 high = _mm512_castsi512_ps(_mm512_and_si512(pair, _mm512_set1_epi32(0xFFFF0000)));
+        const __m512 low = bf16_even_ps(pair), high = bf16_odd_ps(pair);
         for (int g = 0; g < kGroup; ++g) {
           even[parity][g][s] = _mm512_fmadd_ps(weight[g], low, even[parity][g][s]);
           odd[parity][g][s] = _mm512_fmadd_ps(weight[g], high, odd[parity][g][s]);

@@ -32,7 +32,7 @@ INT8_SOURCE = Path(__file__).with_name("int8_matmul.cpp")
 DECODER_SOURCE = Path(__file__).with_name("decoder_ops.cpp")
 ARGMAX_SOURCE = Path(__file__).with_name("row_argmax.cpp")
 TOPK_SOURCE = Path(__file__).with_name("row_topk.cpp")
-COMMON_FLAGS = ["-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp"]
+COMMON_FLAGS = ["-O3", "-std=c++20", "-fPIC", "-fopenmp"]
 ISA_FLAGS = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma"],
     "avx2": ["-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-Wno-psabi"],
@@ -135,7 +135,8 @@ def _compile(library: Path) -> None:
             for job in compiled:
                 job.result()
         built = tmp / library.name
-        _run([compiler, *cflags, *map(str, objects), *libraries, "-lc10", "-ltorch_cpu", "-o", str(built)])
+        linked = [*map(str, objects), *libraries, "-lc10", "-ltorch_cpu"]
+        _run([compiler, *cflags, "-shared", *linked, "-o", str(built)])
         os.replace(built, library)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

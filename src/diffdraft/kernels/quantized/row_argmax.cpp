@@ -31,9 +31,8 @@ inline __m512 load(const float* p, __mmask16 lanes) {
 }
 
 inline __m512 load(const BFloat16* p, __mmask16 lanes) {
-  const __m256i bits = lanes == 0xFFFF ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
-                                       : _mm256_maskz_loadu_epi16(lanes, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  return bf16_to_ps(lanes == 0xFFFF ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                                    : _mm256_maskz_loadu_epi16(lanes, p));
 }
 
 template <typename T>
