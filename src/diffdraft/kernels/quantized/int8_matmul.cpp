@@ -120,8 +120,9 @@ inline __m512i four_codes(const int8_t* codes) {
 
 // A decoding forward streams every weight from memory once, in layout order, a few hundred KB a call:
 // the hardware prefetchers alone left the 1-row matmuls of SmolLM2's Q4_1 layers at ~14 GB/s on a Zen 3.
-// Asking for the block kPrefetchBytes ahead took a whole forward's matmuls 7-15% faster at 1-9 rows
-// (benchmarks/README.md, 'Measurements behind the code'); a prefetch past the end never faults.
+// Asking for the block kPrefetchBytes ahead took a forward's layer matmuls 6-11% faster at 1-9 rows
+// and the whole forward 4-6% (benchmarks/README.md, 'Measurements behind the code'); a prefetch past
+// a weight's end never faults.
 constexpr int64_t kPrefetchBytes = 2048;
 template <class F>
 inline void prefetch_ahead(const uint8_t* block) {
