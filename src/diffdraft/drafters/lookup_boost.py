@@ -137,13 +137,12 @@ class LookupBoostedDrafter:
             return proposal
         beyond = len(follow) - proposal.depth
         if beyond > 0:  # past the drafter's block only the copy speaks; q is uniform there
-            mixed = proposal.log_probs
-            vocab = mixed.shape[1]
-            mixed = torch.cat([mixed, mixed.new_full((beyond, vocab), -math.log(vocab))])
-            proposal, copied = Proposal(log_probs=mixed), torch.tensor(follow, device=mixed.device)
-        else:  # the inner drafter's fresh scores, mixed in place (its draft vocabulary's columns where
-            # they hold the copy: rows a third as wide as the whole vocabulary's, never written out)
-            mixed, copied = proposal.scores_of(follow)
+            drafted = proposal.log_probs
+            uniform = drafted.new_full((beyond, drafted.shape[1]), -math.log(drafted.shape[1]))
+            proposal = Proposal(log_probs=torch.cat([drafted, uniform]))
+        # the scores, mixed in place: the inner drafter's fresh ones (its draft vocabulary's columns
+        # where they hold the copy: rows a third as wide as the whole vocabulary's, never written out)
+        mixed, copied = proposal.scores_of(follow)
         copy_rows = mixed[: len(follow)]
         weight = torch.from_numpy(self.weights(ngram, len(follow))).to(mixed.device)
         # log((1 - w) q + w * onehot) without leaving log space for the untouched entries
