@@ -22,9 +22,10 @@ from diffdraft.train.trainer import METRICS_FILE, latest_checkpoint
 
 SKIPPED_STEPS = 3
 """Probe steps left out of the rate: the first ones pay CUDA's warm-up (kernel choice, allocator)."""
-SAFETY = 0.9
+SAFETY = 0.8
 """Scheduled steps are this share of what the probe's rate allows, so the cosine schedule ends (the
-learning rate near zero) before ``--max-minutes`` would cut the run mid-schedule."""
+learning rate near zero) before ``--max-minutes`` would cut the run mid-schedule: on a lent H100 the
+run's own rate, checkpoints and exports included, was 0.83x the probe's (138 vs 167 K tokens/s)."""
 
 
 def convert(gguf: Path, out: Path) -> None:

@@ -4,7 +4,8 @@
 # parts; the last rebuilds and checks the files, installs the wheels, and continues the shipped
 # DFlare drafter on the packed data for LEASE_MINUTES, bringing back under $OUT: the trained drafter
 # (bf16, refreshed from the checkpoints as they land), metrics.jsonl, held-out evals of the shipped
-# and the new drafter, summary.json (tokens/s, the comparison) and log.txt.
+# and the new drafter, summary.json (tokens/s, the comparison) and log.txt. figures.sh, the call
+# after it, measures issue 31's inference figures with the wheels this call installed.
 #
 # Knobs (environment): LEASE_MINUTES (training wall time, default 5), LEASE_BATCH (sequences per
 # step, 64), LEASE_MICRO (per forward, 64), LEASE_LR (peak, 6e-4), LEASE_SEED (8), LEASE_INIT

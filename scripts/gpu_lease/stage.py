@@ -31,8 +31,9 @@ BIG_FILE = MIB
 DRAFTER_WEIGHTS = Path("src/diffdraft/default_drafter/model.safetensors")
 # names on the device; device.sh reads these
 DRAFTER_NAME, DATA_NAME, TARGET_NAME = "default-drafter.safetensors", "train.safetensors", "target.gguf"
-WHEELS = ("transformers", "gguf")
-"""Wheels the device lacks (it has torch): their dependencies are on the device image already."""
+WHEELS = ("transformers", "gguf", "dflash")
+"""Wheels the device lacks (it has torch): their dependencies are on the device image already; dflash
+is the official package the synthetic round benchmark times beside ours."""
 UNTRACKED_RECORD = Path(".git") / "diffdraft-lease-untracked.txt"
 EXCLUDE = Path(".git") / "info" / "exclude"
 EXCLUDE_BEGIN = "# >>> diffdraft gpu lease: untracked while staging (stage.py --restore removes this)"
@@ -122,7 +123,8 @@ def _installed_version(name: str) -> str:
 
 
 def run_calls(folders: list[Path], minutes: float) -> list[str]:
-    """The `run` tool calls, one per folder; the last trains and evaluates."""
+    """The `run` tool calls, one per folder, the last of them training and evaluating; then one
+    carrying nothing that measures the GPU figures (figures.sh)."""
     lines = []
     for number, folder in enumerate(folders, start=1):
         last = number == len(folders)
@@ -131,6 +133,7 @@ def run_calls(folders: list[Path], minutes: float) -> list[str]:
             command = f"LEASE_MINUTES={minutes:g} {command}"
         timeout = 600 if last else 180
         lines.append(f'run(command="{command}", carry=["{folder.relative_to(REPO)}"], timeout_s={timeout})')
+    lines.append('run(command="bash scripts/gpu_lease/figures.sh", timeout_s=420)')
     return lines
 
 

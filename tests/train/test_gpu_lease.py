@@ -101,7 +101,7 @@ def test_shrink_tree_untracks_big_files_and_restore_puts_the_index_back(lease, t
     assert stage.restore_tree(repo) == []
 
 
-def test_the_printed_calls_carry_one_folder_each_and_the_last_trains(lease):
+def test_the_printed_calls_carry_one_folder_each_the_last_trains_and_figures_follow(lease):
     stage = lease["stage"]
     folders = [stage.REPO / ".gpu_lease" / f"call-{k}" for k in (1, 2, 3)]
     lines = stage.run_calls(folders, 5)
@@ -111,15 +111,16 @@ def test_the_printed_calls_carry_one_folder_each_and_the_last_trains(lease):
     )
     assert lines[2].startswith('run(command="LEASE_MINUTES=5 bash scripts/gpu_lease/device.sh 3"')
     assert lines[2].endswith("timeout_s=600)")
+    assert lines[3] == 'run(command="bash scripts/gpu_lease/figures.sh", timeout_s=420)'
 
 
 def test_wheels_must_be_there_once_each(lease, tmp_path):
     stage = lease["stage"]
     with pytest.raises(SystemExit, match="no wheel of transformers"):
         stage.find_wheels(tmp_path)
-    for name in ("transformers-5.24.0-py3-none-any.whl", "gguf-0.19.0-py3-none-any.whl"):
-        (tmp_path / name).write_bytes(b"")
-    assert [w.name.split("-")[0] for w in stage.find_wheels(tmp_path)] == ["transformers", "gguf"]
+    for name in ("transformers-5.24.0", "gguf-0.19.0", "dflash-0.1.0"):
+        (tmp_path / f"{name}-py3-none-any.whl").write_bytes(b"")
+    assert [w.name.split("-")[0] for w in stage.find_wheels(tmp_path)] == ["transformers", "gguf", "dflash"]
     (tmp_path / "gguf-0.18.0-py3-none-any.whl").write_bytes(b"")
     with pytest.raises(SystemExit, match="2 wheels"):
         stage.find_wheels(tmp_path)

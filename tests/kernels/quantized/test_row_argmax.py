@@ -38,3 +38,16 @@ def test_leading_dimensions_are_kept_and_other_dtypes_fall_back_to_torch():
     assert torch.equal(greedy_rows(logits.double()), greedy_tokens(logits.double()))
     strided = logits.transpose(1, 2)  # not contiguous: copied first
     assert torch.equal(greedy_rows(strided), greedy_tokens(strided))
+
+
+def test_rows_off_the_cpu_never_ask_for_the_cpu_kernel(monkeypatch):
+    """Asking compiles the CPU library (seconds to minutes of a lent GPU's time, for nothing)."""
+    import diffdraft.kernels.quantized.row_argmax as row_argmax
+
+    def no_kernel():
+        raise AssertionError("the CPU kernel was asked for")
+
+    monkeypatch.setattr(row_argmax, "_kernel", no_kernel)
+    logits = torch.zeros(3, 7, device="meta")
+    assert greedy_rows(logits).shape == (3,)
+    assert greedy_rows(torch.zeros(3, 7, dtype=torch.float64)).tolist() == [0, 0, 0]

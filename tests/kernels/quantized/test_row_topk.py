@@ -67,3 +67,16 @@ def test_other_dtypes_larger_k_and_strided_rows_fall_back_to_or_match_torch():
         values, indices = top_rows(case, k)
         expected = case.topk(k, dim=-1)
         assert torch.equal(values, expected.values) and torch.equal(indices, expected.indices)
+
+
+def test_rows_off_the_cpu_never_ask_for_the_cpu_kernel(monkeypatch):
+    """Asking compiles the CPU library (seconds to minutes of a lent GPU's time, for nothing)."""
+    import diffdraft.kernels.quantized.row_topk as row_topk
+
+    def no_kernel():
+        raise AssertionError("the CPU kernel was asked for")
+
+    monkeypatch.setattr(row_topk, "_kernel", no_kernel)
+    values, indices = top_rows(torch.zeros(3, 7, device="meta"), 2)
+    assert values.shape == indices.shape == (3, 2)
+    assert top_rows(torch.arange(7.0, dtype=torch.float64), 2)[1].tolist() == [6, 5]

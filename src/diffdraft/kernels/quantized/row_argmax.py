@@ -22,8 +22,8 @@ def greedy_rows(logits: torch.Tensor) -> torch.Tensor:
     """The argmax over the last dimension ([..., V] -> [...]), first index on ties (NaN first where a
     row holds one): :func:`greedy_tokens`, on the kernel for CPU float32 and bfloat16 logits where it
     runs."""
-    kernel = _kernel()
-    if kernel is None or logits.device.type != "cpu" or logits.dtype not in KERNEL_DTYPES:
+    # the device first: asking for the kernel compiles the CPU library, which a GPU run never needs
+    if logits.device.type != "cpu" or logits.dtype not in KERNEL_DTYPES or (kernel := _kernel()) is None:
         return greedy_tokens(logits)
     return kernel(logits.contiguous())
 

@@ -21,8 +21,8 @@ def top_rows(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, indices) [..., k] of the ``k`` largest of each row of ``scores`` [..., V], largest
     first: ``scores.topk(k, dim=-1)``, equal values in index order (torch leaves their order open), on
     the kernel for CPU float32 rows and k up to :data:`MAX_K` where it runs."""
-    kernel = _kernel()
-    if kernel is None or scores.device.type != "cpu" or scores.dtype != torch.float32 or not 0 < k <= MAX_K:
+    on_kernel = scores.device.type == "cpu" and scores.dtype == torch.float32 and 0 < k <= MAX_K
+    if not on_kernel or (kernel := _kernel()) is None:  # a GPU run never compiles the CPU library
         top = scores.topk(k, dim=-1)
         return top.values, top.indices
     return kernel(scores.contiguous(), k)
