@@ -41,6 +41,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-official", action="store_true", help="skip the dflash package's loop")
     parser.add_argument("--cuda-graphs", action="store_true", help="verify through CUDA graphs")
     parser.add_argument("--profile", action="store_true", help="also write profile.md (syncs, copies)")
+    parser.add_argument(
+        "--sdpa-backends",
+        default="",
+        help="comma-separated attention backends every loop may use (flash_attention, efficient_attention, "
+        "math, cudnn_attention, overrideable); default: torch's choice",
+    )
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="default: bench-results/synthetic-SHAPE-DEVICE-ACCEPTANCE")
@@ -65,6 +71,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         official=not args.no_official,
         profile=args.profile,
         cuda_graphs=args.cuda_graphs,
+        sdpa_backends=tuple(name for name in args.sdpa_backends.split(",") if name),
         seed=args.seed,
     )
     command = shlex.join(["python", f"scripts/{Path(__file__).name}", *argv])

@@ -12,6 +12,7 @@ import torch
 
 from diffdraft.bench import synthetic
 from diffdraft.bench.synthetic import OFFICIAL, ROUND_STAGES, SHAPES, Settings
+from diffdraft.bench.synthetic_report import write_outputs
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "synthetic_round_bench.py"
 try:  # the official package is optional: without it the runs go on, minus its loop
@@ -159,3 +160,22 @@ def test_qwen3_8b_shapes_are_the_real_ones():
     if HAS_DFLASH:  # the official model loads our layout at the real shape, strictly
         official = synthetic.official_drafter(drafter)
         assert official.target_layer_ids == [1, 9, 17, 25, 33] and official.block_size == 16
+
+
+def test_attention_backends_restrict_every_loop_and_are_recorded(tmp_path):
+    """The lease's check of whether cuDNN's per-shape attention plans slow the drafter: a run restricted
+    to a backend the device lacks fails (the restriction reaches the attention calls), one restricted to
+    ``math`` runs, and the report says which ran."""
+    settings = Settings(shape="tiny", device="cpu", dtype="float32", budgets=(8,), rounds=1, warmup=0)
+
+    def quiet(line: str) -> None:
+        pass
+
+    with pytest.raises(RuntimeError, match="kernel"):  # efficient attention is CUDA-only
+        synthetic.run_benchmark(replace(settings, sdpa_backends=("efficient_attention",)), "test", quiet)
+    results = synthetic.run_benchmark(replace(settings, sdpa_backends=("math",)), "test", quiet)
+    assert results["settings"]["sdpa_backends"] == ["math"]
+    write_outputs(results, tmp_path)
+    assert "| attention | SDPA backends math only |" in (tmp_path / "report.md").read_text()
+    with pytest.raises(ValueError, match=r"unknown attention backend.*'flash_attention'"):
+        synthetic.attention_backends(["flash"])

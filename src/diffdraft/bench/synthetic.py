@@ -18,17 +18,19 @@ drafter weights and observed through a forward hook on the target: none of its c
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import itertools
 import platform
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen3Config
 
 from diffdraft.bench.lossless import first_divergence
@@ -160,6 +162,11 @@ class Settings:
     """Also profile a few rounds of the chain and the largest DDTree (syncs, copies, launches)."""
     cuda_graphs: bool = False
     """Our loops verify through CUDA graphs (:class:`diffdraft.kernels.graphed_verify.GraphedVerify`)."""
+    sdpa_backends: tuple[str, ...] = ()
+    """The attention backends every loop may use (names of :class:`torch.nn.attention.SDPBackend`,
+    lower case); empty: torch's own choice. On GPUs the drafter's stage took 10 ms in some methods
+    and 33-84 in others at the same context; leaving cuDNN out tests whether its per-shape plans
+    are why."""
     seed: int = 0
 
 
@@ -459,20 +466,27 @@ def run_benchmark(settings: Settings, command: str = "", log: Callable[[str], No
     begin = time.perf_counter()
     shape = SHAPES[settings.shape]
     context = settings.context or shape.context
-    models = build_models(settings, log)
-    target = TargetModel(models.target, cuda_graphs=settings.cuda_graphs)
-    methods = engines(target, DFlashDrafter(models.drafter, target), settings.budgets)
-    prompt = random_prompt(shape, context, settings.seed)
-    times = time_methods(settings, models, methods, prompt, log)
-    profiles = {}
-    if settings.profile:
-        largest = [f"ddtree:{max(settings.budgets)}"] if settings.budgets else []
-        for name in ["chain", *largest]:
-            profiles[name] = profile_rounds(methods[name], prompt, min(settings.rounds, 8), settings.warmup)
-            log(f"profiled {name}")
+    with attention_backends(settings.sdpa_backends):
+        models = build_models(settings, log)
+        target = TargetModel(models.target, cuda_graphs=settings.cuda_graphs)
+        methods = engines(target, DFlashDrafter(models.drafter, target), settings.budgets)
+        prompt = random_prompt(shape, context, settings.seed)
+        times = time_methods(settings, models, methods, prompt, log)
+        profiles = {}
+        if settings.profile:
+            largest = [f"ddtree:{max(settings.budgets)}"] if settings.budgets else []
+            for name in ["chain", *largest]:
+                rounds = min(settings.rounds, 8)
+                profiles[name] = profile_rounds(methods[name], prompt, rounds, settings.warmup)
+                log(f"profiled {name}")
     reference, loop = times[REFERENCE], times.get(OFFICIAL)
     return {
-        "settings": {**asdict(settings), "context": context, "budgets": list(settings.budgets)},
+        "settings": {
+            **asdict(settings),
+            "context": context,
+            "budgets": list(settings.budgets),
+            "sdpa_backends": list(settings.sdpa_backends),
+        },
         "environment": {**environment(target.device, target.dtype), "command": command},
         "shapes": models.shapes,
         "official_error": models.official_error,
@@ -485,6 +499,18 @@ def run_benchmark(settings: Settings, command: str = "", log: Callable[[str], No
         "profiles": profiles,
         "seconds": time.perf_counter() - begin,
     }
+
+
+def attention_backends(names: Sequence[str]) -> contextlib.AbstractContextManager:
+    """Restrict ``F.scaled_dot_product_attention`` to the named backends (none named: no restriction);
+    an unknown name is an error that lists the known ones."""
+    if not names:
+        return contextlib.nullcontext()
+    known = {name.lower(): backend for name, backend in SDPBackend.__members__.items() if name != "ERROR"}
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise ValueError(f"unknown attention backend(s) {unknown}; choose from {sorted(known)}")
+    return sdpa_kernel([known[name] for name in names])
 
 
 def environment(device: torch.device, dtype: torch.dtype) -> dict:

@@ -71,6 +71,12 @@ def markdown(results: dict) -> str:
         f"{settings['repeats']} interleaved repeat(s) |",
         "| verification | "
         + ("replayed from CUDA graphs |" if settings.get("cuda_graphs") else "eager (no CUDA graphs) |"),
+        "| attention | "
+        + (
+            f"SDPA backends {', '.join(settings['sdpa_backends'])} only |"
+            if settings.get("sdpa_backends")
+            else "torch's choice of SDPA backend |"
+        ),
         f"| run | {results['seconds']:.0f} s; peak GPU memory "
         + (f"{env['cuda_max_memory_gib']:.1f} GiB |" if env["cuda_max_memory_gib"] is not None else "n/a |"),
         "",
