@@ -475,8 +475,8 @@ def run_benchmark(settings: Settings, command: str = "", log: Callable[[str], No
         profiles = {}
         if settings.profile:
             largest = [f"ddtree:{max(settings.budgets)}"] if settings.budgets else []
+            rounds = min(settings.rounds, 8)
             for name in ["chain", *largest]:
-                rounds = min(settings.rounds, 8)
                 profiles[name] = profile_rounds(methods[name], prompt, rounds, settings.warmup)
                 log(f"profiled {name}")
     reference, loop = times[REFERENCE], times.get(OFFICIAL)
