@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -104,6 +105,35 @@ def test_a_cancelled_request_frees_its_slot_and_the_others_finish(generator):
     scheduler.close()
     assert chunks[-1].result.token_ids == expected.token_ids
     assert scheduler.running == 0 and not scheduler.alive
+
+
+def test_run_serves_in_the_calling_thread_until_another_closes_it(generator, monkeypatch):
+    expected = generator.generate(**vars(REQUESTS[0]))
+    scheduler = Scheduler(generator, max_batch_size=2)
+    forwards = []
+    verify_batch = generator.target.verify_batch
+    monkeypatch.setattr(
+        generator.target,
+        "verify_batch",
+        lambda *args: forwards.append(threading.current_thread()) or verify_batch(*args),
+    )
+    results = []
+
+    def client() -> None:
+        while not scheduler.alive:
+            time.sleep(0.001)
+        results.append(list(scheduler.submit(REQUESTS[0]))[-1].result)
+        scheduler.close()
+
+    thread = threading.Thread(target=client)
+    thread.start()
+    scheduler.run()  # returns once the client closed it
+    thread.join(60)
+    assert results[0].token_ids == expected.token_ids
+    assert forwards and set(forwards) == {threading.current_thread()}
+    assert not scheduler.alive
+    with pytest.raises(RuntimeError, match="already serving"):
+        scheduler.run()
 
 
 def test_closing_ends_unfinished_requests_with_a_clear_error(generator):

@@ -21,6 +21,7 @@ import diffdraft.commands.model_options
 from diffdraft.cli import main
 from diffdraft.errors import CheckpointError
 from diffdraft.serve.cli import add_serve_parser, served_model_name
+from diffdraft.target.model import TargetModel
 
 from live_server import make_chat_checkpoint
 
@@ -111,6 +112,13 @@ def test_the_command_serves_until_the_server_is_told_to_exit(tmp_path, monkeypat
             servers.append(self)
 
     monkeypatch.setattr(uvicorn, "Server", Recorded)
+    forwards = []
+    verify_batch = TargetModel.verify_batch
+    monkeypatch.setattr(
+        TargetModel,
+        "verify_batch",
+        lambda *args: forwards.append(threading.current_thread()) or verify_batch(*args),
+    )
     port = free_port()
     args = ["serve", "--target", str(checkpoint), "--method", "pld", "--port", str(port)]
     args += ["--served-model-name", "tiny", "--max-batch-size", "2", "--log-level", "warning"]
@@ -131,6 +139,8 @@ def test_the_command_serves_until_the_server_is_told_to_exit(tmp_path, monkeypat
     servers[0].should_exit = True
     thread.join(30)
     assert not thread.is_alive() and codes == [0]
+    # the rounds ran in the thread that loaded the models (a CPU target decodes far slower in another)
+    assert forwards and set(forwards) == {thread}
 
 
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])

@@ -87,23 +87,26 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 @contextmanager
-def _stop_signals_end_quietly() -> Iterator[None]:
-    """uvicorn shuts down gracefully on Ctrl-C or SIGTERM, then raises the signal again for the
-    caller: here that means "stopped", not a traceback (SIGINT) or a kill that skips closing the
-    scheduler (SIGTERM)."""
-    in_main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, lambda *_: None) if in_main else None
+def _stop_signals_shut_down(server) -> Iterator[None]:
+    """Ctrl-C or SIGTERM start ``server``'s graceful shutdown (a second Ctrl-C forces it), as uvicorn
+    does when it runs in the main thread: here it does not, the rounds do (see :func:`run_serve`)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signals reach the main thread only; its caller stops the server
+        return
+    previous = {stop: signal.signal(stop, server.handle_exit) for stop in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
-    except KeyboardInterrupt:
-        pass
     finally:
-        if in_main:
-            signal.signal(signal.SIGTERM, previous)
+        for stop, handler in previous.items():
+            signal.signal(stop, handler)
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Load once, then serve until interrupted (Ctrl-C finishes the requests in flight first)."""
+    """Load once, then serve until interrupted (Ctrl-C finishes the requests in flight first).
+
+    The thread that loaded the models runs the rounds (:meth:`Scheduler.run`) and the HTTP server
+    runs beside it: a CPU target decodes several times slower in a thread started after the load
+    (see :mod:`diffdraft.serve.scheduler`)."""
     import uvicorn
 
     from diffdraft.serve.app import create_app
@@ -117,23 +120,34 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         print(f"diffdraft serve: loading {args.target} ({args.method})...", file=sys.stderr, flush=True)
         generator = load_generator(args)
-        scheduler = Scheduler(generator, args.max_batch_size, args.max_queue).start()
-        try:
-            name = served_model_name(args)
-            app = create_app(scheduler, name, api_key=args.api_key)
-            config = uvicorn.Config(app, log_level=args.log_level)
-            key = ", API key required" if args.api_key else ""
-            print(
-                f"diffdraft serve: model {name!r} on http://{args.host}:{args.port}/v1 "
-                f"(batch {args.max_batch_size}, queue {args.max_queue}{key})",
-                file=sys.stderr,
-                flush=True,
-            )
-            with _stop_signals_end_quietly():
-                uvicorn.Server(config).run(sockets=[sock])
-            print("diffdraft serve: stopped", file=sys.stderr, flush=True)
-        finally:
-            scheduler.close()
+        scheduler = Scheduler(generator, args.max_batch_size, args.max_queue)
+        name = served_model_name(args)
+        server = uvicorn.Server(
+            uvicorn.Config(create_app(scheduler, name, api_key=args.api_key), log_level=args.log_level)
+        )
+
+        def serve_http() -> None:
+            try:
+                server.run(sockets=[sock])
+            finally:
+                scheduler.close()  # ends scheduler.run() below
+
+        key = ", API key required" if args.api_key else ""
+        print(
+            f"diffdraft serve: model {name!r} on http://{args.host}:{args.port}/v1 "
+            f"(batch {args.max_batch_size}, queue {args.max_queue}{key})",
+            file=sys.stderr,
+            flush=True,
+        )
+        http = threading.Thread(target=serve_http, name="diffdraft-http")
+        with _stop_signals_shut_down(server):
+            http.start()
+            try:
+                scheduler.run()
+            finally:
+                server.should_exit = True  # when the rounds failed; else the server has stopped already
+                http.join()
+        print("diffdraft serve: stopped", file=sys.stderr, flush=True)
     finally:
         sock.close()
     return 0

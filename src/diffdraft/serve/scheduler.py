@@ -1,9 +1,17 @@
 """Requests from many clients onto one :class:`~diffdraft.decoding.batching.BatchEngine`.
 
-A worker thread owns the models: between rounds it admits waiting requests into the batch (up to
+One thread owns the models: between rounds it admits waiting requests into the batch (up to
 ``max_batch_size``), drops cancelled ones, runs one round for all, and hands each request the text
 its tokens made visible. Clients submit from any thread; an ``async`` caller (the HTTP server)
 gets its chunks through its event loop, a plain caller by blocking iteration.
+
+That thread should be the one that loaded the models (:meth:`Scheduler.run`), not a new one
+(:meth:`Scheduler.start`): PyTorch's CPU builds run their parallel kernels on OpenMP, whose GNU
+runtime keeps a pool of threads per thread that ever ran a parallel kernel. Once two pools outnumber
+the cores, every pool's threads sleep between kernels instead of spinning, and a decoding round
+waits hundreds of times for them to wake: on a 2-core CPU a worker thread started after the load
+decoded at 37 tok/s where the loading thread decoded at 105 (figures: benchmarks/README.md,
+'Measurements behind the code').
 """
 
 from __future__ import annotations
@@ -107,7 +115,12 @@ class Scheduler:
         self._running: dict[SequenceRun, RequestHandle] = {}
         self._wake = threading.Condition()
         self._closing = False
-        self._worker: threading.Thread | None = None
+        self._serving: threading.Thread | None = None
+        """The thread that runs the rounds, once :meth:`run` or :meth:`start` claimed them."""
+        self._started: threading.Thread | None = None
+        """The thread :meth:`start` made (:meth:`close` joins it)."""
+        self._stopped = threading.Event()
+        """Set once the rounds have stopped."""
 
     @property
     def queue_depth(self) -> int:
@@ -121,24 +134,44 @@ class Scheduler:
 
     @property
     def alive(self) -> bool:
-        """Whether the worker is serving (started and not closed)."""
-        return self._worker is not None and self._worker.is_alive() and not self._closing
+        """Whether it is serving (running rounds and not closed)."""
+        return self._serving is not None and not self._stopped.is_set() and not self._closing
+
+    def run(self) -> None:
+        """Run the rounds in the calling thread until :meth:`close` (called from another thread):
+        the thread that loaded the models serves fastest (see the module docstring)."""
+        self._claim(threading.current_thread())
+        self._work()
 
     def start(self) -> Scheduler:
-        if self._worker is None:
-            self._worker = threading.Thread(target=self._work, name="diffdraft-scheduler", daemon=True)
-            self._worker.start()
+        """Run the rounds in a new thread (for callers that must keep theirs, such as tests; slower on
+        a CPU than :meth:`run`, see the module docstring)."""
+        if self._serving is None:
+            thread = threading.Thread(target=self._work, name="diffdraft-scheduler", daemon=True)
+            self._claim(thread)
+            self._started = thread
+            thread.start()
         return self
 
+    def _claim(self, thread: threading.Thread) -> None:
+        with self._wake:
+            if self._serving is not None:
+                raise RuntimeError("this scheduler is already serving")
+            self._serving = thread
+
     def close(self, timeout: float | None = 30.0) -> None:
-        """Stop after the current round; unfinished requests end with :class:`SchedulerClosedError`."""
+        """Stop after the current round (waiting up to ``timeout`` seconds for it when another thread
+        runs the rounds); unfinished requests end with :class:`SchedulerClosedError`."""
         with self._wake:
             self._closing = True
             self._wake.notify()
-        if self._worker is None:
+            serving = self._serving
+        if serving is None:
             self._end_unfinished()
-        else:
-            self._worker.join(timeout)
+        elif serving is self._started:
+            serving.join(timeout)
+        elif serving is not threading.current_thread():
+            self._stopped.wait(timeout)  # run()'s caller goes on after it: nothing to join
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Queue a request; its errors (bad settings, a prompt over the context) raise here, at once."""
@@ -179,6 +212,7 @@ class Scheduler:
                     self._deliver(sequence, new)
         finally:
             self._end_unfinished()
+            self._stopped.set()
 
     def _end_unfinished(self) -> None:
         closed = SchedulerClosedError("the server shut down before this request finished")
