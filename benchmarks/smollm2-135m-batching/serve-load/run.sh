@@ -2,9 +2,11 @@
 # Serve-load rows (issue 32): three servers up at once on the default target (ar, ddtree:auto,
 # ddtree+pld:auto), each warmed up, then for every client count 1-8 and each of PASSES passes the
 # three are loaded one after another, so drift of this shared machine hits every method alike.
-# Writes <method>-c<clients>-p<pass>.json here; summarize with summary.py.
+# Writes <method>-c<clients>-p<pass>.json to $OUT (default: here); summarize with summary.py $OUT.
 set -euo pipefail
-cd "$(dirname "$0")"
+OUT=${OUT:-$(dirname "$0")}
+mkdir -p "$OUT"
+cd "$OUT"
 PASSES=${PASSES:-2}
 PER_CLIENT=${PER_CLIENT:-6}
 declare -A PORT=([ar]=8013 [ddtree-auto]=8014 [ddtree+pld-auto]=8015)
