@@ -11,10 +11,14 @@ import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 from diffdraft.commands.model_options import add_model_arguments, load_generator
 from diffdraft.errors import DiffdraftError
 from diffdraft.target.default_model import MODEL_NAME
+
+if TYPE_CHECKING:
+    import uvicorn
 
 API_KEY_VARIABLE = "DIFFDRAFT_API_KEY"
 """Where ``serve`` and ``serve-load`` read the API key when no --api-key is given."""
@@ -87,7 +91,7 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 @contextmanager
-def _stop_signals_shut_down(server) -> Iterator[None]:
+def _stop_signals_shut_down(server: uvicorn.Server) -> Iterator[None]:
     """Ctrl-C or SIGTERM start ``server``'s graceful shutdown (a second Ctrl-C forces it), as uvicorn
     does when it runs in the main thread: here it does not, the rounds do (see :func:`run_serve`)."""
     if threading.current_thread() is not threading.main_thread():

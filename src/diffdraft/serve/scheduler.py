@@ -7,9 +7,9 @@ gets its chunks through its event loop, a plain caller by blocking iteration.
 
 That thread should be the one that loaded the models (:meth:`Scheduler.run`), not a new one
 (:meth:`Scheduler.start`): PyTorch's CPU builds run their parallel kernels on OpenMP, whose GNU
-runtime keeps a pool of threads per thread that ever ran a parallel kernel. Once two pools outnumber
-the cores, every pool's threads sleep between kernels instead of spinning, and a decoding round
-waits hundreds of times for them to wake: on a 2-core CPU a worker thread started after the load
+runtime keeps a pool of threads per thread that ever ran a parallel kernel. Once the pools' threads
+outnumber the cores, they sleep between kernels instead of spinning, and a decoding round waits
+hundreds of times for them to wake: on a 2-core CPU a worker thread started after the load
 decoded at 37 tok/s where the loading thread decoded at 105 (figures: benchmarks/README.md,
 'Measurements behind the code').
 """
