@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -119,13 +118,11 @@ def test_run_serves_in_the_calling_thread_until_another_closes_it(generator, mon
     )
     results = []
 
-    def client() -> None:
-        while not scheduler.alive:
-            time.sleep(0.001)
+    def client() -> None:  # its request waits in the queue until run() begins
         results.append(list(scheduler.submit(REQUESTS[0]))[-1].result)
         scheduler.close()
 
-    thread = threading.Thread(target=client)
+    thread = threading.Thread(target=client, daemon=True)
     thread.start()
     scheduler.run()  # returns once the client closed it
     thread.join(60)
