@@ -32,7 +32,6 @@ from diffdraft.errors import InvalidRequestError
 from diffdraft.ngram.shipped import load_ngram
 from diffdraft.runtime.chat import encode_chat, encode_prompt
 from diffdraft.runtime.detokenize import INCOMPLETE, IncrementalDecoder
-from diffdraft.runtime.loading_thread import LoadingThread
 from diffdraft.runtime.logprobs import MAX_TOP_LOGPROBS, LogprobRecorder, TokenLogprob
 from diffdraft.runtime.sampling import SamplingParams
 from diffdraft.runtime.stats import GenerationStats
@@ -231,7 +230,6 @@ class SpeculativeGenerator:
         self.engine = SpeculativeEngine(self.target, self.drafter, builder)
         self._auto_budget = builder if isinstance(builder, AutoBudgetBuilder) else None
         self.end_token_ids = end_token_ids(target.model, target.tokenizer)
-        self._loading_thread = LoadingThread(self.target.device)
 
     def generate(self, prompt: str | None = None, **options) -> GenerationResult:
         """Generate to completion; same arguments as :meth:`stream`."""
@@ -243,7 +241,6 @@ class SpeculativeGenerator:
         exactly one of prompt (used as given), messages (chat template applied) or
         prompt_token_ids, and the sampling and stopping settings."""
         request = self.prepare(GenerationRequest(prompt, **options))
-        self._loading_thread.check()
         for new in self.engine.run(request.sequence_spec()):
             chunk = request.add(new)
             if chunk is not None:
@@ -272,7 +269,6 @@ class SpeculativeGenerator:
         prepared = [
             self.prepare(r if isinstance(r, GenerationRequest) else GenerationRequest(r)) for r in requests
         ]
-        self._loading_thread.check()
         batch = BatchEngine(self.engine)
         running: dict[SequenceRun, int] = {}
         waiting = list(range(len(prepared)))

@@ -54,3 +54,16 @@ def test_no_warning_where_kernels_run_in_the_calling_thread_alone(checkpoint, mo
     generator = diffdraft.load(checkpoint, method="ar")
     _, warned = in_thread(lambda: generator.generate_batch(["hello"], 1))
     assert warned == []
+
+
+def test_a_scheduler_started_in_its_own_thread_is_warned_too(checkpoint, monkeypatch):
+    from diffdraft.serve.scheduler import Scheduler
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    generator = diffdraft.load(checkpoint, method="ar")
+    scheduler = Scheduler(generator, max_batch_size=1).start()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # raised in the scheduler's thread
+        assert list(scheduler.submit(diffdraft.GenerationRequest("hello", max_new_tokens=2)))[-1].result
+    scheduler.close()
+    assert generator.engine.loading_thread.warned

@@ -21,6 +21,7 @@ from diffdraft.decoding.sequence_spec import SequenceSpec
 from diffdraft.decoding.verify import accept
 from diffdraft.drafters.base import CopyingDrafter, CopyOffer, Drafter, Proposal, propose_together
 from diffdraft.kernels.quantized.row_argmax import greedy_rows
+from diffdraft.runtime.loading_thread import LoadingThread
 from diffdraft.runtime.sampling import SamplingParams, sample_from
 from diffdraft.runtime.stats import StageTimer
 from diffdraft.runtime.stopping import StopDecision
@@ -48,9 +49,12 @@ class SpeculativeEngine:
         target.check_layer_ids(self.layer_ids)
         if drafter is not None:
             target.check_speculation_supported()
+        self.loading_thread = LoadingThread(target.device)
+        """Where the engine was built: every sequence starts with a check that it runs there."""
 
     def start(self, spec: SequenceSpec, drafter: Drafter | None = None) -> SequenceRun:
         """A new sequence; ``drafter``: its own (a fork of the engine's) when several run at once."""
+        self.loading_thread.check()
         return SequenceRun(self, spec, drafter or self.drafter)
 
     def run(self, spec: SequenceSpec) -> Iterator[list[int]]:

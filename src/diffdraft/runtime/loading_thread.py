@@ -25,7 +25,8 @@ SLOW_THREAD_WARNING = (
 
 class LoadingThread:
     """The thread a model was loaded in (the one that makes this); :meth:`check` warns the first time
-    another thread generates with it on a CPU."""
+    another thread starts a sequence on it on a CPU (``generate``, ``stream``, their batch forms and a
+    :meth:`~diffdraft.serve.scheduler.Scheduler.start` ed scheduler alike)."""
 
     def __init__(self, device: torch.device) -> None:
         self.ident = threading.get_ident()
@@ -38,4 +39,4 @@ class LoadingThread:
         if torch.get_num_threads() < 2:
             return  # kernels run in the calling thread alone: no pool to wait for
         self.warned = True
-        warnings.warn(SLOW_THREAD_WARNING, RuntimeWarning, stacklevel=3)
+        warnings.warn(SLOW_THREAD_WARNING, RuntimeWarning, stacklevel=2)
