@@ -14,6 +14,7 @@ from diffdraft.drafters.dflash import DFlashDrafter
 from diffdraft.kernels.fused_projections import fuse_projections
 from diffdraft.kernels.packed_linear import pack_linear_layers, packing_supported
 from diffdraft.kernels.quantized import decoder_ops as decoder_ops_module
+from diffdraft.kernels.quantized.block_linear import BlockQuantizedLinear
 from diffdraft.kernels.quantized.decoder_ops import decoder_ops
 from diffdraft.runtime.stopping import StopConditions
 from diffdraft.target import model as model_module
@@ -336,6 +337,47 @@ def test_packed_sequences_get_their_own_forwards_outputs():
     for one, together in zip(alone, inputs, strict=True):
         for a, b in zip(one.cache.layers, together.cache.layers, strict=True):
             assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: biased q|k|v projections
+def test_the_layer_loop_in_one_op_gives_the_python_loops_bits(family):
+    """``decode_layers`` against :class:`FusedDecoderLayers`' Python loop over the same ops: packed
+    trees of two sequences with taps, their logits, taps and the rows each leaves in its cache."""
+    target = _block_target(family, seed=4)
+    assert target.lean.fused.loop is not None
+    prompts = [torch.randint(1, 95, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 9)]
+    results, caches = {}, {}
+    for looped in (True, False):
+        loop = target.lean.fused.loop
+        if not looped:
+            target.lean.fused.loop = None
+        inputs = []
+        for prompt in prompts:
+            cache = target.new_cache()
+            target.prefill(cache, prompt, [])
+            target.verify(cache, prompt[-1:], torch.tensor([len(prompt)]), None, [])  # the buffer started
+            mask = target.attention_mask(cache, TREE.ancestor_mask())
+            inputs.append(VerifyInput(cache, TREE.tokens, TREE.position_ids(len(prompt) + 1), mask))
+        results[looped] = target.verify_batch(inputs, [0, 2, 3])
+        caches[looped] = [one.cache for one in inputs]
+        target.lean.fused.loop = loop
+    for looped, python in zip(results[True], results[False], strict=True):
+        assert torch.equal(looped.logits, python.logits) and torch.equal(looped.hidden, python.hidden)
+    for looped, python in zip(caches[True], caches[False], strict=True):
+        for a, b in zip(looped.layers, python.layers, strict=True):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_layers_on_the_bf16_kernel_keep_the_python_loop():
+    model, _ = q4_1_target("llama", seed=0, vocab=96)
+    for name, module in list(model.model.layers.named_modules()):
+        if isinstance(module, BlockQuantizedLinear):
+            parent_name, _, attribute = name.rpartition(".")
+            parent = model.model.layers.get_submodule(parent_name)
+            setattr(parent, attribute, BlockQuantizedLinear(module.blocks, module.bias, "bf16"))
+    fuse_projections(model)
+    fused = TargetModel(model).lean.fused
+    assert fused is not None and fused.loop is None
 
 
 def _generate(target: TargetModel, drafter, builder, prompt: list[int]) -> list[int]:

@@ -55,6 +55,8 @@ ACTIVATIONS = ("int8", "bf16")
 """The layer's kernels (see the module docstring); the first is the default."""
 TILE = 16
 """Output columns per tile of the int8 kernel's weight layout: one int32 lane each."""
+INT8_FORMATS = (FORMAT, "Q8_0")
+"""The formats the int8 kernel runs, numbered as ``decoder_loop.cpp`` takes them."""
 
 
 @dataclass
@@ -243,6 +245,13 @@ class BlockQuantizedLinear(InferenceLinear):
                 self._dense.append(dense_linear(self.weight, self.bias))
             return self._dense[0](x)
         return self._matmul(x, *self._operands, self.bias)
+
+    def int8_operands(self) -> tuple[torch.Tensor, int, int, torch.Tensor | None] | None:
+        """(weight tiles, output width, format number in :data:`INT8_FORMATS`, bias): what a C++ caller
+        passes the int8 kernel for this layer (``decoder_loop.cpp``); None on the bf16 kernel."""
+        if self.activations != "int8":
+            return None
+        return *self._operands, INT8_FORMATS.index(self.blocks.format), self.bias
 
     def stack_key(self) -> tuple:
         return *super().stack_key(), self.blocks.format, self.activations

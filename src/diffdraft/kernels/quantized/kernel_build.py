@@ -1,6 +1,7 @@
 """Compile the block-quantized matmuls (``int8_matmul.cpp``, ``q4_1_matmul.cpp``), the fused
-decoder-layer ops (``decoder_ops.cpp``), the greedy pick (``row_argmax.cpp``) and the rows' top k
-(``row_topk.cpp``) once per machine into one library and load it into torch.
+decoder-layer ops (``decoder_ops.cpp``) and their loop over the layers (``decoder_loop.cpp``), the
+greedy pick (``row_argmax.cpp``) and the rows' top k (``row_topk.cpp``) once per machine into one
+library and load it into torch.
 
 The kernels are written in AVX-512 intrinsics (with the bfloat16 and the int8 (VNNI) dot products);
 on a CPU with AVX2 but not those, ``avx512_subset.h`` emulates each intrinsic with AVX2, so every
@@ -30,6 +31,7 @@ SOURCE = Path(__file__).with_name("q4_1_matmul.cpp")
 INTRINSICS = Path(__file__).with_name("avx512_subset.h")
 INT8_SOURCE = Path(__file__).with_name("int8_matmul.cpp")
 DECODER_SOURCE = Path(__file__).with_name("decoder_ops.cpp")
+LOOP_SOURCE = Path(__file__).with_name("decoder_loop.cpp")
 ARGMAX_SOURCE = Path(__file__).with_name("row_argmax.cpp")
 TOPK_SOURCE = Path(__file__).with_name("row_topk.cpp")
 COMMON_FLAGS = ["-O3", "-std=c++20", "-fPIC", "-fopenmp"]
@@ -107,7 +109,7 @@ def _library_path() -> Path:
 
 def _sources() -> tuple[Path, ...]:
     """Read at call time, so a test can swap one."""
-    return SOURCE, INT8_SOURCE, DECODER_SOURCE, ARGMAX_SOURCE, TOPK_SOURCE, INTRINSICS
+    return SOURCE, INT8_SOURCE, DECODER_SOURCE, LOOP_SOURCE, ARGMAX_SOURCE, TOPK_SOURCE, INTRINSICS
 
 
 def _compile(library: Path) -> None:
