@@ -82,3 +82,26 @@ def test_forks_drafted_together_get_what_each_drafts_alone(draft_vocab):
         alone = fork.propose(ids, depth)
         assert proposal.depth == depth
         torch.testing.assert_close(proposal.log_probs, alone.log_probs, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("variant", [DFLASH, DFLARE])
+def test_a_blocks_layer_loop_in_one_op_gives_the_python_loops_bits(variant):
+    """``draft_layers`` against :class:`FusedDraftLayers`' Python loop over the same ops, through context
+    appends that outgrow the buffers: the same proposals, and the same block rows left in the buffers."""
+    looped, python = _drafters(variant, None, seed=6)
+    python._fused = type(looped._fused)(python.model)
+    assert looped._fused.stack is not None
+    python._fused.stack = None
+    g = torch.Generator().manual_seed(7)
+    committed = 0
+    for new in (300, 2, 1):
+        states = torch.randn(new, len(looped.target_layer_ids), looped.model.config.hidden_size, generator=g)
+        for drafter in (looped, python):
+            drafter.extend_context(states.to(torch.bfloat16), committed)
+        committed += new
+        token_ids = torch.randint(0, 90, (committed + 1,), generator=g)
+        proposals = [drafter.propose(token_ids, 4).log_probs for drafter in (looped, python)]
+        assert torch.equal(proposals[0], proposals[1])
+        buffers = [drafter._context.block_room(5) for drafter in (looped, python)]
+        for a, b in zip(*(keys + values for keys, values in buffers), strict=True):
+            assert torch.equal(a[:, :, : committed + 5], b[:, :, : committed + 5])

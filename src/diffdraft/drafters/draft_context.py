@@ -48,6 +48,13 @@ class DraftContext:
         self._values[layer][:, :, self.length : end] = values
         return self._keys[layer][:, :, :end], self._values[layer][:, :, :end]
 
+    def block_room(self, rows: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Every layer's key and value buffers with room for a block of ``rows`` past the context, for a
+        forward that writes the block's keys and values there itself (as :meth:`with_block` does);
+        valid until the next append or block. The context must hold rows already."""
+        self._reserve(self._keys[0], self.length + rows)
+        return self._keys, self._values
+
     def _reserve(self, like: torch.Tensor, rows: int) -> None:
         if self._keys and rows <= self._keys[0].shape[2]:
             return

@@ -6,7 +6,8 @@ layer runs between them (Qwen3's per-head norms, rotary, context and block keys 
 attention, gating). Here each of those steps is one op of
 :mod:`~diffdraft.kernels.quantized.decoder_ops`, rounded where the module forward rounds; attention
 sums in another order, so a proposal may differ from the module forward's in the last bits. Drafts
-only: verification keeps the output exact whatever the drafter proposes.
+only: verification keeps the output exact whatever the drafter proposes. One block's loop over the
+layers runs as one op on the int8 kernel (``draft_layers`` in ``decoder_loop.cpp``, the same bits).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from torch import nn
 from diffdraft.drafters.dflash_model import DFLASH, DFlashDraftModel
 from diffdraft.drafters.draft_context import DraftContext, KeysAndValues
 from diffdraft.kernels.fused_projections import stacked_projection
-from diffdraft.kernels.quantized.decoder_ops import MAX_HEAD_DIM, Norm, decoder_ops, norm_weights
+from diffdraft.kernels.quantized.decoder_ops import MAX_HEAD_DIM, LayerStack, Norm, decoder_ops, norm_weights
 
 
 @dataclass
@@ -63,6 +64,9 @@ class FusedDraftLayers:
             self.tap_weights = model.fusion.weight.float().softmax(-1).to(torch.bfloat16).float()
             self.context_norms = [norm_weights(layer.context_norm) for layer in model.layers]
         self.variant = model.variant
+        self.stack = LayerStack.of(self.first_norm, self.layers)
+        """The layers as ``draft_layers`` (decoder_loop.cpp) takes them, which runs one block's forward
+        in one op; None where a projection is not on the int8 kernel."""
 
     @classmethod
     def build(cls, model: DFlashDraftModel) -> FusedDraftLayers | None:
@@ -120,6 +124,8 @@ class FusedDraftLayers:
         ``cos``/``sin`` [n, d]: the rows' rotary. The projections run over every row at once;
         attention per block, over its own context, so each block's rows are those it gets alone."""
         ops = self.ops
+        if self.stack is not None and len(contexts) == 1 and contexts[0].length:
+            return self._looped(blocks, cos, sin, contexts[0])
         hidden, normed = blocks, ops.rms_norm(blocks, *self.first_norm)
         for index, layer in enumerate(self.layers):
             query, keys, values = ops.rotary_split(
@@ -134,6 +140,27 @@ class FusedDraftLayers:
             gated = ops.silu_gate(layer.gate_up.forward(normed))
             hidden, normed = ops.residual_rms_norm(hidden, layer.down.forward(gated), *layer.next_norm)
         return normed
+
+    def _looped(
+        self, block: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, context: DraftContext
+    ) -> torch.Tensor:
+        """:meth:`__call__` for one block, its loop as one op (``draft_layers``)."""
+        keys, values = context.block_room(block.shape[0])
+        return self.ops.draft_layers(
+            block,
+            cos,
+            sin,
+            *self.stack.projections_and_norms(),
+            [layer.head_norms[0] for layer in self.layers],
+            [layer.head_norms[1] for layer in self.layers],
+            [layer.head_norms[2] for layer in self.layers],
+            self.heads,
+            self.kv_heads,
+            self.stack.scalings,
+            keys,
+            values,
+            context.length,
+        )
 
 
 def _layer(layer: nn.Module, next_norm: nn.Module, variant: str) -> _Layer:

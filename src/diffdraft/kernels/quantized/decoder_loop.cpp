@@ -1,6 +1,7 @@
-// A whole forward of a Llama-family target's decoder layers in one op: the loop of
-// FusedDecoderLayers.__call__ (decoder_ops.py) over the layers, each step the same op it calls there
-// (decoder_ops.cpp, int8_matmul.cpp), in the same order, on the same tensors, so every output is
+// Whole forwards of decoder layers in one op each: decode_layers is the loop of a Llama-family target's
+// FusedDecoderLayers.__call__ (decoder_ops.py), draft_layers that of a DFlash / DFlare drafter's
+// FusedDraftLayers.__call__ (fused_dflash.py) for one block. Each step is the same op the Python loop
+// calls (decoder_ops.cpp, int8_matmul.cpp), in the same order, on the same tensors, so every output is
 // bit for bit the Python loop's. What it saves is the loop itself: nine op calls a layer from Python
 // (dispatch, argument boxing, module lookups) cost a one-token forward of SmolLM2-135M about a fifth
 // of its time on a 2-core CPU (figures: benchmarks/README.md, 'Measurements behind the code').
@@ -29,6 +30,62 @@ c10::TypedOperatorHandle<Signature> op(const char* name) {
 }
 
 using Matmul = Tensor(const Tensor&, const Tensor&, int64_t, const OptionalTensor&);
+using Norm = Tensor(const Tensor&, const Tensor&, double);
+using ResidualNorm = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, double);
+using RotarySplit = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t,
+                                                       const OptionalTensor&, const OptionalTensor&, double);
+using Gate = Tensor(const Tensor&);
+
+// The ops both loops call, looked up once.
+struct Ops {
+  c10::TypedOperatorHandle<Matmul> matmuls[2] = {op<Matmul>(kFormats[0]), op<Matmul>(kFormats[1])};
+  c10::TypedOperatorHandle<Norm> rms_norm = op<Norm>("diffdraft_decoder::rms_norm");
+  c10::TypedOperatorHandle<ResidualNorm> residual_rms_norm = op<ResidualNorm>("diffdraft_decoder::residual_rms_norm");
+  c10::TypedOperatorHandle<RotarySplit> rotary_split = op<RotarySplit>("diffdraft_decoder::rotary_split");
+  c10::TypedOperatorHandle<Gate> silu_gate = op<Gate>("diffdraft_decoder::silu_gate");
+
+  static const Ops& get() {
+    static const Ops ops;
+    return ops;
+  }
+};
+
+// The layers' linears (kLinears a layer: weights, output widths, formats 0 (Q4_1) or 1 (Q8_0), biases) and
+// norms (the first layer's input norm, then each layer's post-attention norm and the norm after it).
+struct Layers {
+  at::TensorList weights;
+  at::IntArrayRef out_features, formats;
+  const c10::List<OptionalTensor>& biases;
+  at::TensorList norms;
+  at::ArrayRef<double> epsilons;
+
+  void check(int64_t layers) const {
+    const int64_t linears = kLinears * layers;
+    TORCH_CHECK(static_cast<int64_t>(weights.size()) == linears &&
+                    static_cast<int64_t>(out_features.size()) == linears &&
+                    static_cast<int64_t>(formats.size()) == linears && static_cast<int64_t>(biases.size()) == linears,
+                "give ", kLinears, " weights, output widths, formats and biases per layer (", layers, " layers)");
+    TORCH_CHECK(static_cast<int64_t>(norms.size()) == 1 + 2 * layers && norms.size() == epsilons.size(),
+                "give the first input norm and two norms per layer, each with its epsilon");
+    for (int64_t format : formats) TORCH_CHECK(format == 0 || format == 1, "a format is 0 (Q4_1) or 1 (Q8_0)");
+  }
+
+  Tensor linear(const Tensor& x, int64_t index) const {
+    return Ops::get().matmuls[formats[index]].call(x, weights[index], out_features[index], biases.get(index));
+  }
+
+  // Layer `layer` after its attention: the output projection, the residual and post-attention norm, the
+  // gated MLP and the residual and next norm, updating (hidden, normed).
+  void finish(int64_t layer, const Tensor& attended, Tensor& hidden, Tensor& normed) const {
+    const Ops& ops = Ops::get();
+    const int64_t first = kLinears * layer, post = 1 + 2 * layer;
+    std::tie(hidden, normed) =
+        ops.residual_rms_norm.call(hidden, linear(attended, first + 1), norms[post], epsilons[post]);
+    const Tensor gated = ops.silu_gate.call(linear(normed, first + 2));
+    std::tie(hidden, normed) =
+        ops.residual_rms_norm.call(hidden, linear(gated, first + 3), norms[post + 1], epsilons[post + 1]);
+  }
+};
 
 // The forward's rows [n, H] (the embeddings) through every layer: returns the final norm's output and
 // then the outputs of layers `taps` (ascending), as FusedDecoderLayers.__call__ does with its cache writes.
@@ -44,48 +101,26 @@ std::vector<Tensor> decode_layers(const Tensor& hidden_in, const Tensor& cos, co
                                   at::ArrayRef<double> scalings, at::TensorList buffers, at::IntArrayRef cache_layers,
                                   at::IntArrayRef starts, at::IntArrayRef counts,
                                   const c10::List<OptionalTensor>& masks, at::IntArrayRef taps) {
-  static const c10::TypedOperatorHandle<Matmul> matmuls[] = {op<Matmul>(kFormats[0]), op<Matmul>(kFormats[1])};
-  static const auto rms_norm = op<Tensor(const Tensor&, const Tensor&, double)>("diffdraft_decoder::rms_norm");
-  static const auto residual_rms_norm = op<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
-                                                                      double)>("diffdraft_decoder::residual_rms_norm");
-  static const auto rotary_split =
-      op<std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t,
-                                            const OptionalTensor&, const OptionalTensor&, double)>(
-          "diffdraft_decoder::rotary_split");
   static const auto attend_cached =
       op<Tensor(const Tensor&, const Tensor&, const Tensor&, at::TensorList, int64_t, at::IntArrayRef,
                 at::IntArrayRef, const c10::List<OptionalTensor>&, double)>("diffdraft_decoder::attend_cached");
-  static const auto silu_gate = op<Tensor(const Tensor&)>("diffdraft_decoder::silu_gate");
-
+  const Ops& ops = Ops::get();
+  const Layers stack{weights, out_features, formats, biases, norms, epsilons};
   const int64_t layers = static_cast<int64_t>(cache_layers.size());
-  const int64_t linears = kLinears * layers;
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == linears && static_cast<int64_t>(out_features.size()) == linears &&
-                  static_cast<int64_t>(formats.size()) == linears && static_cast<int64_t>(biases.size()) == linears,
-              "give ", kLinears, " weights, output widths, formats and biases per layer (", layers, " layers)");
-  TORCH_CHECK(static_cast<int64_t>(norms.size()) == 1 + 2 * layers && norms.size() == epsilons.size(),
-              "give the first input norm and two norms per layer, each with its epsilon");
+  stack.check(layers);
   TORCH_CHECK(static_cast<int64_t>(scalings.size()) == layers, "give one attention scaling per layer");
-  for (int64_t format : formats) TORCH_CHECK(format == 0 || format == 1, "a format is 0 (Q4_1) or 1 (Q8_0)");
   const OptionalTensor no_norm;
-  auto linear = [&](const Tensor& x, int64_t index) {
-    return matmuls[formats[index]].call(x, weights[index], out_features[index], biases.get(index));
-  };
 
   Tensor hidden = hidden_in;
-  Tensor normed = rms_norm.call(hidden, norms[0], epsilons[0]);
+  Tensor normed = ops.rms_norm.call(hidden, norms[0], epsilons[0]);
   std::vector<Tensor> outputs{Tensor()};
   size_t next_tap = 0;
   for (int64_t layer = 0; layer < layers; ++layer) {
-    const int64_t first = kLinears * layer, post = 1 + 2 * layer;
-    auto [query, key, value] =
-        rotary_split.call(linear(normed, first), cos, sin, heads, kv_heads, no_norm, no_norm, 0.0);
+    auto [query, key, value] = ops.rotary_split.call(stack.linear(normed, kLinears * layer), cos, sin, heads, kv_heads,
+                                                     no_norm, no_norm, 0.0);
     const Tensor attended =
         attend_cached.call(query, key, value, buffers, cache_layers[layer], starts, counts, masks, scalings[layer]);
-    std::tie(hidden, normed) =
-        residual_rms_norm.call(hidden, linear(attended, first + 1), norms[post], epsilons[post]);
-    const Tensor gated = silu_gate.call(linear(normed, first + 2));
-    std::tie(hidden, normed) =
-        residual_rms_norm.call(hidden, linear(gated, first + 3), norms[post + 1], epsilons[post + 1]);
+    stack.finish(layer, attended, hidden, normed);
     if (next_tap < taps.size() && taps[next_tap] == layer) {
       outputs.push_back(hidden);
       ++next_tap;
@@ -96,6 +131,47 @@ std::vector<Tensor> decode_layers(const Tensor& hidden_in, const Tensor& cos, co
   return outputs;
 }
 
+// One draft block's rows [n, H] (its embeddings) through the drafter's layers, over one sequence's context:
+// returns the final norm's output, as FusedDraftLayers.__call__ does for one block. Linears and norms as
+// decode_layers takes them; per layer its per-head query and key norm weights (one epsilon each), its
+// scaling, and its context's key and value buffers [1, kv_heads, capacity, head_dim] holding `context`
+// rows: the block's own keys and values are written after them (as DraftContext.with_block does) and
+// the block attends over both, every row seeing all of them.
+Tensor draft_layers(const Tensor& block, const Tensor& cos, const Tensor& sin, at::TensorList weights,
+                    at::IntArrayRef out_features, at::IntArrayRef formats, const c10::List<OptionalTensor>& biases,
+                    at::TensorList norms, at::ArrayRef<double> epsilons, at::TensorList query_norms,
+                    at::TensorList key_norms, at::ArrayRef<double> head_epsilons, int64_t heads, int64_t kv_heads,
+                    at::ArrayRef<double> scalings, at::TensorList keys, at::TensorList values, int64_t context) {
+  static const auto attention = op<Tensor(const Tensor&, const Tensor&, const Tensor&, const OptionalTensor&, double)>(
+      "diffdraft_decoder::attention");
+  const Ops& ops = Ops::get();
+  const Layers stack{weights, out_features, formats, biases, norms, epsilons};
+  const int64_t layers = static_cast<int64_t>(keys.size());
+  stack.check(layers);
+  TORCH_CHECK(static_cast<int64_t>(values.size()) == layers && static_cast<int64_t>(query_norms.size()) == layers &&
+                  static_cast<int64_t>(key_norms.size()) == layers &&
+                  static_cast<int64_t>(head_epsilons.size()) == layers &&
+                  static_cast<int64_t>(scalings.size()) == layers,
+              "give per layer its key and value buffers, head norms, their epsilon and its scaling");
+  const int64_t rows = block.size(0);
+  Tensor hidden = block;
+  Tensor normed = ops.rms_norm.call(hidden, norms[0], epsilons[0]);
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    TORCH_CHECK(keys[layer].dim() == 4 && context + rows <= keys[layer].size(2) &&
+                    values[layer].sizes() == keys[layer].sizes(),
+                "layer ", layer, "'s key and value buffers must be [1, kv_heads, capacity, head_dim] with room for ",
+                rows, " rows after ", context);
+    auto [query, key, value] = ops.rotary_split.call(stack.linear(normed, kLinears * layer), cos, sin, heads, kv_heads,
+                                                     query_norms[layer], key_norms[layer], head_epsilons[layer]);
+    keys[layer].narrow(2, context, rows).copy_(key);
+    values[layer].narrow(2, context, rows).copy_(value);
+    const Tensor attended = attention.call(query, keys[layer].narrow(2, 0, context + rows),
+                                           values[layer].narrow(2, 0, context + rows), c10::nullopt, scalings[layer]);
+    stack.finish(layer, attended, hidden, normed);
+  }
+  return normed;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(diffdraft_decoder, m) {
@@ -103,6 +179,14 @@ TORCH_LIBRARY_FRAGMENT(diffdraft_decoder, m) {
       "decode_layers(Tensor hidden, Tensor cos, Tensor sin, Tensor[] weights, int[] out_features, int[] formats, "
       "Tensor?[] biases, Tensor[] norms, float[] epsilons, int heads, int kv_heads, float[] scalings, "
       "Tensor[] buffers, int[] cache_layers, int[] starts, int[] counts, Tensor?[] masks, int[] taps) -> Tensor[]");
+  m.def(
+      "draft_layers(Tensor block, Tensor cos, Tensor sin, Tensor[] weights, int[] out_features, int[] formats, "
+      "Tensor?[] biases, Tensor[] norms, float[] epsilons, Tensor[] query_norms, Tensor[] key_norms, "
+      "float[] head_epsilons, int heads, int kv_heads, float[] scalings, Tensor[] keys, Tensor[] values, "
+      "int context) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(diffdraft_decoder, CPU, m) { m.impl("decode_layers", &decode_layers); }
+TORCH_LIBRARY_IMPL(diffdraft_decoder, CPU, m) {
+  m.impl("decode_layers", &decode_layers);
+  m.impl("draft_layers", &draft_layers);
+}

@@ -85,8 +85,9 @@ class FusedDecoderLayers:
             )
             for layer, stacked, next_norm in zip(layers, qkv, norms, strict=True)
         ]
-        self.loop = _LoopOperands.of(self.first_norm, self.layers)
+        self.loop = LayerStack.of(self.first_norm, self.layers)
         """The layers as ``decode_layers`` takes them; None where a projection is on the bf16 kernel."""
+        self.cache_layers = [layer.cache_index for layer in self.layers]
 
     @classmethod
     def build(
@@ -160,17 +161,12 @@ class FusedDecoderLayers:
             hidden,
             cos,
             sin,
-            loop.weights,
-            loop.out_features,
-            loop.formats,
-            loop.biases,
-            loop.norms,
-            loop.epsilons,
+            *loop.projections_and_norms(),
             self.heads,
             self.kv_heads,
             loop.scalings,
             writes.tensors,
-            loop.cache_layers,
+            self.cache_layers,
             writes.starts,
             writes.counts,
             writes.masks,
@@ -198,10 +194,10 @@ class FusedDecoderLayers:
 
 
 @dataclass
-class _LoopOperands:
-    """The layers' weights, norms and attention settings flattened once, as ``decode_layers``
-    (decoder_loop.cpp) takes them: four linears a layer (q|k|v, output, gate|up, down), and the first
-    input norm then two norms a layer."""
+class LayerStack:
+    """Decoder layers' weights, norms and attention scalings flattened once, as the ops of
+    ``decoder_loop.cpp`` take them: four linears a layer (q|k|v, output, gate|up, down), and the first
+    input norm then two norms a layer (post-attention, and the next layer's input or the final one)."""
 
     weights: list[torch.Tensor]
     out_features: list[int]
@@ -210,11 +206,11 @@ class _LoopOperands:
     norms: list[torch.Tensor]
     epsilons: list[float]
     scalings: list[float]
-    cache_layers: list[int]
 
     @classmethod
-    def of(cls, first_norm: Norm, layers: Sequence[_Layer]) -> _LoopOperands | None:
-        """None when a projection is not on the int8 kernel."""
+    def of(cls, first_norm: Norm, layers: Sequence) -> LayerStack | None:
+        """From layers with the fields of :class:`_Layer` (``qkv``, ``output``, ``gate_up``, ``down``,
+        ``post_norm``, ``next_norm``, ``scaling``); None when a projection is not on the int8 kernel."""
         projections = [p for layer in layers for p in (layer.qkv, layer.output, layer.gate_up, layer.down)]
         if not all(isinstance(p, BlockQuantizedLinear) and p.activations == "int8" for p in projections):
             return None
@@ -229,8 +225,11 @@ class _LoopOperands:
             [weight for weight, _ in norms],
             [eps for _, eps in norms],
             [layer.scaling for layer in layers],
-            [layer.cache_index for layer in layers],
         )
+
+    def projections_and_norms(self) -> tuple[list, ...]:
+        """The ops' first arguments after the rows and rotary, in their order."""
+        return self.weights, self.out_features, self.formats, self.biases, self.norms, self.epsilons
 
 
 @dataclass
