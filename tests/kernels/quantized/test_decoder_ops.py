@@ -344,13 +344,13 @@ def test_the_layer_loop_in_one_op_gives_the_python_loops_bits(family):
     """``decode_layers`` against :class:`FusedDecoderLayers`' Python loop over the same ops: packed
     trees of two sequences with taps, their logits, taps and the rows each leaves in its cache."""
     target = _block_target(family, seed=4)
-    assert target.lean.fused.loop is not None
+    assert target.lean.fused.stack is not None
     prompts = [torch.randint(1, 95, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 9)]
     results, caches = {}, {}
     for looped in (True, False):
-        loop = target.lean.fused.loop
+        stack = target.lean.fused.stack
         if not looped:
-            target.lean.fused.loop = None
+            target.lean.fused.stack = None
         inputs = []
         for prompt in prompts:
             cache = target.new_cache()
@@ -360,7 +360,7 @@ def test_the_layer_loop_in_one_op_gives_the_python_loops_bits(family):
             inputs.append(VerifyInput(cache, TREE.tokens, TREE.position_ids(len(prompt) + 1), mask))
         results[looped] = target.verify_batch(inputs, [0, 2, 3])
         caches[looped] = [one.cache for one in inputs]
-        target.lean.fused.loop = loop
+        target.lean.fused.stack = stack
     for looped, python in zip(results[True], results[False], strict=True):
         assert torch.equal(looped.logits, python.logits) and torch.equal(looped.hidden, python.hidden)
     for looped, python in zip(caches[True], caches[False], strict=True):
@@ -377,7 +377,7 @@ def test_layers_on_the_bf16_kernel_keep_the_python_loop():
             setattr(parent, attribute, BlockQuantizedLinear(module.blocks, module.bias, "bf16"))
     fuse_projections(model)
     fused = TargetModel(model).lean.fused
-    assert fused is not None and fused.loop is None
+    assert fused is not None and fused.stack is None
 
 
 def _generate(target: TargetModel, drafter, builder, prompt: list[int]) -> list[int]:

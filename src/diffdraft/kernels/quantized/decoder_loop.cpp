@@ -51,7 +51,8 @@ struct Ops {
 };
 
 // The layers' linears (kLinears a layer: weights, output widths, formats 0 (Q4_1) or 1 (Q8_0), biases) and
-// norms (the first layer's input norm, then each layer's post-attention norm and the norm after it).
+// norms with their epsilons (the first layer's input norm, then each layer's post-attention norm and the
+// norm after it: the next layer's input norm, the final norm after the last layer).
 struct Layers {
   at::TensorList weights;
   at::IntArrayRef out_features, formats;
@@ -89,11 +90,9 @@ struct Layers {
 
 // The forward's rows [n, H] (the embeddings) through every layer: returns the final norm's output and
 // then the outputs of layers `taps` (ascending), as FusedDecoderLayers.__call__ does with its cache writes.
-// Per layer l and linear i (kLinears of them): weights[kLinears * l + i] (the int8 kernel's tiles),
-// out_features and formats (0: Q4_1, 1: Q8_0) alike, biases (or none); norms and epsilons: the first
-// layer's input norm, then each layer's post-attention norm and the norm after it (the next layer's
-// input norm, the decoder's final norm after the last). Attention: attend_cached over `buffers` at
-// each layer's cache index, with the segments' starts, counts and masks.
+// Linears and norms as Layers holds them (weights[kLinears * l + i]: layer l's linear i, the int8
+// kernel's tiles). Attention: attend_cached over `buffers` at each layer's cache index, with the
+// segments' starts, counts and masks.
 std::vector<Tensor> decode_layers(const Tensor& hidden_in, const Tensor& cos, const Tensor& sin, at::TensorList weights,
                                   at::IntArrayRef out_features, at::IntArrayRef formats,
                                   const c10::List<OptionalTensor>& biases, at::TensorList norms,

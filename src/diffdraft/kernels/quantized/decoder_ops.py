@@ -85,8 +85,8 @@ class FusedDecoderLayers:
             )
             for layer, stacked, next_norm in zip(layers, qkv, norms, strict=True)
         ]
-        self.loop = LayerStack.of(self.first_norm, self.layers)
-        """The layers as ``decode_layers`` takes them; None where a projection is on the bf16 kernel."""
+        self.stack = LayerStack.of(self.first_norm, self.layers)
+        """The layers as ``decode_layers`` takes them; None where a projection is not on the int8 kernel."""
         self.cache_layers = [layer.cache_index for layer in self.layers]
 
     @classmethod
@@ -126,7 +126,7 @@ class FusedDecoderLayers:
         ops = self.ops
         cos, sin = rotary[0][0], rotary[1][0]
         writes = _CacheWrites.reserve(segments)
-        if writes is not None and self.loop is not None:
+        if writes is not None and self.stack is not None:
             return self._looped(hidden, cos, sin, writes, wanted)
         normed = ops.rms_norm(hidden, *self.first_norm)
         taps = {}
@@ -156,15 +156,15 @@ class FusedDecoderLayers:
         wanted: set[int],
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """:meth:`__call__`'s loop as one op (``decode_layers``)."""
-        loop, taps = self.loop, sorted(i for i in wanted if i < len(self.layers))
+        stack, taps = self.stack, sorted(i for i in wanted if i < len(self.layers))
         normed, *outputs = self.ops.decode_layers(
             hidden,
             cos,
             sin,
-            *loop.projections_and_norms(),
+            *stack.projections_and_norms(),
             self.heads,
             self.kv_heads,
-            loop.scalings,
+            stack.scalings,
             writes.tensors,
             self.cache_layers,
             writes.starts,
@@ -212,9 +212,9 @@ class LayerStack:
         """From layers with the fields of :class:`_Layer` (``qkv``, ``output``, ``gate_up``, ``down``,
         ``post_norm``, ``next_norm``, ``scaling``); None when a projection is not on the int8 kernel."""
         projections = [p for layer in layers for p in (layer.qkv, layer.output, layer.gate_up, layer.down)]
-        if not all(isinstance(p, BlockQuantizedLinear) and p.activations == "int8" for p in projections):
+        operands = [p.int8_operands() if isinstance(p, BlockQuantizedLinear) else None for p in projections]
+        if any(o is None for o in operands):
             return None
-        operands = [p.int8_operands() for p in projections]
         weights, out_features, formats, biases = (list(part) for part in zip(*operands, strict=True))
         norms = [first_norm, *(norm for layer in layers for norm in (layer.post_norm, layer.next_norm))]
         return cls(
