@@ -67,6 +67,11 @@ class FusedDraftLayers:
         self.stack = LayerStack.of(self.first_norm, self.layers)
         """The layers as ``draft_layers`` (decoder_loop.cpp) takes them, which runs one block's forward
         in one op; None where a projection is not on the int8 kernel."""
+        self.head_norms = tuple(
+            list(part) for part in zip(*(layer.head_norms for layer in self.layers), strict=True)
+        )
+        """Every layer's query norm weight, key norm weight and epsilon, three lists as ``draft_layers``
+        takes them (made once: the op runs every drafting round)."""
 
     @classmethod
     def build(cls, model: DFlashDraftModel) -> FusedDraftLayers | None:
@@ -151,9 +156,7 @@ class FusedDraftLayers:
             cos,
             sin,
             *self.stack.projections_and_norms(),
-            [layer.head_norms[0] for layer in self.layers],
-            [layer.head_norms[1] for layer in self.layers],
-            [layer.head_norms[2] for layer in self.layers],
+            *self.head_norms,
             self.heads,
             self.kv_heads,
             self.stack.scalings,
