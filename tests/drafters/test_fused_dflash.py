@@ -9,7 +9,7 @@ import torch
 from diffdraft.drafters.dflash import DFlashDrafter
 from diffdraft.drafters.dflash_model import DFLARE, DFLASH
 from diffdraft.kernels.fused_projections import fuse_projections
-from diffdraft.kernels.quantized.block_linear import BlockQuantizedLinear
+from diffdraft.kernels.quantized.block_linear import BlockQuantizedLinear, q8_linear
 from diffdraft.target.model import TargetModel
 
 from conftest import needs_block_kernel, q4_1_target, tiny_drafter
@@ -17,10 +17,15 @@ from conftest import needs_block_kernel, q4_1_target, tiny_drafter
 pytestmark = needs_block_kernel
 
 
-def _drafters(variant: str, draft_vocab: list[int] | None, seed: int) -> tuple[DFlashDrafter, DFlashDrafter]:
-    """(fused, module-forward) drafters of the same weights beside a laid-out bf16 block target."""
+def _drafters(
+    variant: str, draft_vocab: list[int] | None, seed: int, q8_head: bool = False
+) -> tuple[DFlashDrafter, DFlashDrafter]:
+    """(fused, module-forward) drafters of the same weights beside a laid-out bf16 block target, its LM
+    head on the int8 kernel where ``q8_head`` (as a GGUF target's)."""
     model, _ = q4_1_target("llama", seed=seed, vocab=96)
     fuse_projections(model)
+    if q8_head:
+        model.lm_head = q8_linear(model.lm_head)
     target = TargetModel(model)
     fused, eager = (
         DFlashDrafter(tiny_drafter(model, seed, 2, 6, variant, draft_vocab=draft_vocab), target) for _ in "ab"
@@ -92,6 +97,7 @@ def test_a_blocks_layer_loop_in_one_op_gives_the_python_loops_bits(variant):
     python._fused = type(looped._fused)(python.model)
     assert looped._fused.stack is not None
     python._fused.stack = None
+    python._lm_head = None  # its rounds step by step
     g = torch.Generator().manual_seed(7)
     committed = 0
     for new in (300, 2, 1):
@@ -105,3 +111,52 @@ def test_a_blocks_layer_loop_in_one_op_gives_the_python_loops_bits(variant):
         buffers = [drafter._context.block_room(5) for drafter in (looped, python)]
         for a, b in zip(*(keys + values for keys, values in buffers), strict=True):
             assert torch.equal(a[:, :, : committed + 5], b[:, :, : committed + 5])
+
+
+@pytest.mark.parametrize("variant", [DFLASH, DFLARE])
+def test_the_context_projection_in_one_op_gives_the_python_steps_bits(variant):
+    """``draft_context`` against :meth:`FusedDraftLayers.context_features` and ``context_kv`` then an
+    append, through appends that outgrow the buffers: the same context rows, bit for bit."""
+    in_op, python = _drafters(variant, None, seed=8)
+    python._fused = type(in_op._fused)(python.model)
+    assert in_op._fused.context_stack is not None
+    python._fused.context_stack = None
+    python._lm_head = None
+    g = torch.Generator().manual_seed(9)
+    committed = 0
+    for new in (300, 2, 1, 57):  # the first fills a buffer of its own size, the second outgrows it
+        states = torch.randn(new, len(in_op.target_layer_ids), in_op.model.config.hidden_size, generator=g)
+        for drafter in (in_op, python):
+            drafter.extend_context(states.to(torch.bfloat16), committed)
+            drafter._projected_context()
+        committed += new
+        assert in_op._context.length == python._context.length == committed
+        for a, b in zip(in_op._context.layers(), python._context.layers(), strict=True):
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@pytest.mark.parametrize("variant", [DFLASH, DFLARE])
+@pytest.mark.parametrize("draft_vocab", [None, list(range(0, 96, 3))])
+def test_a_drafting_round_in_one_op_gives_the_steps_bits(variant, draft_vocab):
+    """``draft_block`` (taps appended, block drafted, LM head) against the same round step by step, with
+    the taps of one or several rounds pending and buffers outgrown: the same proposals and context."""
+    one_op, steps = _drafters(variant, draft_vocab, seed=10, q8_head=True)
+    steps._fused = type(one_op._fused)(steps.model)
+    assert one_op._lm_head is not None
+    steps._lm_head = None
+    g = torch.Generator().manual_seed(11)
+    width = (len(one_op.target_layer_ids), one_op.model.config.hidden_size)
+    committed = 0
+    for commits, depth in (((300,), 5), ((2,), 3), ((1, 3), 1), ((60, 1), 7), ((), 2)):
+        for new in commits:  # rounds that did not draft leave their taps pending
+            states = torch.randn(new, *width, generator=g)
+            for drafter in (one_op, steps):
+                drafter.extend_context(states.to(torch.bfloat16), committed)
+            committed += new
+        token_ids = torch.randint(0, 90, (committed + 1,), generator=g)
+        proposals = [drafter.propose(token_ids, depth).log_probs for drafter in (one_op, steps)]
+        assert proposals[0].shape == (depth, 96) and torch.equal(proposals[0], proposals[1])
+        assert torch.equal(proposals[0].isinf(), proposals[1].isinf()) and proposals[0].isfinite().any()
+        assert one_op._context.length == steps._context.length == committed and not one_op._pending
+        for a, b in zip(one_op._context.layers(), steps._context.layers(), strict=True):
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])

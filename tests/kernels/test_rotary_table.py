@@ -60,3 +60,13 @@ def test_other_devices_than_the_cpu_call_the_module():
     table = RotaryTable(rotary)
     cos, sin = table(torch.zeros(1, 1, 64, device="meta"), torch.arange(3, device="meta")[None])
     assert cos.device.type == sin.device.type == "meta" and cos.shape == (1, 3, 16) and not table._tables
+
+
+@pytest.mark.parametrize("rope_type", ["default", "dynamic"])
+def test_a_span_of_positions_is_what_a_lookup_of_them_gives(rope_type):
+    table = RotaryTable(_rotary({"rope_type": rope_type, "rope_theta": 10000.0, "factor": 2.0}))
+    like = torch.zeros(1, 1, 64, dtype=torch.bfloat16)
+    for begin, end in ((0, 1), (700, 709), (FIRST_ROWS - 3, FIRST_ROWS + 4)):  # the last grows the table
+        expected = table(like, torch.arange(begin, end)[None])
+        for a, b in zip(table.rows(like, begin, end), expected, strict=True):
+            assert a.shape == b[0].shape == (end - begin, 16) and torch.equal(a, b[0])

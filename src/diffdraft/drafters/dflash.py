@@ -18,7 +18,7 @@ from diffdraft.drafters.base import ForksByCopy, Proposal, vocab_columns
 from diffdraft.drafters.compatibility import check_fits_target
 from diffdraft.drafters.dflash_model import DFLASH, DFlashDraftModel, draft_head
 from diffdraft.drafters.draft_context import DraftContext
-from diffdraft.drafters.fused_dflash import FusedDraftLayers
+from diffdraft.drafters.fused_dflash import DraftBlock, FusedDraftLayers
 from diffdraft.errors import IncompatibleDrafterError
 from diffdraft.kernels.fused_projections import fuse_projections
 from diffdraft.kernels.packed_linear import has_packed_layers, pack_linear, pack_linear_layers
@@ -46,6 +46,9 @@ class DFlashDrafter(ForksByCopy):
             if self.model.variant == DFLASH:
                 self.model.fc = lay_out(self.model.fc)
         self._fused = FusedDraftLayers.build(self.model)
+        self._lm_head = _one_op_head(self._fused, self.embed, self.head)
+        """The LM head's int8 operands where a drafting round runs as one op
+        (:meth:`FusedDraftLayers.draft_block`); None where it runs step by step."""
         self._rope = RotaryTable(self.model.rotary_emb)  # for the fused forward (the module has its own)
         self.vocab_size = target.vocab_size
         self._vocab_columns = vocab_columns(self.model.draft_vocab)
@@ -77,20 +80,20 @@ class DFlashDrafter(ForksByCopy):
             spans = [range(start, start + rows.shape[0]) for rows, start in self._pending]
             positions = torch.tensor([p for span in spans for p in span], device=self._device)[None]
             if self._fused is None:
-                new = self.model.context_kv(hidden[None], positions)
+                self._context.append(self.model.context_kv(hidden[None], positions))
             else:
-                features = self._fused.context_features(hidden)
-                cos, sin = self._rope(features[0], positions)
-                new = self._fused.context_kv(features, cos[0], sin[0])
-            self._context.append(new)
+                cos, sin = self._rope(hidden, positions)
+                self._fused.project(hidden, cos[0], sin[0], self._context)
             self._pending = []
         return self._context
 
     @torch.inference_mode()
     def propose(self, token_ids: torch.Tensor, depth: int) -> Proposal:
+        start = token_ids.shape[0] - 1
+        if self._lm_head is not None and self._context.length and self._taps_follow_context(start):
+            return self._proposal(self._drafted_in_one_op(int(token_ids[-1]), start, depth))
         block = torch.full((depth + 1,), self.model.mask_token_id, device=self._device)
         block[0] = token_ids[-1]  # the root, copied on the device (int() would wait for a GPU)
-        start = token_ids.shape[0] - 1
         positions = torch.arange(start, start + depth + 1, device=self._device)[None]
         context = self._projected_context()
         embeds = self.embed(block)
@@ -100,6 +103,27 @@ class DFlashDrafter(ForksByCopy):
             cos, sin = self._rope(embeds, positions)
             hidden = self._fused(embeds, cos[0], sin[0], [context], [slice(None)])
         return self._proposal(self.head(hidden[1:]).float().log_softmax(-1))
+
+    def _taps_follow_context(self, start: int) -> bool:
+        """Whether the pending taps are those of positions [context rows, ``start``) in order, as rounds
+        commit them: then one rotary span covers them and the block rooted at ``start``."""
+        position = self._context.length
+        for hidden, first in self._pending:
+            if first != position:
+                return False
+            position += hidden.shape[0]
+        return position == start
+
+    def _drafted_in_one_op(self, root: int, start: int, depth: int) -> torch.Tensor:
+        """:meth:`propose`'s log-probabilities [depth, draft vocabulary], the pending taps projected
+        first, all in one op (the same bits as step by step)."""
+        states = [hidden for hidden, _ in self._pending]
+        taps = None if not states else states[0] if len(states) == 1 else torch.cat(states)
+        self._pending = []
+        weight = self.embed.weight
+        cos, sin = self._rope.rows(weight, self._context.length, start + depth + 1)
+        block = DraftBlock(root, depth, taps, self.model.mask_token_id, weight, self._lm_head)
+        return self._fused.draft_block(block, self._context, cos, sin)
 
     @torch.inference_mode()
     def propose_batch(
@@ -170,6 +194,14 @@ def _drafting_head(lm_head: nn.Module, draft_vocab: torch.Tensor | None, laid_ou
         return lm_head if draft_vocab is None else lm_head.rows(draft_vocab)
     head = draft_head(lm_head, draft_vocab)
     return pack_linear(head) if laid_out else head
+
+
+def _one_op_head(fused: FusedDraftLayers | None, embed: nn.Module, head: nn.Module) -> tuple | None:
+    """The LM head's int8 kernel operands when a drafting round can run as one op: fused layers that
+    draft in one op, a plain embedding table (a scaled one embeds otherwise) and a head on the kernel."""
+    if fused is None or not fused.drafts_in_one_op() or type(embed) is not nn.Embedding:
+        return None
+    return head.int8_operands() if isinstance(head, BlockQuantizedLinear) else None
 
 
 def _padded(rows: Sequence[torch.Tensor], length: int) -> torch.Tensor:

@@ -55,6 +55,11 @@ class DraftContext:
         self._reserve(self._keys[0], self.length + rows)
         return self._keys, self._values
 
+    def count_appended(self, rows: int) -> None:
+        """Count as context the next ``rows`` rows, which an op wrote into :meth:`block_room`'s buffers
+        itself (as :meth:`append` writes them)."""
+        self.length += rows
+
     def _reserve(self, like: torch.Tensor, rows: int) -> None:
         if self._keys and rows <= self._keys[0].shape[2]:
             return

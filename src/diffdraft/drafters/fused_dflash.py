@@ -7,7 +7,8 @@ attention, gating). Here each of those steps is one op of
 :mod:`~diffdraft.kernels.quantized.decoder_ops`, rounded where the module forward rounds; attention
 sums in another order, so a proposal may differ from the module forward's in the last bits. Drafts
 only: verification keeps the output exact whatever the drafter proposes. One block's loop over the
-layers runs as one op on the int8 kernel (``draft_layers`` in ``decoder_loop.cpp``, the same bits).
+layers runs as one op on the int8 kernel (``draft_layers`` in ``decoder_loop.cpp``, the same bits),
+and so does the projection of committed tokens into the context (``draft_context``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import nn
 from diffdraft.drafters.dflash_model import DFLASH, DFlashDraftModel
 from diffdraft.drafters.draft_context import DraftContext, KeysAndValues
 from diffdraft.kernels.fused_projections import stacked_projection
+from diffdraft.kernels.quantized.block_linear import BlockQuantizedLinear
 from diffdraft.kernels.quantized.decoder_ops import MAX_HEAD_DIM, LayerStack, Norm, decoder_ops, norm_weights
 
 
@@ -41,6 +43,35 @@ class _Layer:
     next_norm: Norm
     """The next layer's input norm, or the model's final norm: each layer ends with it."""
     scaling: float
+
+
+@dataclass(frozen=True)
+class _ContextStack:
+    """The context projection's operands in the order of ``draft_context`` and ``draft_block``."""
+
+    features: tuple
+    """DFlare's tap weights or DFlash's fc (weight, output width, format), then the context norms and
+    their epsilons."""
+    linears: tuple
+    """Every layer's context k|v linear: weights, output widths, formats, biases; the query heads
+    they project first (DFlash: all, dropped; DFlare: none)."""
+
+
+@dataclass(frozen=True)
+class DraftBlock:
+    """What one drafting round of :meth:`FusedDraftLayers.draft_block` drafts from."""
+
+    root: int
+    """The round's root token (the block's first row)."""
+    depth: int
+    """Positions drafted after it (mask tokens)."""
+    taps: torch.Tensor | None
+    """Committed tokens' target taps [c, T, H] not yet in the context."""
+    mask_token: int
+    embedding: torch.Tensor
+    """The target's token embedding table."""
+    lm_head: tuple
+    """The LM head over the draft vocabulary, as its int8 kernel operands (weight, width, format, bias)."""
 
 
 class FusedDraftLayers:
@@ -72,6 +103,10 @@ class FusedDraftLayers:
         )
         """Every layer's query norm weight, key norm weight and epsilon, three lists as ``draft_layers``
         takes them (made once: the op runs every drafting round)."""
+        self.context_stack = self._context_stack()
+        """The context projection's operands as ``draft_context`` and ``draft_block`` take them
+        (decoder_loop.cpp), which project committed tokens' taps into every layer's context rows in one
+        op; None where a linear is not on the int8 kernel."""
 
     @classmethod
     def build(cls, model: DFlashDraftModel) -> FusedDraftLayers | None:
@@ -89,6 +124,73 @@ class FusedDraftLayers:
         # last: the first call loads (or compiles) the kernel library, which a drafter not laid out
         # on it has no use for
         return cls(model) if decoder_ops() is not None else None
+
+    def _context_stack(self) -> _ContextStack | None:
+        context_kv = [_int8_operands(layer.context_kv) for layer in self.layers]
+        fc = _int8_operands(self.fc) if self.variant == DFLASH else None
+        fc_off_kernel = self.variant == DFLASH and (fc is None or fc[3] is not None)  # fc: never a bias
+        if fc_off_kernel or any(o is None for o in context_kv):
+            return None
+        if self.variant == DFLASH:
+            features = (None, *fc[:3], [self.hidden_norm[0]], [self.hidden_norm[1]])
+        else:
+            norms = self.context_norms
+            features = (self.tap_weights, None, 0, 0, [w for w, _ in norms], [eps for _, eps in norms])
+        weights, out_features, formats, biases = (list(part) for part in zip(*context_kv, strict=True))
+        return _ContextStack(features, (weights, out_features, formats, biases, self.layers[0].context_heads))
+
+    def project(
+        self, taps: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, context: DraftContext
+    ) -> None:
+        """Append the context rows of committed tokens' target taps [c, T, H] to ``context``, ``cos`` /
+        ``sin`` [c, d] the rows' rotary: :meth:`context_features` then :meth:`context_kv`, in one op
+        (``draft_context``, the same bits) once the context holds rows."""
+        if self.context_stack is None or not context.length:
+            context.append(self.context_kv(self.context_features(taps), cos, sin))
+            return
+        stack = self.context_stack
+        keys, values = context.block_room(taps.shape[0])
+        linears = (*stack.linears, self.kv_heads, *self.head_norms)
+        self.ops.draft_context(taps, *stack.features, cos, sin, *linears, keys, values, context.length)
+        context.count_appended(taps.shape[0])
+
+    def drafts_in_one_op(self) -> bool:
+        """Whether :meth:`draft_block` runs here (every linear on the int8 kernel)."""
+        return self.stack is not None and self.context_stack is not None
+
+    def draft_block(
+        self, block: DraftBlock, context: DraftContext, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        """A whole drafting round of one sequence in one op (``draft_block``): ``block.taps`` (committed
+        tokens' taps [c, T, H] not yet in ``context``, or None) appended to ``context`` as :meth:`project`
+        does, then the block's forward as :meth:`__call__` does, then the LM head: float32
+        log-probabilities [depth, vocabulary] of the drafted rows. ``cos`` / ``sin``: the rotary of the
+        c taps' rows then the block's. The context must hold rows already."""
+        appended = 0 if block.taps is None else block.taps.shape[0]
+        keys, values = context.block_room(appended + block.depth + 1)
+        stack = self.context_stack
+        log_probs = self.ops.draft_block(
+            block.root,
+            block.mask_token,
+            block.depth,
+            block.embedding,
+            cos,
+            sin,
+            block.taps,
+            *stack.features,
+            *stack.linears,
+            *self.stack.projections_and_norms(),
+            *self.head_norms,
+            self.heads,
+            self.kv_heads,
+            self.stack.scalings,
+            *block.lm_head,
+            keys,
+            values,
+            context.length,
+        )
+        context.count_appended(appended)
+        return log_probs
 
     def context_features(self, taps: torch.Tensor) -> list[torch.Tensor]:
         """Every layer's context rows [c, H] from target taps [c, T, H], as
@@ -164,6 +266,11 @@ class FusedDraftLayers:
             values,
             context.length,
         )
+
+
+def _int8_operands(linear: nn.Module) -> tuple | None:
+    """The int8 kernel's operands of ``linear`` (:meth:`BlockQuantizedLinear.int8_operands`), or None."""
+    return linear.int8_operands() if isinstance(linear, BlockQuantizedLinear) else None
 
 
 def _layer(layer: nn.Module, next_norm: nn.Module, variant: str) -> _Layer:

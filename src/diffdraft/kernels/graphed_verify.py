@@ -116,7 +116,7 @@ class GraphedVerify:
             visible[:, :end] = mask[0, 0]
         logits, taps = forward.run()
         for layer in layers:
-            layer._set_length(end)
+            layer._length = end
         return logits.clone(), None if taps is None else taps.clone()  # the next run overwrites them
 
     def _build(

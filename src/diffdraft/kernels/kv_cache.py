@@ -68,13 +68,10 @@ class SharedBuffer:
         layers = self.layers
         self._set_length(layers, max(0, layers[0].get_seq_length() - rows))
 
-    def _set_length(self, layers: list[GrowableLayer], length: int) -> None:
-        """Every layer's views of its first ``length`` rows, from one slice of the buffer each for keys
-        and values, unbound: a view made per layer costs several times as much, per sequence and round."""
-        keys = self.tensor[:, 0, ..., :length, :].unbind(0)
-        values = self.tensor[:, 1, ..., :length, :].unbind(0)
-        for layer, layer_keys, layer_values in zip(layers, keys, values, strict=True):
-            layer._length, layer.keys, layer.values = length, layer_keys, layer_values
+    @staticmethod
+    def _set_length(layers: list[GrowableLayer], length: int) -> None:
+        for layer in layers:
+            layer._length = length
 
     def grow(self, like: torch.Tensor, capacity: int) -> None:
         """Reallocate with room for ``capacity`` rows, keeping every layer's rows. Zeroed: a forward
@@ -86,9 +83,30 @@ class SharedBuffer:
             kept = max(layer.get_seq_length() for layer in layers)
             tensor[..., :kept, :] = self.tensor[..., :kept, :]
         self.tensor = tensor
-        for index, layer in enumerate(layers):  # views of the old tensor would go stale
+        for index, layer in enumerate(layers):
             layer._key_buffer, layer._value_buffer = tensor[index, 0], tensor[index, 1]
-            layer._set_length(layer.get_seq_length())
+
+
+class _LeadingRows:
+    """A :class:`GrowableLayer`'s ``keys`` or ``values``: the first rows of its buffer, viewed when read,
+    so an append or a crop only counts rows (every layer's views made anew took a sequence's round about
+    0.2 ms on a 2-core CPU, twice a round: figures in benchmarks/README.md, 'Measurements behind the
+    code'). Before the layer has a buffer, what Hugging Face's code assigned (None, an empty tensor)."""
+
+    def __init__(self, buffer: str) -> None:
+        self.buffer = buffer
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.unbuffered = f"_unbuffered_{name}"
+
+    def __get__(self, layer: GrowableLayer | None, owner: type | None = None):
+        if layer is None:
+            return self
+        buffer = getattr(layer, self.buffer)
+        return getattr(layer, self.unbuffered) if buffer is None else buffer[..., : layer._length, :]
+
+    def __set__(self, layer: GrowableLayer, tensor: torch.Tensor | None) -> None:
+        setattr(layer, self.unbuffered, tensor)
 
 
 class GrowableLayer(DynamicLayer):
@@ -96,11 +114,14 @@ class GrowableLayer(DynamicLayer):
     buffers (its own, or its slice of a :class:`SharedBuffer`); writing into the views (as
     :func:`keep_rows` does) writes the buffers."""
 
+    keys = _LeadingRows("_key_buffer")
+    values = _LeadingRows("_value_buffer")
+
     def __init__(self, shared: SharedBuffer | None = None) -> None:
-        super().__init__()
-        self.shared = shared
         self._key_buffer = self._value_buffer = None
         self._length = 0
+        super().__init__()
+        self.shared = shared
         if shared is not None:
             shared.join(self)
 
@@ -118,7 +139,7 @@ class GrowableLayer(DynamicLayer):
             self._grow(key_states, value_states, _capacity_for(end))
         self._key_buffer[..., self._length : end, :] = key_states
         self._value_buffer[..., self._length : end, :] = value_states
-        self._set_length(end)
+        self._length = end
         return self.keys, self.values
 
     def _grow(self, key_states: torch.Tensor, value_states: torch.Tensor, capacity: int) -> None:
@@ -131,11 +152,6 @@ class GrowableLayer(DynamicLayer):
             keys[..., : self._length, :] = self.keys
             values[..., : self._length, :] = self.values
         self._key_buffer, self._value_buffer = keys, values
-
-    def _set_length(self, length: int) -> None:
-        self._length = length
-        if self._key_buffer is not None:
-            self.keys, self.values = self._key_buffer[..., :length, :], self._value_buffer[..., :length, :]
 
     def get_seq_length(self) -> int:
         return self._length if self.is_initialized else 0
@@ -150,7 +166,7 @@ class GrowableLayer(DynamicLayer):
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes a negative count of rows to remove, got {tokens_to_remove}")
         if tokens_to_remove and self.is_initialized:
-            self._set_length(max(0, self._length + tokens_to_remove))
+            self._length = max(0, self._length + tokens_to_remove)
 
     def reset(self) -> None:
         super().reset()

@@ -37,6 +37,15 @@ class RotaryTable:
         cos, sin = self._table(like, int(position_ids.max()) + 1)
         return cos[position_ids], sin[position_ids]
 
+    def rows(self, like: torch.Tensor, begin: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` [end - begin, d] of positions ``begin`` .. ``end - 1``, the values
+        :meth:`__call__` gives them; on the CPU slices of the table (no gather)."""
+        if not self.static or like.device.type != "cpu":
+            cos, sin = self.rotary(like, torch.arange(begin, end, device=like.device)[None])
+            return cos[0], sin[0]
+        cos, sin = self._table(like, end)
+        return cos[begin:end], sin[begin:end]
+
     def _table(self, like: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         table = self._tables.get(like.dtype)
         if table is None or table[0].shape[0] < rows:

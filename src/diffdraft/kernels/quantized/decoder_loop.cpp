@@ -1,6 +1,8 @@
 // Whole forwards of decoder layers in one op each: decode_layers is the loop of a Llama-family target's
 // FusedDecoderLayers.__call__ (decoder_ops.py), draft_layers that of a DFlash / DFlare drafter's
-// FusedDraftLayers.__call__ (fused_dflash.py) for one block. Each step is the same op the Python loop
+// FusedDraftLayers.__call__ (fused_dflash.py) for one block, draft_context its projection of committed
+// tokens' target states into every draft layer's context keys and values (FusedDraftLayers.project), and
+// draft_block a whole drafting round of one sequence (both, then the LM head: DFlashDrafter.propose). Each step is the same op the Python loop
 // calls (decoder_ops.cpp, int8_matmul.cpp), in the same order, on the same tensors, so every output is
 // bit for bit the Python loop's. What it saves is the loop itself: nine op calls a layer from Python
 // (dispatch, argument boxing, module lookups) cost a one-token forward of SmolLM2-135M about a fifth
@@ -50,6 +52,12 @@ struct Ops {
   }
 };
 
+// A linear on the int8 kernel: format 0 (Q4_1) or 1 (Q8_0), the weight as its tiles.
+Tensor matmul(const Tensor& x, const Tensor& weight, int64_t out_features, int64_t format, const OptionalTensor& bias) {
+  TORCH_CHECK(format == 0 || format == 1, "a format is 0 (Q4_1) or 1 (Q8_0)");
+  return Ops::get().matmuls[format].call(x, weight, out_features, bias);
+}
+
 // The layers' linears (kLinears a layer: weights, output widths, formats 0 (Q4_1) or 1 (Q8_0), biases) and
 // norms with their epsilons (the first layer's input norm, then each layer's post-attention norm and the
 // norm after it: the next layer's input norm, the final norm after the last layer).
@@ -68,11 +76,10 @@ struct Layers {
                 "give ", kLinears, " weights, output widths, formats and biases per layer (", layers, " layers)");
     TORCH_CHECK(static_cast<int64_t>(norms.size()) == 1 + 2 * layers && norms.size() == epsilons.size(),
                 "give the first input norm and two norms per layer, each with its epsilon");
-    for (int64_t format : formats) TORCH_CHECK(format == 0 || format == 1, "a format is 0 (Q4_1) or 1 (Q8_0)");
   }
 
   Tensor linear(const Tensor& x, int64_t index) const {
-    return Ops::get().matmuls[formats[index]].call(x, weights[index], out_features[index], biases.get(index));
+    return matmul(x, weights[index], out_features[index], formats[index], biases.get(index));
   }
 
   // Layer `layer` after its attention: the output projection, the residual and post-attention norm, the
@@ -171,6 +178,96 @@ Tensor draft_layers(const Tensor& block, const Tensor& cos, const Tensor& sin, a
   return normed;
 }
 
+// The context rows of a DFlash / DFlare drafter from committed tokens' target taps [c, T, H]: each draft
+// layer's context features (DFlare: its softmax mix of the taps in float32, rounded to bfloat16, then
+// its context norm; DFlash: one fc projection of the taps side by side and its norm, shared by all
+// layers), projected by the layer's context k|v linear (DFlash: its q|k|v, the `context_heads` query heads
+// dropped), its keys normed per head and rotated by the rows' rotary `cos`/`sin` [c, head_dim]. Written
+// into the layers' key and value buffers [1, kv_heads, capacity, head_dim] at rows [context, context + c),
+// as FusedDraftLayers.context_features, context_kv and DraftContext.append do, op for op.
+void draft_context(const Tensor& taps, const OptionalTensor& tap_weights, const OptionalTensor& fc_weight,
+                   int64_t fc_out_features, int64_t fc_format, at::TensorList feature_norms,
+                   at::ArrayRef<double> feature_epsilons, const Tensor& cos, const Tensor& sin, at::TensorList weights,
+                   at::IntArrayRef out_features, at::IntArrayRef formats, const c10::List<OptionalTensor>& biases,
+                   int64_t context_heads, int64_t kv_heads, at::TensorList query_norms, at::TensorList key_norms,
+                   at::ArrayRef<double> head_epsilons, at::TensorList keys, at::TensorList values, int64_t context) {
+  const Ops& ops = Ops::get();
+  const int64_t layers = static_cast<int64_t>(keys.size());
+  TORCH_CHECK(taps.dim() == 3, "taps must be [rows, taps, hidden], got ", taps.sizes());
+  TORCH_CHECK(tap_weights.has_value() != fc_weight.has_value(), "give the tap weights (DFlare) or fc (DFlash)");
+  const int64_t features = tap_weights.has_value() ? layers : 1;
+  TORCH_CHECK(static_cast<int64_t>(feature_norms.size()) == features && feature_epsilons.size() == feature_norms.size(),
+              "give ", features, " context norms with their epsilons");
+  TORCH_CHECK(static_cast<int64_t>(values.size()) == layers && static_cast<int64_t>(weights.size()) == layers &&
+                  static_cast<int64_t>(out_features.size()) == layers && static_cast<int64_t>(formats.size()) == layers &&
+                  static_cast<int64_t>(biases.size()) == layers && static_cast<int64_t>(query_norms.size()) == layers &&
+                  static_cast<int64_t>(key_norms.size()) == layers &&
+                  static_cast<int64_t>(head_epsilons.size()) == layers,
+              "give per layer its key and value buffers, context linear and head norms with their epsilon");
+  const int64_t rows = taps.size(0), taps_count = taps.size(1), hidden = taps.size(2);
+  std::vector<Tensor> rows_of;  // each layer's context features [c, H], or one shared by all
+  if (tap_weights.has_value()) {
+    const Tensor by_tap = taps.transpose(0, 1).reshape({taps_count, rows * hidden}).to(at::kFloat);
+    const Tensor mixed = at::matmul(*tap_weights, by_tap).to(taps.scalar_type()).view({layers, rows, hidden});
+    for (int64_t layer = 0; layer < layers; ++layer) {
+      rows_of.push_back(ops.rms_norm.call(mixed[layer], feature_norms[layer], feature_epsilons[layer]));
+    }
+  } else {
+    const Tensor fc = matmul(taps.flatten(-2), *fc_weight, fc_out_features, fc_format, c10::nullopt);
+    rows_of.push_back(ops.rms_norm.call(fc, feature_norms[0], feature_epsilons[0]));
+  }
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    TORCH_CHECK(keys[layer].dim() == 4 && context + rows <= keys[layer].size(2) &&
+                    values[layer].sizes() == keys[layer].sizes(),
+                "layer ", layer, "'s key and value buffers must be [1, kv_heads, capacity, head_dim] with room for ",
+                rows, " rows after ", context);
+    const Tensor projected = matmul(rows_of[features == 1 ? 0 : layer], weights[layer], out_features[layer],
+                                    formats[layer], biases.get(layer));
+    auto [query, key, value] = ops.rotary_split.call(projected, cos, sin, context_heads, kv_heads, query_norms[layer],
+                                                     key_norms[layer], head_epsilons[layer]);
+    keys[layer].narrow(2, context, rows).copy_(key);
+    values[layer].narrow(2, context, rows).copy_(value);
+  }
+}
+
+// A whole drafting round of a DFlash / DFlare drafter over one sequence's context, as DFlashDrafter.propose
+// runs it step by step: the committed tokens' taps not yet in the context, if any, appended as
+// draft_context does; the block of the `root` token and `depth` mask tokens embedded (`embedding`: the
+// target's table) and run through the layers as draft_layers does; its drafted rows (all but the root's)
+// through the LM head (`lm_head_*`: its int8 kernel operands) to float32 log-probabilities [depth, vocabulary].
+// `cos`/`sin` cover the taps' rows, then the block's: positions [context, context + c + depth + 1).
+Tensor draft_block(int64_t root, int64_t mask_token, int64_t depth, const Tensor& embedding, const Tensor& cos,
+                   const Tensor& sin, const OptionalTensor& taps, const OptionalTensor& tap_weights,
+                   const OptionalTensor& fc_weight, int64_t fc_out_features, int64_t fc_format,
+                   at::TensorList feature_norms, at::ArrayRef<double> feature_epsilons, at::TensorList context_weights,
+                   at::IntArrayRef context_out_features, at::IntArrayRef context_formats,
+                   const c10::List<OptionalTensor>& context_biases, int64_t context_heads, at::TensorList weights,
+                   at::IntArrayRef out_features, at::IntArrayRef formats, const c10::List<OptionalTensor>& biases,
+                   at::TensorList norms, at::ArrayRef<double> epsilons, at::TensorList query_norms,
+                   at::TensorList key_norms, at::ArrayRef<double> head_epsilons, int64_t heads, int64_t kv_heads,
+                   at::ArrayRef<double> scalings, const Tensor& lm_head_weight, int64_t lm_head_out_features,
+                   int64_t lm_head_format, const OptionalTensor& lm_head_bias, at::TensorList keys, at::TensorList values,
+                   int64_t context) {
+  TORCH_CHECK(depth > 0, "a block drafts at least one position, got depth ", depth);
+  const int64_t appended = taps.has_value() ? taps->size(0) : 0, rows = depth + 1;
+  TORCH_CHECK(cos.size(0) == appended + rows && sin.sizes() == cos.sizes(), "cos and sin must cover the ", appended,
+              " taps' rows and the block's ", rows);
+  if (taps.has_value()) {
+    draft_context(*taps, tap_weights, fc_weight, fc_out_features, fc_format, feature_norms, feature_epsilons,
+                  cos.narrow(0, 0, appended), sin.narrow(0, 0, appended), context_weights, context_out_features,
+                  context_formats, context_biases, context_heads, kv_heads, query_norms, key_norms, head_epsilons,
+                  keys, values, context);
+  }
+  Tensor ids = at::full({rows}, mask_token, at::kLong);
+  ids.data_ptr<int64_t>()[0] = root;
+  const Tensor normed = draft_layers(at::embedding(embedding, ids), cos.narrow(0, appended, rows),
+                                     sin.narrow(0, appended, rows), weights, out_features, formats, biases, norms,
+                                     epsilons, query_norms, key_norms, head_epsilons, heads, kv_heads, scalings, keys,
+                                     values, context + appended);
+  const Tensor logits = matmul(normed.narrow(0, 1, depth), lm_head_weight, lm_head_out_features, lm_head_format, lm_head_bias);
+  return at::log_softmax(logits.to(at::kFloat), -1);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(diffdraft_decoder, m) {
@@ -183,9 +280,24 @@ TORCH_LIBRARY_FRAGMENT(diffdraft_decoder, m) {
       "Tensor?[] biases, Tensor[] norms, float[] epsilons, Tensor[] query_norms, Tensor[] key_norms, "
       "float[] head_epsilons, int heads, int kv_heads, float[] scalings, Tensor[] keys, Tensor[] values, "
       "int context) -> Tensor");
+  m.def(
+      "draft_context(Tensor taps, Tensor? tap_weights, Tensor? fc_weight, int fc_out_features, int fc_format, "
+      "Tensor[] feature_norms, float[] feature_epsilons, Tensor cos, Tensor sin, Tensor[] weights, "
+      "int[] out_features, int[] formats, Tensor?[] biases, int context_heads, int kv_heads, Tensor[] query_norms, "
+      "Tensor[] key_norms, float[] head_epsilons, Tensor[] keys, Tensor[] values, int context) -> ()");
+  m.def(
+      "draft_block(int root, int mask_token, int depth, Tensor embedding, Tensor cos, Tensor sin, Tensor? taps, "
+      "Tensor? tap_weights, Tensor? fc_weight, int fc_out_features, int fc_format, Tensor[] feature_norms, "
+      "float[] feature_epsilons, Tensor[] context_weights, int[] context_out_features, int[] context_formats, "
+      "Tensor?[] context_biases, int context_heads, Tensor[] weights, int[] out_features, int[] formats, "
+      "Tensor?[] biases, Tensor[] norms, float[] epsilons, Tensor[] query_norms, Tensor[] key_norms, "
+      "float[] head_epsilons, int heads, int kv_heads, float[] scalings, Tensor lm_head_weight, "
+      "int lm_head_out_features, int lm_head_format, Tensor? lm_head_bias, Tensor[] keys, Tensor[] values, int context) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(diffdraft_decoder, CPU, m) {
   m.impl("decode_layers", &decode_layers);
   m.impl("draft_layers", &draft_layers);
+  m.impl("draft_context", &draft_context);
+  m.impl("draft_block", &draft_block);
 }
