@@ -24,6 +24,7 @@ from diffdraft.kernels.fused_projections import fuse_projections
 from diffdraft.kernels.packed_linear import has_packed_layers, pack_linear, pack_linear_layers
 from diffdraft.kernels.quantized.block_linear import (
     BlockQuantizedLinear,
+    int8_operands,
     kernel_rows_only,
     q8_linear,
     runs_int8_kernel,
@@ -201,7 +202,7 @@ def _one_op_head(fused: FusedDraftLayers | None, embed: nn.Module, head: nn.Modu
     draft in one op, a plain embedding table (a scaled one embeds otherwise) and a head on the kernel."""
     if fused is None or not fused.drafts_in_one_op() or type(embed) is not nn.Embedding:
         return None
-    return head.int8_operands() if isinstance(head, BlockQuantizedLinear) else None
+    return int8_operands(head)
 
 
 def _padded(rows: Sequence[torch.Tensor], length: int) -> torch.Tensor:

@@ -7,8 +7,9 @@ attention, gating). Here each of those steps is one op of
 :mod:`~diffdraft.kernels.quantized.decoder_ops`, rounded where the module forward rounds; attention
 sums in another order, so a proposal may differ from the module forward's in the last bits. Drafts
 only: verification keeps the output exact whatever the drafter proposes. One block's loop over the
-layers runs as one op on the int8 kernel (``draft_layers`` in ``decoder_loop.cpp``, the same bits),
-and so does the projection of committed tokens into the context (``draft_context``).
+layers runs as one op on the int8 kernel (``draft_layers`` in ``decoder_loop.cpp``, the same bits), so
+does the projection of committed tokens into the context (``draft_context``), and a whole drafting
+round of one sequence, both and the LM head (``draft_block``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch import nn
 from diffdraft.drafters.dflash_model import DFLASH, DFlashDraftModel
 from diffdraft.drafters.draft_context import DraftContext, KeysAndValues
 from diffdraft.kernels.fused_projections import stacked_projection
-from diffdraft.kernels.quantized.block_linear import BlockQuantizedLinear
+from diffdraft.kernels.quantized.block_linear import int8_operands
 from diffdraft.kernels.quantized.decoder_ops import MAX_HEAD_DIM, LayerStack, Norm, decoder_ops, norm_weights
 
 
@@ -126,8 +127,9 @@ class FusedDraftLayers:
         return cls(model) if decoder_ops() is not None else None
 
     def _context_stack(self) -> _ContextStack | None:
-        context_kv = [_int8_operands(layer.context_kv) for layer in self.layers]
-        fc = _int8_operands(self.fc) if self.variant == DFLASH else None
+        """None where a context linear (or DFlash's fc) is not on the int8 kernel."""
+        context_kv = [int8_operands(layer.context_kv) for layer in self.layers]
+        fc = int8_operands(self.fc) if self.variant == DFLASH else None
         fc_off_kernel = self.variant == DFLASH and (fc is None or fc[3] is not None)  # fc: never a bias
         if fc_off_kernel or any(o is None for o in context_kv):
             return None
@@ -179,11 +181,7 @@ class FusedDraftLayers:
             block.taps,
             *stack.features,
             *stack.linears,
-            *self.stack.projections_and_norms(),
-            *self.head_norms,
-            self.heads,
-            self.kv_heads,
-            self.stack.scalings,
+            *self._layer_operands(),
             *block.lm_head,
             keys,
             values,
@@ -253,24 +251,13 @@ class FusedDraftLayers:
     ) -> torch.Tensor:
         """:meth:`__call__` for one block, its loop as one op (``draft_layers``)."""
         keys, values = context.block_room(block.shape[0])
-        return self.ops.draft_layers(
-            block,
-            cos,
-            sin,
-            *self.stack.projections_and_norms(),
-            *self.head_norms,
-            self.heads,
-            self.kv_heads,
-            self.stack.scalings,
-            keys,
-            values,
-            context.length,
-        )
+        return self.ops.draft_layers(block, cos, sin, *self._layer_operands(), keys, values, context.length)
 
-
-def _int8_operands(linear: nn.Module) -> tuple | None:
-    """The int8 kernel's operands of ``linear`` (:meth:`BlockQuantizedLinear.int8_operands`), or None."""
-    return linear.int8_operands() if isinstance(linear, BlockQuantizedLinear) else None
+    def _layer_operands(self) -> tuple:
+        """The layers' operands as ``draft_layers`` and ``draft_block`` take them after the block's rows
+        and rotary: linears, norms, per-head norms, head counts and scalings."""
+        stack = self.stack
+        return *stack.projections_and_norms(), *self.head_norms, self.heads, self.kv_heads, stack.scalings
 
 
 def _layer(layer: nn.Module, next_norm: nn.Module, variant: str) -> _Layer:

@@ -273,6 +273,11 @@ class BlockQuantizedLinear(InferenceLinear):
         )
 
 
+def int8_operands(linear: torch.nn.Module) -> tuple[torch.Tensor, int, int, torch.Tensor | None] | None:
+    """:meth:`BlockQuantizedLinear.int8_operands` of ``linear``; None for any other layer."""
+    return linear.int8_operands() if isinstance(linear, BlockQuantizedLinear) else None
+
+
 def q8_linear(linear: torch.nn.Module) -> torch.nn.Module:
     """``linear`` on the int8 kernel over its weight rounded to Q8_0, when it is a plain bfloat16
     ``nn.Linear`` on a CPU with the kernel and its inputs come in whole blocks; else itself. For a

@@ -2,11 +2,13 @@
 // FusedDecoderLayers.__call__ (decoder_ops.py), draft_layers that of a DFlash / DFlare drafter's
 // FusedDraftLayers.__call__ (fused_dflash.py) for one block, draft_context its projection of committed
 // tokens' target states into every draft layer's context keys and values (FusedDraftLayers.project), and
-// draft_block a whole drafting round of one sequence (both, then the LM head: DFlashDrafter.propose). Each step is the same op the Python loop
-// calls (decoder_ops.cpp, int8_matmul.cpp), in the same order, on the same tensors, so every output is
-// bit for bit the Python loop's. What it saves is the loop itself: nine op calls a layer from Python
-// (dispatch, argument boxing, module lookups) cost a one-token forward of SmolLM2-135M about a fifth
-// of its time on a 2-core CPU (figures: benchmarks/README.md, 'Measurements behind the code').
+// draft_block a whole drafting round of one sequence (both, then the LM head: DFlashDrafter.propose).
+// Each step is the same op the Python loop calls (decoder_ops.cpp, int8_matmul.cpp), in the same order,
+// on the same tensors, so every output is bit for bit the Python loop's. What it saves is the loop
+// itself: nine op calls a layer from Python (dispatch, argument boxing, module lookups) cost a one-token
+// forward of SmolLM2-135M about a fifth of its time on a 2-core CPU, and a drafting round's two dozen
+// calls, each after the target's forward has left the caches cold, about a fifth of the round's drafting
+// (figures: benchmarks/README.md, 'Measurements behind the code').
 //
 // The ops are called through the dispatcher by name, as Python calls them, so each keeps its checks
 // and this file needs none of their code.
@@ -198,12 +200,11 @@ void draft_context(const Tensor& taps, const OptionalTensor& tap_weights, const 
   const int64_t features = tap_weights.has_value() ? layers : 1;
   TORCH_CHECK(static_cast<int64_t>(feature_norms.size()) == features && feature_epsilons.size() == feature_norms.size(),
               "give ", features, " context norms with their epsilons");
-  TORCH_CHECK(static_cast<int64_t>(values.size()) == layers && static_cast<int64_t>(weights.size()) == layers &&
-                  static_cast<int64_t>(out_features.size()) == layers && static_cast<int64_t>(formats.size()) == layers &&
-                  static_cast<int64_t>(biases.size()) == layers && static_cast<int64_t>(query_norms.size()) == layers &&
-                  static_cast<int64_t>(key_norms.size()) == layers &&
-                  static_cast<int64_t>(head_epsilons.size()) == layers,
-              "give per layer its key and value buffers, context linear and head norms with their epsilon");
+  for (const size_t given : {values.size(), weights.size(), out_features.size(), formats.size(), biases.size(),
+                             query_norms.size(), key_norms.size(), head_epsilons.size()}) {
+    TORCH_CHECK(static_cast<int64_t>(given) == layers,
+                "give per layer its key and value buffers, context linear and head norms with their epsilon");
+  }
   const int64_t rows = taps.size(0), taps_count = taps.size(1), hidden = taps.size(2);
   std::vector<Tensor> rows_of;  // each layer's context features [c, H], or one shared by all
   if (tap_weights.has_value()) {
@@ -246,8 +247,8 @@ Tensor draft_block(int64_t root, int64_t mask_token, int64_t depth, const Tensor
                    at::TensorList norms, at::ArrayRef<double> epsilons, at::TensorList query_norms,
                    at::TensorList key_norms, at::ArrayRef<double> head_epsilons, int64_t heads, int64_t kv_heads,
                    at::ArrayRef<double> scalings, const Tensor& lm_head_weight, int64_t lm_head_out_features,
-                   int64_t lm_head_format, const OptionalTensor& lm_head_bias, at::TensorList keys, at::TensorList values,
-                   int64_t context) {
+                   int64_t lm_head_format, const OptionalTensor& lm_head_bias, at::TensorList keys,
+                   at::TensorList values, int64_t context) {
   TORCH_CHECK(depth > 0, "a block drafts at least one position, got depth ", depth);
   const int64_t appended = taps.has_value() ? taps->size(0) : 0, rows = depth + 1;
   TORCH_CHECK(cos.size(0) == appended + rows && sin.sizes() == cos.sizes(), "cos and sin must cover the ", appended,
@@ -264,7 +265,8 @@ Tensor draft_block(int64_t root, int64_t mask_token, int64_t depth, const Tensor
                                      sin.narrow(0, appended, rows), weights, out_features, formats, biases, norms,
                                      epsilons, query_norms, key_norms, head_epsilons, heads, kv_heads, scalings, keys,
                                      values, context + appended);
-  const Tensor logits = matmul(normed.narrow(0, 1, depth), lm_head_weight, lm_head_out_features, lm_head_format, lm_head_bias);
+  const Tensor logits =
+      matmul(normed.narrow(0, 1, depth), lm_head_weight, lm_head_out_features, lm_head_format, lm_head_bias);
   return at::log_softmax(logits.to(at::kFloat), -1);
 }
 
@@ -292,7 +294,8 @@ TORCH_LIBRARY_FRAGMENT(diffdraft_decoder, m) {
       "Tensor?[] context_biases, int context_heads, Tensor[] weights, int[] out_features, int[] formats, "
       "Tensor?[] biases, Tensor[] norms, float[] epsilons, Tensor[] query_norms, Tensor[] key_norms, "
       "float[] head_epsilons, int heads, int kv_heads, float[] scalings, Tensor lm_head_weight, "
-      "int lm_head_out_features, int lm_head_format, Tensor? lm_head_bias, Tensor[] keys, Tensor[] values, int context) -> Tensor");
+      "int lm_head_out_features, int lm_head_format, Tensor? lm_head_bias, Tensor[] keys, Tensor[] values, "
+      "int context) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(diffdraft_decoder, CPU, m) {

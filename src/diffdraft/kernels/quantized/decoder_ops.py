@@ -25,7 +25,7 @@ from transformers import PreTrainedModel
 
 from diffdraft.kernels.fused_projections import StackedProjection, stacked_projection
 from diffdraft.kernels.kv_cache import SharedBuffer, shared_buffer
-from diffdraft.kernels.quantized.block_linear import BlockQuantizedLinear, has_block_layers
+from diffdraft.kernels.quantized.block_linear import has_block_layers, int8_operands
 from diffdraft.kernels.quantized.kernel_build import block_kernel
 from diffdraft.kernels.segment import Segment
 
@@ -212,7 +212,7 @@ class LayerStack:
         """From layers with the fields of :class:`_Layer` (``qkv``, ``output``, ``gate_up``, ``down``,
         ``post_norm``, ``next_norm``, ``scaling``); None when a projection is not on the int8 kernel."""
         projections = [p for layer in layers for p in (layer.qkv, layer.output, layer.gate_up, layer.down)]
-        operands = [p.int8_operands() if isinstance(p, BlockQuantizedLinear) else None for p in projections]
+        operands = [int8_operands(p) for p in projections]
         if any(o is None for o in operands):
             return None
         weights, out_features, formats, biases = (list(part) for part in zip(*operands, strict=True))
