@@ -436,15 +436,33 @@ def test_copied_tokens_join_while_they_raise_the_rate_most_likely_first():
 def test_a_free_copy_costs_what_finished_copies_took_and_drafting_what_drafted_rounds_did():
     rounds = RoundBudgetPlanner(BudgetPlanner(VerifyCostCurve([1, 64], [100], [[0.01, 0.02]])))
     assert rounds.copy_seconds() == 0.0  # copies get tried before any was measured
-    stats = GenerationStats(rounds=3, tree_sizes=[3, 2, 0], accepted_nodes=[[], [], []], copy_rounds=[1])
-    stats.verify_contexts, stats.verify_seconds = [100] * 3, [0.01] * 3
-    stats.verify_forwards = [(1, 4, 100)] * 3
-    stats.timings.update(draft=0.004, tree=0.003, mask=0.001, accept=0.0, commit=0.0)
-    stats.copy_seconds = 0.001  # of the tree and mask time
+    stats = GenerationStats(rounds=4, tree_sizes=[3, 2, 0, 4], accepted_nodes=[[]] * 4, copy_rounds=[1])
+    stats.verify_contexts, stats.verify_seconds = [100] * 4, [0.01] * 4
+    stats.verify_forwards = [(1, 4, 100)] * 4
+    stats.timings.update(draft=0.024, tree=0.005, mask=0.001, accept=0.0, commit=0.0)
+    stats.first_draft_seconds = 0.02  # the prompt taken in: a one-off, not a drafting round's cost
+    stats.copy_seconds = 0.002  # of the tree and mask time
     stats.copy_plan_seconds = 0.002  # of no stage
     rounds.observe_generation(stats)
-    assert rounds.copy_seconds() == pytest.approx(0.003)
-    assert rounds.draft_seconds() == pytest.approx(0.007)  # the one drafted round: draft, tree, mask
+    assert rounds.copy_seconds() == pytest.approx(0.004)
+    # the second drafted round's forward (0.004) and each drafted round's tree and mask (0.004 / 2)
+    assert rounds.draft_seconds() == pytest.approx(0.006)
+
+
+def test_a_sequence_that_drafted_once_teaches_no_drafting_cost():
+    """Its one drafting round took the prompt in: after a batch whose sequences drafted once each,
+    that one-off would stand for every lone sequence's drafting round (budget 0 where drafting pays)."""
+    rounds = RoundBudgetPlanner(BudgetPlanner(VerifyCostCurve([1, 64], [100], [[0.01, 0.02]])))
+    stats = GenerationStats(rounds=2, tree_sizes=[3, 0], accepted_nodes=[[], []])
+    stats.verify_contexts, stats.verify_seconds, stats.verify_forwards = (
+        [100] * 2,
+        [0.01] * 2,
+        [(8, 32, 100)] * 2,
+    )
+    stats.timings.update(draft=0.03, tree=0.001, mask=0.001)
+    stats.first_draft_seconds = 0.03
+    rounds.observe_generation(stats)
+    assert rounds.draft_seconds(alone=True) == rounds.draft_seconds(alone=False) == 0.0
 
 
 def test_a_lone_sequence_plans_with_the_stage_costs_of_sequences_that_ran_alone():

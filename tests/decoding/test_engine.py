@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -156,6 +158,31 @@ def test_a_small_ddtree_has_its_drafter_propose_only_the_positions_it_can_reach(
         assert ours == reference[: len(ours)]
         # the last rounds may draft less: only the tokens left to generate are drafted for
         assert max(stats.draft_depths) == reach and max(stats.draft_depths[:-3]) == reach, method
+
+
+class PromptTakingDrafter(OracleDrafter):
+    """An oracle that, like a real drafter, takes the prompt in on its first proposal (here: a pause)."""
+
+    pause = 0.2
+    took_prompt = False
+
+    def propose(self, token_ids: torch.Tensor, depth: int) -> Proposal:
+        if not self.took_prompt:
+            time.sleep(self.pause)
+            self.took_prompt = True
+        return super().propose(token_ids, depth)
+
+
+def test_a_sequences_first_drafting_round_is_timed_apart():
+    """The round planner leaves the prompt's one-off intake out of a drafting round's cost."""
+    target = tiny_target("llama", seed=4)
+    prompt = [3, 4, 5, 6, 7, 3, 4, 5]
+    reference = hf_greedy(target, prompt, 24, None)
+    drafter = PromptTakingDrafter(reference, len(prompt), target.config.vocab_size, 4, seed=4)
+    ours, stats = run_engine(target, drafter, ChainBuilder(), prompt, 24, target.config.vocab_size - 1)
+    assert ours == reference[: len(ours)]
+    assert stats.first_draft_seconds >= drafter.pause
+    assert stats.timings["draft"] - stats.first_draft_seconds < drafter.pause
 
 
 def test_stop_on_context_length():

@@ -36,9 +36,9 @@ from diffdraft.budget.planner import MIN_TIMED_ROUNDS, BudgetPlanner, rounds_of
 from diffdraft.runtime.stats import GenerationStats, TauEstimate
 from diffdraft.trees import RoundSequence
 
-DRAFT_STAGES = ("draft", "tree", "mask")
-"""What a drafting sequence pays on top of a plain decoding step's (less, in tree and mask, what its
-free copies took: :attr:`~diffdraft.runtime.stats.GenerationStats.copy_seconds`)."""
+BUILD_STAGES = ("tree", "mask")
+"""What a drafting sequence pays on top of a plain decoding step's besides the drafter's forward (less
+what its free copies took there: :attr:`~diffdraft.runtime.stats.GenerationStats.copy_seconds`)."""
 COMMIT_STAGES = ("accept", "commit")
 """What every sequence pays per round outside the shared forward."""
 NO_DRAFT = [1.0]
@@ -272,9 +272,12 @@ class RoundBudgetPlanner:
         self._learned += 1
         alone = all(forward[0] == 1 for forward in stats.verify_forwards)
         drafted = sum(size > 0 for size in stats.drafter_sizes())
-        if drafted:
-            drafting = sum(stats.timings[s] for s in DRAFT_STAGES) - stats.copy_seconds
-            self._draft_seconds[alone].append(drafting / drafted)
+        first = stats.first_draft_seconds
+        forwards = drafted - (first is not None)  # the first took the prompt in: a one-off, left out
+        if forwards > 0:
+            drafting = (stats.timings["draft"] - (first or 0.0)) / forwards
+            building = sum(stats.timings[s] for s in BUILD_STAGES) - stats.copy_seconds
+            self._draft_seconds[alone].append(drafting + building / drafted)
         if stats.copy_rounds:
             seconds = stats.copy_seconds + stats.copy_plan_seconds
             self._copy_seconds[alone].append(seconds / len(stats.copy_rounds))

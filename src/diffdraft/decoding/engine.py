@@ -125,9 +125,12 @@ def draft_round(sequences: Sequence[SequenceRun], plans: Sequence[RoundPlan]) ->
             drafted = propose_together(
                 [sequences[i].drafter for i in drafting], token_ids, [depths[i] for i in drafting]
             )
+        share = timer.last / len(drafting)
         for i, ids, proposal in zip(drafting, token_ids, drafted, strict=True):
             proposal.prefix = ids
             proposals[i] = proposal
+            if sequences[i].stats.first_draft_seconds is None:
+                sequences[i].stats.first_draft_seconds = share
     return [s.build(p, budget) for s, p, budget in zip(sequences, proposals, budgets, strict=True)]
 
 

@@ -68,6 +68,11 @@ class DFlashDrafter(ForksByCopy):
         at once, so a round that does not draft (budget 0) costs the drafter nothing."""
         self._pending.append((hidden, start))  # reset rebinds the list: a fork never shares it
 
+    def _pending_taps(self) -> torch.Tensor | None:
+        """The pending states in one tensor (one round's commit: no copy); None when none wait."""
+        states = [hidden for hidden, _ in self._pending]
+        return None if not states else states[0] if len(states) == 1 else torch.cat(states)
+
     @torch.inference_mode()
     @kernel_rows_only()
     def _projected_context(self) -> DraftContext:
@@ -75,9 +80,8 @@ class DFlashDrafter(ForksByCopy):
         layers stay on their kernel however many states are pending (a prompt's, or those of many
         rounds without drafting): a dense copy computes other numbers than later rounds' kernel, and
         on a CPU without bfloat16 matmuls (AVX2) takes nine times as long for a prompt."""
-        if self._pending:
-            states = [hidden for hidden, _ in self._pending]
-            hidden = states[0] if len(states) == 1 else torch.cat(states)  # one round's commit: no copy
+        hidden = self._pending_taps()
+        if hidden is not None:
             spans = [range(start, start + rows.shape[0]) for rows, start in self._pending]
             positions = torch.tensor([p for span in spans for p in span], device=self._device)[None]
             if self._fused is None:
@@ -118,8 +122,7 @@ class DFlashDrafter(ForksByCopy):
     def _drafted_in_one_op(self, root: int, start: int, depth: int) -> torch.Tensor:
         """:meth:`propose`'s log-probabilities [depth, draft vocabulary], the pending taps projected
         first, all in one op (the same bits as step by step)."""
-        states = [hidden for hidden, _ in self._pending]
-        taps = None if not states else states[0] if len(states) == 1 else torch.cat(states)
+        taps = self._pending_taps()
         self._pending = []
         weight = self.embed.weight
         cos, sin = self._rope.rows(weight, self._context.length, start + depth + 1)

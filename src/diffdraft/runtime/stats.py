@@ -81,6 +81,11 @@ class GenerationStats:
     every few drafted rounds: a planner input, so not in :meth:`to_dict`)."""
     timings: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
     """Seconds spent per stage over the whole generation."""
+    first_draft_seconds: float | None = None
+    """This sequence's share of its first drafting round's draft stage (None before it drafted): the
+    drafter takes the whole prompt in then (DFlash projects its taps, DART makes its prefix rows, DEER
+    runs its model over it), a one-off the round planner leaves out of what a drafting round costs
+    (after a batch of sequences that drafted once each, it counted several times a round's cost)."""
     copy_seconds: float = 0.0
     """Seconds spent taking free copies and building their chains and masks (in the tree and mask
     stages too): what the auto budget weighs a copy's first token against."""
