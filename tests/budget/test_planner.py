@@ -197,3 +197,19 @@ def test_the_latest_drafted_rounds_are_the_tail_of_the_rounds_that_drafted(seed)
     drafted = [r for r in rounds_of(stats) if r.budget > 0]
     for count in (1, 5, 32, 200):
         assert latest_drafted_rounds(stats, count) == drafted[-count:]
+
+
+def test_the_growth_calibration_weighs_rounds_against_what_was_promised_for_them():
+    """Rounds and proposals are kept over different windows: a drafter that kept its promise on every
+    text must not look overconfident because the latest rounds' texts were harder than the mean."""
+    curve = VerifyCostCurve(sizes=[1, 64], contexts=[512], seconds=[[0.01, 0.01]])
+    planner = BudgetPlanner(curve, max_budget=32, rounds=20)
+    easy, hard = ([1.0 + gain * b for b in range(33)] for gain in (0.5, 0.1))
+    planner.observe_proposal(easy)
+    planner.observe_rounds(_rounds(20, 10, list(range(1, 11))), 0.0, np.diff(easy))
+    planner.observe_proposal(hard)
+    # 2 of 20 rounds accept all 10 nodes: 0.1 per rank, as promised (the rounds window keeps these only)
+    planner.observe_rounds(_rounds(2, 10, list(range(1, 11))) + _rounds(18, 10, []), 0.0, np.diff(hard))
+    assert planner.surrogate()[10] == pytest.approx(4.0)  # the proposals' mean promises 0.3 per node
+    assert planner.growth_calibration() == pytest.approx(1.0)
+    assert np.diff(planner.expected_tau())[20] == pytest.approx(0.3)  # unmeasured: the mean promise

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from diffdraft.budget.batch_cost import BatchCostCurve
 from diffdraft.budget.planner import BudgetPlanner, rounds_of, surrogate_acceptance
 from diffdraft.budget.round_budget import RoundBudgetPlanner
@@ -109,5 +111,6 @@ class AutoBudgetBuilder:
         round spent outside verification."""
         for surrogate in stats.surrogates:
             self.planner.observe_proposal(surrogate)
-        self.planner.observe_rounds(rounds_of(stats), fixed_seconds)
+        promised = np.diff(self.planner.surrogate(stats))
+        self.planner.observe_rounds(rounds_of(stats), fixed_seconds, promised)
         self.rounds.observe_generation(stats)

@@ -178,6 +178,11 @@ class BudgetPlanner:
         self.max_budget = min(max_budget, curve.sizes[-1] - 1)  # never extrapolate the cost curve
         self._surrogates: deque[list[float]] = deque(maxlen=window)
         self._rounds: deque[ObservedRound] = deque(maxlen=rounds)
+        self._promised: deque[np.ndarray] = deque(maxlen=rounds)
+        """Per round of :attr:`_rounds`, the gain per node rank its sequence's drafter promised: the
+        growth calibration weighs what rounds realized against what was promised for those very
+        rounds (against the recent proposals' mean, a window of other texts than the rounds', it
+        read 0.77 for a drafter whose promise matched the target within a few percent)."""
         self._timed: deque[tuple[int, float]] = deque(maxlen=timed_rounds)  # (q, measured / curve)
         self.fixed_seconds = 0.0
         """Seconds per round outside verification (see choose_budget)."""
@@ -185,6 +190,8 @@ class BudgetPlanner:
         """The finished proposals' mean surrogate, until one more comes (every sequence that has not
         drafted yet is estimated from it)."""
         self._finished_gains: tuple[np.ndarray, np.ndarray, float] | None = None
+        self._cost: Callable[[float, float], float] | None = None
+        """:meth:`cost`, until timed rounds come."""
         """The finished rounds' per-rank gains, counts and growth calibration, until they change
         (every running sequence's estimate reads them, so they are computed once per change)."""
 
@@ -198,21 +205,29 @@ class BudgetPlanner:
         self._mean_surrogate = None
         self._finished_gains = None
 
-    def _padded(self, surrogate: Sequence[float]) -> list[float]:
+    def _padded(self, surrogate: Sequence[float]) -> np.ndarray:
         """``surrogate`` cut or extended (flat) to budgets 0..max_budget."""
-        padded = list(surrogate[: self.max_budget + 1])
-        return padded + [padded[-1]] * (self.max_budget + 1 - len(padded))
+        cut = np.asarray(surrogate[: self.max_budget + 1], dtype=float)
+        padded = np.full(self.max_budget + 1, cut[-1])
+        padded[: len(cut)] = cut
+        return padded
 
-    def observe_rounds(self, rounds: Sequence[ObservedRound], fixed_seconds: float) -> None:
-        """Verified rounds, and the mean seconds per round spent outside verification. Only rounds
-        verified alone rescale the curve: a shared forward's time is not its tree's."""
+    def observe_rounds(
+        self, rounds: Sequence[ObservedRound], fixed_seconds: float, promised: Sequence[float] | None = None
+    ) -> None:
+        """Verified rounds, the mean seconds per round spent outside verification, and the gain per
+        node rank (1..max_budget) their drafter promised (None: the recent proposals' mean). Only
+        rounds verified alone rescale the curve: a shared forward's time is not its tree's."""
         self._rounds.extend(rounds)
+        gains = np.diff(self.surrogate()) if promised is None else np.asarray(promised, dtype=float)
+        self._promised.extend([gains] * len(rounds))
         self._finished_gains = None
         self._timed.extend(
             (r.budget + 1, r.seconds / self.curve(r.budget + 1, r.context))
             for r in rounds
             if r.seconds > 0 and r.forward is None
         )
+        self._cost = None
         self.fixed_seconds = fixed_seconds
 
     def surrogate(self, sequence: GenerationStats | None = None) -> list[float]:
@@ -227,15 +242,22 @@ class BudgetPlanner:
         return list(self._mean_surrogate)
 
     def cost(self) -> Callable[[float, float], float]:
-        """t(q, n): the cached curve rescaled by the recent rounds' own verification times."""
-        sizes, scales, counts = self.cost_scales()
-        if not sizes:
-            return self.curve
-        slope, intercept = (
-            np.polyfit(sizes, scales, 1, w=np.sqrt(counts)) if len(sizes) > 1 else (0.0, scales[0])
-        )
-        low, high = sizes[0], sizes[-1]
-        return lambda q, context: self.curve(q, context) * (intercept + slope * np.clip(q, low, high))
+        """t(q, n): the cached curve rescaled by the recent rounds' own verification times (the same
+        function until a finished sequence adds rounds: a lone sequence asks for it every time its
+        context grows by a planning step)."""
+        if self._cost is None:
+            sizes, scales, counts = self.cost_scales()
+            if not sizes:
+                self._cost = self.curve
+            else:
+                slope, intercept = (
+                    np.polyfit(sizes, scales, 1, w=np.sqrt(counts)) if len(sizes) > 1 else (0.0, scales[0])
+                )
+                low, high = sizes[0], sizes[-1]
+                self._cost = lambda q, context: (
+                    self.curve(q, context) * (intercept + slope * np.clip(q, low, high))
+                )
+        return self._cost
 
     def cost_scales(self) -> tuple[list[int], list[float], list[int]]:
         """Verified sizes with enough timed rounds, their median measured / cached-curve time, and
@@ -252,15 +274,20 @@ class BudgetPlanner:
         return _rank_gains(self._rounds, self.max_budget)
 
     def growth_calibration(self) -> float:
-        """Realized / surrogate-promised gain over the upper half of the ranks at least
-        :data:`PRIOR_ROUNDS` rounds verified, at most 1; 1 before that."""
+        """Realized / promised gain over the upper half of the ranks at least :data:`PRIOR_ROUNDS`
+        rounds verified, both summed over those rounds, at most 1; 1 before that."""
         return self._finished()[2]
 
     def _finished(self) -> tuple[np.ndarray, np.ndarray, float]:
         """:meth:`rank_gains` and :meth:`growth_calibration`, computed once per change of the record."""
         if self._finished_gains is None:
-            observed, counts = self.rank_gains() if self._rounds else (np.zeros(0), np.zeros(0))
-            self._finished_gains = (observed, counts, _growth(np.diff(self.surrogate()), observed, counts))
+            if not self._rounds:
+                self._finished_gains = (np.zeros(0), np.zeros(0), 1.0)
+            else:
+                observed, counts = self.rank_gains()
+                verified = _verified_ranks(self._rounds, self.max_budget)
+                promised = (np.asarray(self._promised) * verified).sum(axis=0)
+                self._finished_gains = (observed, counts, _growth(promised, observed, counts))
         return self._finished_gains
 
     def expected_tau(self, sequence: GenerationStats | None = None) -> list[float]:
@@ -294,23 +321,35 @@ class BudgetPlanner:
         }
 
 
-def _rank_gains(rounds: Sequence[ObservedRound], max_budget: int) -> tuple[np.ndarray, np.ndarray]:
-    """:meth:`BudgetPlanner.rank_gains` over ``rounds``."""
+def _verified_ranks(rounds: Sequence[ObservedRound], max_budget: int) -> np.ndarray:
+    """[rounds, max_budget]: whether each round verified node rank 1..max_budget."""
     ranks = np.arange(1, max_budget + 1)
-    verified = np.array([[r.budget] for r in rounds]).reshape(-1, 1) >= ranks[None, :]
-    accepted = np.zeros((len(rounds), max_budget + 1))
-    for row, r in enumerate(rounds):
-        # accepted node indices rise along the path; the gain of rank r is 1 if node r is on it
-        accepted[row, [i for i in r.accepted if i <= min(r.budget, max_budget)]] = 1.0
-    return (accepted[:, 1:] * verified).sum(axis=0), verified.sum(axis=0)
+    return np.array([[r.budget] for r in rounds]).reshape(-1, 1) >= ranks[None, :]
+
+
+def _rank_gains(rounds: Sequence[ObservedRound], max_budget: int) -> tuple[np.ndarray, np.ndarray]:
+    """:meth:`BudgetPlanner.rank_gains` over ``rounds`` (counted round by round: a running sequence's
+    estimate reads its latest rounds every few rounds, and [rounds, max_budget] matrices cost it
+    several times more)."""
+    gains = np.zeros(max_budget + 1)
+    reached = np.zeros(max_budget + 1)  # rounds whose top verified rank is each
+    for r in rounds:
+        top = min(r.budget, max_budget)
+        reached[top] += 1
+        for i in r.accepted:  # accepted node indices rise along the path: node r is rank r
+            if 0 < i <= top:
+                gains[i] += 1.0
+    counts = np.cumsum(reached[::-1])[::-1]  # rounds that verified rank r or more
+    return gains[1:], counts[1:]
 
 
 def _growth(promised: np.ndarray, observed: np.ndarray, counts: np.ndarray) -> float:
-    """:meth:`BudgetPlanner.growth_calibration` from the surrogate's per-rank gains and the rounds'."""
+    """:meth:`BudgetPlanner.growth_calibration` from the per-rank gains promised and realized, each
+    summed over the rounds that verified the rank (``counts`` of them)."""
     well = np.flatnonzero(counts >= PRIOR_ROUNDS)  # ranks 1..top: counts fall with the rank
     if not len(well):
         return 1.0
     upper = slice((well[-1] + 1) // 2, well[-1] + 1)
-    realized = float((observed[upper] / counts[upper]).sum())
+    realized = float(observed[upper].sum())
     predicted = float(promised[upper].sum())
     return min(1.0, realized / predicted) if predicted > 1e-6 else 1.0
