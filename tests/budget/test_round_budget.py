@@ -243,7 +243,8 @@ def test_finished_sequences_teach_the_stage_costs_and_the_shared_forwards_scale(
     stats = GenerationStats(rounds=4, tree_sizes=[3, 0, 2, 0], accepted_nodes=[[], [], [], []])
     stats.verify_contexts, stats.verify_seconds = [100] * 4, [0.04] * 4
     stats.verify_forwards = [(2, 16, 100)] * 4  # twice what the batch curve says
-    stats.timings.update(draft=0.03, tree=0.01, mask=0.0, accept=0.004, commit=0.004)
+    stats.timings.update(draft=0.03, tree=0.012, mask=0.0, accept=0.004, commit=0.004)
+    stats.draft_build_seconds = 0.01  # of the tree stage: the plain rounds' root-only trees took the rest
     rounds.observe_generation(stats)
     assert rounds.draft_seconds(alone=False) == pytest.approx(0.02)  # per drafting round
     assert rounds.commit_seconds(alone=False) == pytest.approx(0.002)
@@ -333,7 +334,8 @@ def test_rounds_at_budget_0_are_plain_decoding_steps(temperature):
     stats = [GenerationStats() for _ in requests]
     assert batched(never, requests, sampling, 3, stats) == plain  # the same samples too, seed for seed
     assert [alone(never, r, sampling) for r in requests] == plain
-    assert all(s.timings["draft"] == 0 and not any(s.tree_sizes) for s in stats)  # no drafting paid
+    # no drafting paid: every round's root-only tree and mask are a plain step's
+    assert all(s.timings["draft"] == s.draft_build_seconds == 0 and not any(s.tree_sizes) for s in stats)
     mixed = SpeculativeEngine(TargetModel(target), drafter, FixedPlan([0, 3, 0, 6]))
     each = [alone(mixed, r, sampling) for r in requests]
     assert batched(mixed, requests, sampling, 3) == each
@@ -360,8 +362,8 @@ def test_free_copies_in_rounds_without_a_tree_change_no_output(temperature):
 class SlowPlan(FixedPlan):
     """:class:`FixedPlan` whose budgets take ``seconds`` to plan."""
 
-    def __init__(self, seconds: float) -> None:
-        super().__init__([0], copies=True)
+    def __init__(self, seconds: float, pattern: tuple[int, ...] = (0,)) -> None:
+        super().__init__(list(pattern), copies=True)
         self.seconds = seconds
 
     def plan(self, sequences: list[RoundSequence]) -> list[int]:
@@ -383,6 +385,34 @@ def test_copies_pay_their_rounds_whole_plan_in_a_batch_and_their_search_alone():
     assert all((s.copy_plan_seconds > 0) == bool(s.copy_rounds) for s in together + lone)
     copied_alone = [s for s in lone if s.copy_rounds]
     assert copied_alone and all(s.copy_plan_seconds < 0.02 * len(s.copy_rounds) for s in copied_alone)
+
+
+def test_drafting_pays_its_rounds_plan_in_a_batch_and_nothing_alone():
+    """A batch's plan that drafts is made anew the next round (a plain one would have stood): the
+    sequences that draft or copy share it, and the planner counts it in a drafting round's cost."""
+    target, drafter, requests, sampling, plain = boosted_case(0.0)
+    engine = SpeculativeEngine(TargetModel(target), drafter, SlowPlan(0.02, pattern=(0, 3)))
+    together = [GenerationStats() for _ in requests]
+    assert batched(engine, requests, sampling, 3, together) == plain
+    lone = [GenerationStats() for _ in requests]
+    assert [alone(engine, r, sampling, s) for r, s in zip(requests, lone, strict=True)] == plain
+    assert all(s.draft_plan_seconds == 0.0 for s in lone)
+    drafted = {  # in rounds shared with others: the last sequence left runs alone
+        id(s): sum(n > 0 and f[0] > 1 for n, f in zip(s.drafter_sizes(), s.verify_forwards, strict=True))
+        for s in together
+    }
+    assert any(drafted.values())
+    assert all(s.draft_plan_seconds >= 0.02 / 3 * drafted[id(s)] for s in together)
+    assert all((s.draft_plan_seconds > 0) == (drafted[id(s)] > 0) for s in together)
+    # a drafter's trees and masks, not the plain rounds' root-only ones nor the copies'
+    built = [s.timings["tree"] + s.timings["mask"] - s.copy_seconds for s in together]
+    assert all((s.draft_build_seconds > 0) == any(s.drafter_sizes()) for s in together)
+    assert all(s.draft_build_seconds <= b for s, b in zip(together, built, strict=True))
+    assert sum(s.draft_build_seconds for s in together) < sum(built)
+    rounds = RoundBudgetPlanner(BudgetPlanner(VerifyCostCurve([1, 64], [100], [[0.01, 0.02]])))
+    for s in together:
+        rounds.observe_generation(s)
+    assert rounds.draft_seconds(alone=False) >= 0.02 / 3
 
 
 def test_a_round_where_not_even_the_copy_ceiling_pays_looks_for_no_copy(monkeypatch):
@@ -439,9 +469,10 @@ def test_a_free_copy_costs_what_finished_copies_took_and_drafting_what_drafted_r
     stats = GenerationStats(rounds=4, tree_sizes=[3, 2, 0, 4], accepted_nodes=[[]] * 4, copy_rounds=[1])
     stats.verify_contexts, stats.verify_seconds = [100] * 4, [0.01] * 4
     stats.verify_forwards = [(1, 4, 100)] * 4
-    stats.timings.update(draft=0.024, tree=0.005, mask=0.001, accept=0.0, commit=0.0)
+    stats.timings.update(draft=0.024, tree=0.006, mask=0.001, accept=0.0, commit=0.0)
     stats.first_draft_seconds = 0.02  # the prompt taken in: a one-off, not a drafting round's cost
     stats.copy_seconds = 0.002  # of the tree and mask time
+    stats.draft_build_seconds = 0.004  # of the tree and mask time too (the plain round's took the rest)
     stats.copy_plan_seconds = 0.002  # of no stage
     rounds.observe_generation(stats)
     assert rounds.copy_seconds() == pytest.approx(0.004)

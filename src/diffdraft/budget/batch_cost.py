@@ -13,6 +13,7 @@ import json
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -56,12 +57,15 @@ class BatchCostCurve:
         """Seconds of a forward of ``tokens`` in all (may be an array) shared by ``batch`` sequences
         over ``context`` cached tokens each (their mean when they differ), linear between measured
         points and past the largest; sequences share the tokens evenly."""
-        per_batch = [
-            interpolate(np.asarray(tokens) / batch, self.sizes, blend_rows(context, self.contexts, table))
-            for table in self.seconds
-        ]
-        seconds = blend_rows(batch, self.batches, per_batch)
+        at_batch = blend_rows(batch, self.batches, self._table)  # every step is linear in the table:
+        row = blend_rows(context, self.contexts, at_batch)  # blended first, one row is interpolated
+        seconds = interpolate(np.asarray(tokens) / batch, self.sizes, row)
         return float(seconds) if np.ndim(tokens) == 0 else seconds
+
+    @cached_property
+    def _table(self) -> np.ndarray:
+        """:attr:`seconds` as one array (a planner asks for costs several times a round)."""
+        return np.asarray(self.seconds, dtype=float)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -36,9 +36,6 @@ from diffdraft.budget.planner import MIN_TIMED_ROUNDS, BudgetPlanner, rounds_of
 from diffdraft.runtime.stats import GenerationStats, TauEstimate
 from diffdraft.trees import RoundSequence
 
-BUILD_STAGES = ("tree", "mask")
-"""What a drafting sequence pays on top of a plain decoding step's besides the drafter's forward (less
-what its free copies took there: :attr:`~diffdraft.runtime.stats.GenerationStats.copy_seconds`)."""
 COMMIT_STAGES = ("accept", "commit")
 """What every sequence pays per round outside the shared forward."""
 NO_DRAFT = [1.0]
@@ -276,7 +273,7 @@ class RoundBudgetPlanner:
         forwards = drafted - (first is not None)  # the first took the prompt in: a one-off, left out
         if forwards > 0:
             drafting = (stats.timings["draft"] - (first or 0.0)) / forwards
-            building = sum(stats.timings[s] for s in BUILD_STAGES) - stats.copy_seconds
+            building = stats.draft_build_seconds + stats.draft_plan_seconds
             self._draft_seconds[alone].append(drafting + building / drafted)
         if stats.copy_rounds:
             seconds = stats.copy_seconds + stats.copy_plan_seconds
@@ -428,6 +425,7 @@ def _identical(these: Sequence, those: Sequence) -> bool:
 
 
 def _mean_of(seconds: dict[bool, deque[float]], alone: bool) -> float:
-    """The mean of ``seconds[alone]``, else of the other record, else 0."""
+    """The mean of ``seconds[alone]``, else of the other record, else 0 (in Python: asked several
+    times a round, and numpy's mean of a deque costs ten times as much)."""
     record = seconds[alone] or seconds[not alone]
-    return float(np.mean(record)) if record else 0.0
+    return sum(record) / len(record) if record else 0.0

@@ -73,30 +73,56 @@ class SpeculativeEngine:
         """Each sequence's share of this round: when the tree builder plans rounds
         (:class:`~diffdraft.trees.RoundPlanner`), its node budget, and for a sequence left at budget 0
         whose drafter offers a free copy (prompt lookup's), as much of the copy as pays; otherwise
-        the builder's own size. The sequences given copies share the plan's time
-        (:attr:`~diffdraft.runtime.stats.GenerationStats.copy_plan_seconds`)."""
+        the builder's own size. The plan's time is charged to the sequences that draft or copy
+        (:func:`_charge_plan`)."""
         if self.planner is None:
             return [RoundPlan()] * len(sequences)
         begin = time.perf_counter()
         rounds = [RoundSequence(s.stats, s.context, s.draft_depth() > 0) for s in sequences]
         budgets = self.planner.plan(rounds)
-        if len(sequences) == 1:
+        alone = len(sequences) == 1
+        if alone:
             begin = time.perf_counter()  # alone, every round is planned: a copy pays its search only
-        ceilings = [s.copy_ceiling() if b == 0 else None for s, b in zip(sequences, budgets, strict=True)]
-        if not any(ceilings) or not any(self.planner.copy_lengths(rounds, budgets, ceilings)):
-            return [RoundPlan(budget) for budget in budgets]  # not even the likeliest copies would pay
-        offers = [s.copy_offer() if c else None for s, c in zip(sequences, ceilings, strict=True)]
-        if not any(offers):
-            return [RoundPlan(budget) for budget in budgets]
-        lengths = self.planner.copy_lengths(rounds, budgets, [o and o.expected for o in offers])
-        if any(lengths):
-            share = (time.perf_counter() - begin) / sum(length > 0 for length in lengths)
-            for s, length in zip(sequences, lengths, strict=True):
-                s.stats.copy_plan_seconds += share if length else 0.0
+        offers, lengths = self._copies(sequences, rounds, budgets)
+        _charge_plan(sequences, budgets, lengths, time.perf_counter() - begin, alone)
         return [
             RoundPlan(budget, s.take_copy(offer, length) if length else None)
             for s, budget, offer, length in zip(sequences, budgets, offers, lengths, strict=True)
         ]
+
+    def _copies(
+        self, sequences: Sequence[SequenceRun], rounds: list[RoundSequence], budgets: list[int]
+    ) -> tuple[list[CopyOffer | None], list[int]]:
+        """Each sequence's offered free copy and how much of it to verify (0: none, or none pays)."""
+        none = ([None] * len(sequences), [0] * len(sequences))
+        ceilings = [s.copy_ceiling() if b == 0 else None for s, b in zip(sequences, budgets, strict=True)]
+        if not any(ceilings) or not any(self.planner.copy_lengths(rounds, budgets, ceilings)):
+            return none  # not even the likeliest copies would pay
+        offers = [s.copy_offer() if c else None for s, c in zip(sequences, ceilings, strict=True)]
+        if not any(offers):
+            return none
+        return offers, self.planner.copy_lengths(rounds, budgets, [o and o.expected for o in offers])
+
+
+def _charge_plan(
+    sequences: Sequence[SequenceRun], budgets: list[int], copies: list[int], seconds: float, alone: bool
+) -> None:
+    """Share a round plan's ``seconds`` among the sequences it gives a free copy (``copies``: copied
+    lengths; :attr:`~diffdraft.runtime.stats.GenerationStats.copy_plan_seconds`) or, in a batch, a
+    tree (:attr:`~diffdraft.runtime.stats.GenerationStats.draft_plan_seconds`): a batch's plan that
+    left every sequence plain stands for several rounds, and one that drafts or copies is made anew
+    the next round, so speculating pays for planning. Alone, every round is planned whatever it does
+    (``seconds`` is then only the search for a copy)."""
+    drafting = [not alone and budget > 0 for budget in budgets]
+    paying = sum(length > 0 for length in copies) + sum(drafting)
+    if not paying:
+        return
+    share = seconds / paying
+    for sequence, length, draft in zip(sequences, copies, drafting, strict=True):
+        if length:
+            sequence.stats.copy_plan_seconds += share
+        elif draft:
+            sequence.stats.draft_plan_seconds += share
 
 
 @dataclass(frozen=True)
@@ -250,6 +276,8 @@ class SequenceRun:
             mask = self.target.attention_mask(self.cache, tree.ancestor_mask()) if tree.num_nodes else None
         if copied:
             self.stats.copy_seconds += building + self.timer.last
+        elif proposal.depth:
+            self.stats.draft_build_seconds += building + self.timer.last
         self._round = (tree, proposal, start, copied)
         return VerifyInput(self.cache, tree.tokens, tree.position_ids(start), mask)
 

@@ -89,10 +89,18 @@ class GenerationStats:
     copy_seconds: float = 0.0
     """Seconds spent taking free copies and building their chains and masks (in the tree and mask
     stages too): what the auto budget weighs a copy's first token against."""
+    draft_build_seconds: float = 0.0
+    """Seconds spent building the drafter's trees and their masks (in the tree and mask stages too):
+    with the draft stage, what a drafting round adds to a plain one, whose root-only tree and mask
+    every round pays (charged to the drafted rounds, they made a batch's rare drafting round look
+    several times its cost)."""
     copy_plan_seconds: float = 0.0
     """This sequence's share of the round plans that gave it a free copy (in no stage): in a batch a
     copy ends a plain plan that would have stood (the next round is planned anew), so it pays its
     round's whole plan; alone, where every round is planned, what looking for the copy took."""
+    draft_plan_seconds: float = 0.0
+    """In a batch, this sequence's share of the round plans that had it draft (in no stage): a plan
+    that leaves the batch plain stands for several rounds, one that drafts is made anew each round."""
     total_seconds: float = 0.0
     stop_reason: str = ""
 
