@@ -182,7 +182,8 @@ class BudgetPlanner:
         """Per round of :attr:`_rounds`, the gain per node rank its sequence's drafter promised: the
         growth calibration weighs what rounds realized against what was promised for those very
         rounds (against the recent proposals' mean, a window of other texts than the rounds', it
-        read 0.77 for a drafter whose promise matched the target within a few percent)."""
+        read a well-calibrated drafter as overconfident; figures: benchmarks/README.md,
+        'Measurements behind the code')."""
         self._timed: deque[tuple[int, float]] = deque(maxlen=timed_rounds)  # (q, measured / curve)
         self.fixed_seconds = 0.0
         """Seconds per round outside verification (see choose_budget)."""
