@@ -176,7 +176,7 @@ class BudgetPlanner:
     ) -> None:
         self.curve = curve
         self.max_budget = min(max_budget, curve.sizes[-1] - 1)  # never extrapolate the cost curve
-        self._surrogates: deque[list[float]] = deque(maxlen=window)
+        self._surrogates: deque[np.ndarray] = deque(maxlen=window)
         self._rounds: deque[ObservedRound] = deque(maxlen=rounds)
         self._promised: deque[np.ndarray] = deque(maxlen=rounds)
         """Per round of :attr:`_rounds`, the gain per node rank its sequence's drafter promised: the
@@ -191,10 +191,10 @@ class BudgetPlanner:
         """The finished proposals' mean surrogate, until one more comes (every sequence that has not
         drafted yet is estimated from it)."""
         self._finished_gains: tuple[np.ndarray, np.ndarray, float] | None = None
-        self._cost: Callable[[float, float], float] | None = None
-        """:meth:`cost`, until timed rounds come."""
         """The finished rounds' per-rank gains, counts and growth calibration, until they change
         (every running sequence's estimate reads them, so they are computed once per change)."""
+        self._cost: Callable[[float, float], float] | None = None
+        """:meth:`cost`, until timed rounds come."""
 
     @property
     def has_proposals(self) -> bool:
