@@ -96,8 +96,9 @@ class GenerationStats:
     several times its cost)."""
     copy_plan_seconds: float = 0.0
     """This sequence's share of the round plans that gave it a free copy (in no stage): in a batch a
-    copy ends a plain plan that would have stood (the next round is planned anew), so it pays its
-    round's whole plan; alone, where every round is planned, what looking for the copy took."""
+    copy ends a plain plan that would have stood (the next round is planned anew), so the round's
+    copies and trees share its whole plan; alone, where every round is planned, what looking for
+    the copy took."""
     draft_plan_seconds: float = 0.0
     """In a batch, this sequence's share of the round plans that had it draft (in no stage): a plan
     that leaves the batch plain stands for several rounds, one that drafts is made anew each round."""
