@@ -179,11 +179,11 @@ class BudgetPlanner:
         self._surrogates: deque[np.ndarray] = deque(maxlen=window)
         self._rounds: deque[ObservedRound] = deque(maxlen=rounds)
         self._promised: deque[np.ndarray] = deque(maxlen=rounds)
-        """Per round of :attr:`_rounds`, the gain per node rank its sequence's drafter promised: the
-        growth calibration weighs what rounds realized against what was promised for those very
-        rounds (against the recent proposals' mean, a window of other texts than the rounds', it
-        read a well-calibrated drafter as overconfident; figures: benchmarks/README.md,
-        'Measurements behind the code')."""
+        """Per round of :attr:`_rounds`, the gain per node rank its sequence's drafter promised, 0 past
+        the ranks it verified: the growth calibration weighs what rounds realized against what was
+        promised for those very rounds (against the recent proposals' mean, a window of other texts
+        than the rounds', it read a well-calibrated drafter as overconfident; figures:
+        benchmarks/README.md, 'Measurements behind the code')."""
         self._timed: deque[tuple[int, float]] = deque(maxlen=timed_rounds)  # (q, measured / curve)
         self.fixed_seconds = 0.0
         """Seconds per round outside verification (see choose_budget)."""
@@ -221,7 +221,8 @@ class BudgetPlanner:
         rounds verified alone rescale the curve: a shared forward's time is not its tree's."""
         self._rounds.extend(rounds)
         gains = np.diff(self.surrogate()) if promised is None else np.asarray(promised, dtype=float)
-        self._promised.extend([gains] * len(rounds))
+        ranks = np.arange(1, self.max_budget + 1)
+        self._promised.extend(gains * (ranks <= r.budget) for r in rounds)
         self._finished_gains = None
         self._timed.extend(
             (r.budget + 1, r.seconds / self.curve(r.budget + 1, r.context))
@@ -286,8 +287,7 @@ class BudgetPlanner:
                 self._finished_gains = (np.zeros(0), np.zeros(0), 1.0)
             else:
                 observed, counts = self.rank_gains()
-                verified = _verified_ranks(self._rounds, self.max_budget)
-                promised = (np.asarray(self._promised) * verified).sum(axis=0)
+                promised = np.sum(self._promised, axis=0)
                 self._finished_gains = (observed, counts, _growth(promised, observed, counts))
         return self._finished_gains
 
@@ -320,12 +320,6 @@ class BudgetPlanner:
             "expected_tau": {b: expected_tau[b] for b in shown},
             "expected_tokens_per_second": {b: choice.expected[b] for b in shown},
         }
-
-
-def _verified_ranks(rounds: Sequence[ObservedRound], max_budget: int) -> np.ndarray:
-    """[rounds, max_budget]: whether each round verified node rank 1..max_budget."""
-    ranks = np.arange(1, max_budget + 1)
-    return np.array([[r.budget] for r in rounds]).reshape(-1, 1) >= ranks[None, :]
 
 
 def _rank_gains(rounds: Sequence[ObservedRound], max_budget: int) -> tuple[np.ndarray, np.ndarray]:
