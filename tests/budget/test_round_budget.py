@@ -161,7 +161,7 @@ def test_a_round_like_the_last_reuses_its_plan(monkeypatch):
     assert len(planned) == 3
 
 
-def test_a_plan_that_left_a_batch_plain_stands_a_few_rounds_unless_it_copied(monkeypatch):
+def test_a_plan_that_left_a_batch_plain_stands_a_few_rounds_unless_it_copied_or_one_is_alone(monkeypatch):
     from diffdraft.budget import round_budget
 
     rounds = losing_planner()
@@ -169,20 +169,27 @@ def test_a_plan_that_left_a_batch_plain_stands_a_few_rounds_unless_it_copied(mon
     inner = rounds._plan
     monkeypatch.setattr(rounds, "_plan", lambda sequences: made.append(1) or inner(sequences))
     pair = [RoundSequence(drafted_once(1), 100, True), RoundSequence(drafted_once(1), 100, True)]
-    for _ in range(rounds.plain_rounds + 2):
-        assert rounds.plan(pair) == [0, 0]
-        assert rounds.copy_lengths(pair, [0, 0], [None, None]) == [0, 0]
+
+    def round_of(sequences, copies):
+        """What the engine asks each round: (budgets, copy lengths), None while a plain plan stands."""
+        if rounds.plain_stands(len(sequences)):
+            return None
+        budgets = rounds.plan(sequences)
+        return budgets, rounds.copy_lengths(sequences, budgets, copies)
+
+    stood = [round_of(pair, [None, None]) for _ in range(rounds.plain_rounds + 2)]
+    assert stood == [([0, 0], [0, 0])] + [None] * rounds.plain_rounds + [([0, 0], [0, 0])]
     assert len(made) == 2  # made, stood plain_rounds rounds, made again
-    rounds.plan([pair[0], RoundSequence(drafted_once(1), 100, True)])  # other sequences: made anew
-    assert len(made) == 3
+    trio = [*pair, RoundSequence(drafted_once(1), 100, True)]
+    assert round_of(trio, [None] * 3) is None  # a sequence joined: the plan stands all the same
+    assert len(made) == 2
     for _ in range(3):
-        rounds.plan([pair[0]])  # alone, a sequence is planned every round
-    assert len(made) == 6
+        assert round_of([pair[0]], [None])  # alone, a sequence is planned every round
+    assert len(made) == 5
     monkeypatch.setattr(round_budget, "plan_copies", lambda *args: [1, 0])
-    rounds.plan(pair)
-    assert rounds.copy_lengths(pair, [0, 0], [[1.0, 1.9], None]) == [1, 0]
-    rounds.plan(pair)  # the round copied: not plain, planned again
-    assert len(made) == 8
+    assert round_of(pair, [[1.0, 1.9], None]) == ([0, 0], [1, 0])
+    assert round_of(pair, [None, None])  # the round copied: not plain, planned again
+    assert len(made) == 7
 
 
 def test_a_sequence_that_stopped_drafting_re_estimates_after_one_exploring_round():
@@ -252,6 +259,22 @@ def test_finished_sequences_teach_the_stage_costs_and_the_shared_forwards_scale(
     assert rounds.verify_seconds(np.array([16]), 2, 100)[0] == pytest.approx(0.04)
 
 
+def test_the_trees_extra_time_is_scaled_apart_from_the_plain_forwards():
+    from diffdraft.budget.batch_cost import BatchCostCurve
+
+    batch = BatchCostCurve(batches=[2], sizes=[1, 8], contexts=[100], seconds=[[[0.01, 0.02]]])
+    rounds = RoundBudgetPlanner(BudgetPlanner(VerifyCostCurve([1, 64], [100], [[0.01, 0.02]])), batch)
+    stats = GenerationStats(rounds=8, tree_sizes=[0] * 4 + [7] * 4, accepted_nodes=[[]] * 8)
+    stats.verify_contexts = [100] * 8
+    # plain 1.2x the curve, a tree's extra 2x (times apart: a forward counts once by shape and time)
+    stats.verify_seconds = [0.0119, 0.01195, 0.01205, 0.0121, 0.0319, 0.03195, 0.03205, 0.0321]
+    stats.verify_forwards = [(2, 2, 100)] * 4 + [(2, 16, 100)] * 4
+    rounds.observe_generation(stats)
+    assert rounds.batch_scale(2) == pytest.approx(1.2)
+    assert rounds.tree_scale(2) == pytest.approx(2.0)
+    assert rounds.verify_seconds(np.array([2, 9, 16]), 2, 100) == pytest.approx([0.012, 0.022, 0.032])
+
+
 def test_a_shared_forward_counts_once_and_the_latest_forwards_are_kept():
     from diffdraft.budget.batch_cost import BatchCostCurve
 
@@ -270,10 +293,10 @@ def test_a_shared_forward_counts_once_and_the_latest_forwards_are_kept():
     early = [0.01 * (1 + i / 100) for i in range(6)]
     for _ in range(2):  # both sequences of the pair finish: the six forwards count once
         rounds.observe_generation(pair_member(early))
-    assert len(rounds._batch_scales) == 6
+    assert len(rounds._batch_forwards) == 6
     late = [0.03 * (1 + i / 100) for i in range(4)]
     rounds.observe_generation(pair_member(late))
-    assert len(rounds._batch_scales) == 8  # the two oldest forwards make room
+    assert len(rounds._batch_forwards) == 8  # the two oldest forwards make room
     assert rounds.batch_scale(2) == pytest.approx(np.median([s / 0.01 for s in early[2:] + late]))
 
 
@@ -304,6 +327,9 @@ class FixedPlan:
     def __init__(self, pattern: list[int], copies: bool = False) -> None:
         self.pattern = pattern
         self.copies = copies
+
+    def plain_stands(self, sequences: int) -> bool:
+        return False
 
     def plan(self, sequences: list[RoundSequence]) -> list[int]:
         return [self.pattern[s.stats.rounds % len(self.pattern)] if s.can_draft else 0 for s in sequences]

@@ -51,6 +51,10 @@ class AutoBudgetBuilder:
         self.explore_up = explore_up
         self.explore_down = explore_down
 
+    def plain_stands(self, sequences: int) -> bool:
+        """Whether the last plan, all plain, stands (:meth:`RoundBudgetPlanner.plain_stands`)."""
+        return self.rounds.plain_stands(sequences)
+
     def plan(self, sequences: Sequence[RoundSequence]) -> list[int]:
         """Each sequence's node budget this round (see :class:`RoundBudgetPlanner`)."""
         return self.rounds.plan(sequences)

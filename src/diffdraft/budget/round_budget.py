@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -69,7 +70,7 @@ def plan_budgets(
     def rates(gained, tokens, drafting):
         return gained / (cost[tokens] + draft_seconds * drafting + fixed_seconds)
 
-    budgets = _best_on_greedy_path(curves, lowest, rates)
+    budgets = _best_on_greedy_path([tau.tolist() for tau in curves], lowest, rates)
     gained = sum(tau[b] for tau, b in zip(curves, budgets, strict=True))
     tokens = sum(budgets) + len(budgets)
     drafting = sum(b > 0 for b in budgets)
@@ -111,47 +112,57 @@ def plan_copies(
     than ``taus[i]`` reaches (the cost is not extrapolated). A copy costs no drafting, only its
     tokens' share of the forward and ``copy_seconds`` per sequence that takes one (its chain and
     mask): its tokens join most likely first, along the same greedy path as the budgets', and the
-    point of that path with the best rate is kept."""
-    cost = np.maximum.accumulate(np.asarray(verify_seconds, dtype=float))
+    point of that path with the best rate is kept. In plain Python: a batch's round asks this of
+    a few short curves, where numpy's overhead cost more than the work."""
+    cost = np.maximum.accumulate(np.asarray(verify_seconds, dtype=float)).tolist()
     offered = [copy is not None and budget == 0 for budget, copy in zip(budgets, copies, strict=True)]
     curves = [
-        np.asarray(copy[: len(tau)] if offer else tau[: budget + 1], dtype=float)
+        [float(x) for x in (copy[: len(tau)] if offer else tau[: budget + 1])]
         for tau, budget, copy, offer in zip(taus, budgets, copies, offered, strict=True)
     ]
     drafting = sum(budget > 0 for budget in budgets)
 
-    def rates(gained, tokens, starts):  # the path's "drafting" counts the drafting sequences, then copies
+    def rate(gained, tokens, starts):  # the path's "starts" counts the drafting sequences, then copies
         copying = starts - drafting
         return gained / (cost[tokens] + draft_seconds * drafting + copy_seconds * copying + fixed_seconds)
 
     lowest = [0 if offer else budget for budget, offer in zip(budgets, offered, strict=True)]
-    lengths = _best_on_greedy_path(curves, lowest, rates)
+    lengths = _best_on_greedy_path(curves, lowest, rate)
     return [length if offer else 0 for length, offer in zip(lengths, offered, strict=True)]
 
 
-def _best_on_greedy_path(curves: list[np.ndarray], lowest: list[int], rates) -> list[int]:
-    """The best point of :func:`plan_budgets`' greedy path, all at once: every sequence's next nodes
-    ordered by gain (a running minimum, so a sequence's nodes keep their order), then the rate after
-    each. ``rates(gained, tokens, drafting)`` takes arrays."""
-    owners, gains, keys, firsts = [], [], [], []
+def _best_on_greedy_path(
+    curves: Sequence[Sequence[float]], lowest: list[int], rate: Callable[[float, int, int], float]
+) -> list[int]:
+    """The best point of :func:`plan_budgets`' greedy path: every sequence's next nodes ordered by gain
+    (by their running minimum, so a sequence's nodes keep their order; equals in sequence order),
+    then the rate after each, ``rate(gained, tokens, starts)`` (starts: sequences past budget 0); the
+    fewest nodes among equal rates."""
+    keys, owners, gains, starts = [], [], [], []
     for i, tau in enumerate(curves):
-        gain = np.diff(tau)[lowest[i] :]
-        owners.append(np.full(len(gain), i))
-        gains.append(gain)
-        keys.append(np.minimum.accumulate(gain) if len(gain) else gain)
-        firsts.append((np.arange(len(gain)) == 0) & (lowest[i] == 0))
-    order = np.argsort(-np.concatenate(keys), kind="stable")
-    owner = np.concatenate(owners)[order]
+        key = float("inf")
+        for k in range(lowest[i], len(tau) - 1):
+            gain = tau[k + 1] - tau[k]
+            key = min(key, gain)
+            keys.append(-key)
+            owners.append(i)
+            gains.append(gain)
+            starts.append(k == 0)
     gained = sum(tau[b] for tau, b in zip(curves, lowest, strict=True))
     tokens = sum(lowest) + len(lowest)
-    drafting = sum(b > 0 for b in lowest)
-    path = rates(
-        gained + np.concatenate([[0.0], np.cumsum(np.concatenate(gains)[order])]),
-        tokens + np.arange(len(order) + 1),
-        drafting + np.concatenate([[0], np.cumsum(np.concatenate(firsts)[order])]),
-    )
-    steps = int(np.argmax(path))  # the fewest nodes among equals
-    return (np.asarray(lowest) + np.bincount(owner[:steps], minlength=len(curves))).tolist()
+    started = sum(b > 0 for b in lowest)
+    best, steps, total = rate(gained, tokens, started), 0, 0.0
+    order = sorted(range(len(keys)), key=keys.__getitem__)  # stable: equals keep sequence order
+    for step, node in enumerate(order, 1):
+        total += gains[node]
+        started += starts[node]
+        value = rate(gained + total, tokens + step, started)
+        if value > best:
+            best, steps = value, step
+    budgets = list(lowest)
+    for node in order[:steps]:
+        budgets[owners[node]] += 1
+    return budgets
 
 
 class RoundBudgetPlanner:
@@ -179,9 +190,10 @@ class RoundBudgetPlanner:
     finished sequence taught the planner, not every round (it reads the sequence's latest rounds); a
     round whose inputs did not change but for contexts within ``context_step`` tokens reuses the last
     plan (at batch 8 planning is a noticeable share of a round; figures as above), and a plan that
-    left a batch all plain (no tree, no copy) stands for the same sequences ``plain_rounds`` rounds
-    before it is made again: under load nearly every round plans that, and a few rounds late is
-    nothing to an exploration due every ``explore_every`` rounds per sequence.
+    left a batch all plain (no tree, no copy) stands ``plain_rounds`` rounds before it is made again,
+    while several sequences share the round, whichever join or leave: under load nearly every round
+    plans that, and a few rounds late is nothing to an exploration due every ``explore_every`` rounds
+    per sequence.
     """
 
     def __init__(
@@ -217,16 +229,14 @@ class RoundBudgetPlanner:
         }
         """Seconds per free copy of finished sequences: taking it, building its chain and mask, and its
         share of the plan (:attr:`~diffdraft.runtime.stats.GenerationStats.copy_plan_seconds`)."""
-        self._batch_scales: dict[tuple[tuple[int, int, int], float], tuple[int, float]] = {}
-        """(sequences, measured / batch curve seconds) of the latest ``timed_rounds`` shared forwards
-        of finished sequences, by forward (shape and seconds): every sequence of a round recorded it,
-        and it counts once."""
+        self._batch_forwards: dict[tuple[tuple[int, int, int], float], TimedForward] = {}
+        """The latest ``timed_rounds`` shared forwards of finished sequences, by forward (shape and
+        seconds): every sequence of a round recorded it, and it counts once."""
         self.timed_rounds = timed_rounds
         self.context_step = context_step
         self.plain_rounds = plain_rounds
-        self._plain: tuple[list[GenerationStats], int] | None = None
-        """The sequences of a batch the last plan left all plain (budget 0, no copy), as their stats,
-        and the rounds that plan has stood."""
+        self._plain: int | None = None
+        """Rounds the last plan stood, when it left a batch all plain (budget 0, no copy)."""
         self._learned = 0
         """Finished sequences observed: a new one makes every estimate and plan stale."""
         self._last_plan: tuple[list[list[float]], tuple, list[int]] | None = None
@@ -284,45 +294,76 @@ class RoundBudgetPlanner:
         if shared and self.batch_cost is not None:
             for r in shared:
                 key = (r.forward, r.seconds)
-                if key not in self._batch_scales:
-                    scale = r.seconds / self.batch_cost(r.forward[1], r.forward[0], r.forward[2])
-                    self._batch_scales[key] = (r.forward[0], scale)
-            while len(self._batch_scales) > self.timed_rounds:
-                del self._batch_scales[next(iter(self._batch_scales))]  # the oldest: dicts keep order
+                if key not in self._batch_forwards:
+                    sequences, tokens, context = r.forward
+                    plain = self.batch_cost(sequences, sequences, context)
+                    curve = self.batch_cost(tokens, sequences, context)
+                    self._batch_forwards[key] = TimedForward(
+                        sequences, tokens > sequences, r.seconds, curve, plain
+                    )
+            while len(self._batch_forwards) > self.timed_rounds:
+                del self._batch_forwards[next(iter(self._batch_forwards))]  # the oldest: dicts keep order
 
     def verify_seconds(self, tokens: np.ndarray, sequences: int, context: float) -> np.ndarray:
         """The forward's seconds for each total of ``tokens`` shared by ``sequences`` over ``context``
         cached tokens each: the calibrated single-sequence curve alone (and without a batch curve,
-        over all the tokens at once), else the batch curve, scaled by what the finished sequences'
-        forwards of that many sequences took against it."""
+        over all the tokens at once), else the batch curve, its plain part (one token a sequence) and
+        what the trees add to it each scaled by what the finished sequences' forwards took against it
+        (:meth:`batch_scale`, :meth:`tree_scale`)."""
         if sequences == 1 or self.batch_cost is None:
             return np.asarray(self.planner.cost()(tokens, context))
-        return np.asarray(self.batch_cost(tokens, sequences, context)) * self.batch_scale(sequences)
+        curve = np.asarray(self.batch_cost(tokens, sequences, context))
+        plain = self.batch_cost(sequences, sequences, context)
+        return self.batch_scale(sequences) * plain + self.tree_scale(sequences) * (curve - plain)
 
     def batch_scale(self, sequences: int) -> float:
-        """Median measured / curve time of finished forwards shared by ``sequences`` sequences (of
-        any shared forward while too few of that size finished; 1 before any)."""
-        scales = self._batch_scales.values()
-        same = [scale for n, scale in scales if n == sequences]
-        if len(same) >= MIN_TIMED_ROUNDS:
-            return float(np.median(same))
-        return float(np.median([scale for _, scale in scales])) if scales else 1.0
+        """Median measured / curve time of the plain forwards (one token a sequence) of finished
+        sequences, shared by ``sequences`` sequences: of any number while too few of that one
+        finished, of any shared forward while too few plain ones did, 1 before any."""
+        forwards = self._batch_forwards.values()
+        for kept in (
+            [f for f in forwards if f.sequences == sequences and not f.speculative],
+            [f for f in forwards if not f.speculative],
+        ):
+            if len(kept) >= MIN_TIMED_ROUNDS:
+                return float(np.median([f.seconds / f.curve for f in kept]))
+        return float(np.median([f.seconds / f.curve for f in forwards])) if forwards else 1.0
+
+    def tree_scale(self, sequences: int) -> float:
+        """What finished forwards shared by ``sequences`` sequences with trees took past their plain
+        part (:meth:`batch_scale` of the curve's), summed, over what the curve puts there, summed (of
+        any number of sequences while too few of that one finished; the plain scale before that).
+        A machine's forward does not grow with the tokens as it did when the curve was measured:
+        scaled as a whole to fit the plain forwards, which most are under load, the curve put a
+        6-node tree's extra at 0.72 ms of a batch-2 forward where it took 0.94 ms (medians of
+        hundreds, on a shared 2-core Zen 5), and the plan drafted where it did not pay."""
+        forwards = [f for f in self._batch_forwards.values() if f.speculative]
+        for kept in ([f for f in forwards if f.sequences == sequences], forwards):
+            extra = sum(f.curve - f.plain for f in kept)
+            if len(kept) >= MIN_TIMED_ROUNDS and extra > 0:
+                scales = {n: self.batch_scale(n) for n in {f.sequences for f in kept}}
+                plain = sum(scales[f.sequences] * f.plain for f in kept)
+                return max(0.0, (sum(f.seconds for f in kept) - plain) / extra)
+        return self.batch_scale(sequences)
+
+    def plain_stands(self, sequences: int) -> bool:
+        """Whether the last plan left a batch all plain, with no copy, fewer than ``plain_rounds``
+        rounds ago, and ``sequences`` (several) share this round: it then stands this round too,
+        counted as one more, whichever sequences joined or left meanwhile (under load one does every
+        few rounds, and a plan made anew for each cost a visible share of the rounds)."""
+        if self._plain is None or self._plain >= self.plain_rounds or sequences < 2:
+            return False
+        self._plain += 1
+        return True
 
     def plan(self, sequences: Sequence[RoundSequence]) -> list[int]:
-        """Each sequence's node budget this round (0: it verifies its pending token alone)."""
-        plain = self._plain
-        if (
-            plain is not None
-            and plain[1] < self.plain_rounds
-            and _identical(plain[0], [s.stats for s in sequences])
-        ):
-            self._plain = (plain[0], plain[1] + 1)
-            return [0] * len(sequences)
+        """Each sequence's node budget this round (0: it verifies its pending token alone), when
+        :meth:`plain_stands` said no."""
         budgets, explore = self._plan(sequences)
         if len(sequences) > 1:
             _count_explorations(sequences, budgets, explore)
         all_plain = len(sequences) > 1 and not any(budgets)  # alone, a sequence must notice soon
-        self._plain = ([s.stats for s in sequences], 0) if all_plain else None
+        self._plain = 0 if all_plain else None
         return budgets
 
     def _plan(self, sequences: Sequence[RoundSequence]) -> tuple[list[int], list[bool]]:
@@ -349,8 +390,6 @@ class RoundBudgetPlanner:
         (:meth:`plan`) held (:func:`plan_copies`; ``copies``: each copy's expected acceptance length
         per copied length, None where none is offered). Copies that are the very objects of the last
         call, all else alike, get its lengths (the copiers' ceilings, asked every round)."""
-        if self._plain is not None and self._plain[1] > 0:
-            return [0] * len(sequences)  # a plain plan that stands: no copies either
         taus = [self.expected_tau(s.stats) if s.can_draft else NO_DRAFT for s in sequences]
         context = sum(s.context for s in sequences) / len(sequences)
         costs = self._round_costs(taus, context)
@@ -409,6 +448,21 @@ class RoundBudgetPlanner:
             interval = self.explore_every * sequences << backoff
         rounds = len(stats.tree_sizes)
         return rounds >= interval and not any(stats.drafter_sizes(rounds - interval))
+
+
+@dataclass(frozen=True)
+class TimedForward:
+    """A finished shared forward beside what the batch curve puts there."""
+
+    sequences: int
+    speculative: bool
+    """Whether it verified more than one token a sequence (a tree or a copy)."""
+    seconds: float
+    """What it took."""
+    curve: float
+    """The curve's seconds for its shape."""
+    plain: float
+    """The curve's seconds for as many sequences with one token each."""
 
 
 def _count_explorations(sequences: Sequence[RoundSequence], budgets: list[int], explore: list[bool]) -> None:

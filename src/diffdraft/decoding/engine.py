@@ -77,6 +77,8 @@ class SpeculativeEngine:
         (:func:`_charge_plan`)."""
         if self.planner is None:
             return [RoundPlan()] * len(sequences)
+        if self.planner.plain_stands(len(sequences)):
+            return [PLAIN] * len(sequences)
         begin = time.perf_counter()
         rounds = [RoundSequence(s.stats, s.context, s.draft_depth() > 0) for s in sequences]
         budgets = self.planner.plan(rounds)
@@ -133,6 +135,10 @@ class RoundPlan:
     """Its tree's node budget (None: the builder's own size; 0: no drafter's tree)."""
     copy: Proposal | None = None
     """A free copy to verify instead of a drafter's tree (budget 0 only)."""
+
+
+PLAIN = RoundPlan(0)
+"""A sequence's share of a round that neither drafts nor copies: plain decoding."""
 
 
 def draft_round(sequences: Sequence[SequenceRun], plans: Sequence[RoundPlan]) -> list[VerifyInput]:

@@ -53,8 +53,14 @@ class RoundPlanner(Protocol):
     together, before they draft: budget 0 means the sequence does not draft this round and verifies
     its pending token alone (plain decoding), or with the free copy :meth:`copy_lengths` gives it."""
 
+    def plain_stands(self, sequences: int) -> bool:
+        """Asked first every round, with the number of sequences in it: True when the last plan, which
+        left its batch plain, stands this round too (the round then plans nothing and copies nothing:
+        under load most rounds are such, and asking costs far less than planning)."""
+        ...
+
     def plan(self, sequences: Sequence[RoundSequence]) -> list[int]:
-        """One node budget per sequence, in order."""
+        """One node budget per sequence, in order (when :meth:`plain_stands` said no)."""
         ...
 
     def copy_lengths(
