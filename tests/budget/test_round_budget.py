@@ -175,7 +175,7 @@ def test_a_plan_that_left_a_batch_plain_stands_a_few_rounds_unless_it_copied_or_
         if rounds.plain_stands(len(sequences)):
             return None
         budgets = rounds.plan(sequences)
-        return budgets, rounds.copy_lengths(sequences, budgets, copies)
+        return budgets, rounds.copy_lengths(budgets, copies)
 
     stood = [round_of(pair, [None, None]) for _ in range(rounds.plain_rounds + 2)]
     assert stood == [([0, 0], [0, 0])] + [None] * rounds.plain_rounds + [([0, 0], [0, 0])]
@@ -334,7 +334,7 @@ class FixedPlan:
     def plan(self, sequences: list[RoundSequence]) -> list[int]:
         return [self.pattern[s.stats.rounds % len(self.pattern)] if s.can_draft else 0 for s in sequences]
 
-    def copy_lengths(self, sequences, budgets, copies) -> list[int]:
+    def copy_lengths(self, budgets, copies) -> list[int]:
         return [len(c) - 1 if self.copies and c is not None else 0 for c in copies]
 
     def build(self, tree_round: TreeRound):
@@ -462,12 +462,12 @@ def test_a_copy_plan_like_the_last_is_reused(monkeypatch):
     planned = []
     monkeypatch.setattr(round_budget, "plan_copies", lambda *args: planned.append(args) or [0])
     rounds = losing_planner()
-    sequences = [RoundSequence(drafted_once(1), 100, True)]
+    rounds.plan([RoundSequence(drafted_once(1), 100, True)])
     ceiling = [1.0, 1.5, 1.75]
     for _ in range(3):
-        assert rounds.copy_lengths(sequences, [0], [ceiling]) == [0]
+        assert rounds.copy_lengths([0], [ceiling]) == [0]
     assert len(planned) == 1  # the same ceiling, budgets and costs: the last plan stands
-    rounds.copy_lengths(sequences, [0], [list(ceiling)])  # another list: planned anew
+    rounds.copy_lengths([0], [list(ceiling)])  # another list: planned anew
     assert len(planned) == 2
 
 

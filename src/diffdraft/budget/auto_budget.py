@@ -59,15 +59,10 @@ class AutoBudgetBuilder:
         """Each sequence's node budget this round (see :class:`RoundBudgetPlanner`)."""
         return self.rounds.plan(sequences)
 
-    def copy_lengths(
-        self,
-        sequences: Sequence[RoundSequence],
-        budgets: Sequence[int],
-        copies: Sequence[Sequence[float] | None],
-    ) -> list[int]:
+    def copy_lengths(self, budgets: Sequence[int], copies: Sequence[Sequence[float] | None]) -> list[int]:
         """How many tokens of each offered free copy to verify
         (:meth:`RoundBudgetPlanner.copy_lengths`)."""
-        return self.rounds.copy_lengths(sequences, budgets, copies)
+        return self.rounds.copy_lengths(budgets, copies)
 
     def build(self, tree_round: TreeRound) -> DraftTree:
         """The sequence's next tree, of the round's planned ``budget`` (None: its last budget, or the

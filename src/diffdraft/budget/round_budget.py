@@ -243,6 +243,8 @@ class RoundBudgetPlanner:
         """The last round's estimates, other inputs and budgets."""
         self._last_costs: tuple[tuple, tuple[np.ndarray, float, float]] | None = None
         """The last round's costs (:meth:`_round_costs`) and what they were computed for."""
+        self._round: tuple[list[list[float]], float] = ([], 0.0)
+        """The round :meth:`plan` planned last: its estimates and mean context (its copies' too)."""
         self._last_copies: tuple[list, tuple, list[int]] | None = None
         """The last copy plan's estimates, costs and copies (the same objects while they hold: a
         copier's ceiling does), its budgets and copy seconds, and its lengths."""
@@ -371,6 +373,7 @@ class RoundBudgetPlanner:
         taus = [self.expected_tau(s.stats) if s.can_draft else NO_DRAFT for s in sequences]
         explore = [s.can_draft and self._must_explore(s.stats, len(sequences)) for s in sequences]
         context = sum(s.context for s in sequences) / len(sequences)  # numpy's mean costs more, every round
+        self._round = (taus, context)
         inputs = (explore, self._learned, int(context) // self.context_step)
         if self._last_plan is not None:
             last_taus, last_inputs, budgets = self._last_plan
@@ -380,21 +383,16 @@ class RoundBudgetPlanner:
         self._last_plan = (taus, inputs, budgets)  # holds the estimates, so `is` cannot see a reused id
         return list(budgets), explore
 
-    def copy_lengths(
-        self,
-        sequences: Sequence[RoundSequence],
-        budgets: Sequence[int],
-        copies: Sequence[Sequence[float] | None],
-    ) -> list[int]:
-        """How many tokens of each sequence's free copy to verify this round, the round's ``budgets``
-        (:meth:`plan`) held (:func:`plan_copies`; ``copies``: each copy's expected acceptance length
-        per copied length, None where none is offered). Copies that are the very objects of the last
-        call, all else alike, get its lengths (the copiers' ceilings, asked every round)."""
-        taus = [self.expected_tau(s.stats) if s.can_draft else NO_DRAFT for s in sequences]
-        context = sum(s.context for s in sequences) / len(sequences)
+    def copy_lengths(self, budgets: Sequence[int], copies: Sequence[Sequence[float] | None]) -> list[int]:
+        """How many tokens of each sequence's free copy to verify in the round :meth:`plan` just
+        planned, its ``budgets`` held (:func:`plan_copies`, from the estimates the plan read;
+        ``copies``: each copy's expected acceptance length per copied length, None where none is
+        offered). Copies that are the very objects of the last call, all else alike, get its lengths
+        (the copiers' ceilings, asked every round)."""
+        taus, context = self._round
         costs = self._round_costs(taus, context)
         objects = [*taus, costs, *copies]  # compared by identity: the same objects while they hold
-        inputs = (list(budgets), self.copy_seconds(len(sequences) == 1))
+        inputs = (list(budgets), self.copy_seconds(len(taus) == 1))
         last = self._last_copies
         if last is None or not (_identical(last[0], objects) and last[1] == inputs):
             last = (objects, inputs, plan_copies(taus, budgets, copies, *costs, inputs[1]))

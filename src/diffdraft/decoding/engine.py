@@ -85,7 +85,7 @@ class SpeculativeEngine:
         alone = len(sequences) == 1
         if alone:
             begin = time.perf_counter()  # alone, every round is planned: a copy pays its search only
-        offers, lengths = self._copies(sequences, rounds, budgets)
+        offers, lengths = self._copies(sequences, budgets)
         _charge_plan(sequences, budgets, lengths, time.perf_counter() - begin, alone)
         return [
             RoundPlan(budget, s.take_copy(offer, length) if length else None)
@@ -93,17 +93,17 @@ class SpeculativeEngine:
         ]
 
     def _copies(
-        self, sequences: Sequence[SequenceRun], rounds: list[RoundSequence], budgets: list[int]
+        self, sequences: Sequence[SequenceRun], budgets: list[int]
     ) -> tuple[list[CopyOffer | None], list[int]]:
         """Each sequence's offered free copy and how much of it to verify (0: none, or none pays)."""
         none = ([None] * len(sequences), [0] * len(sequences))
         ceilings = [s.copy_ceiling() if b == 0 else None for s, b in zip(sequences, budgets, strict=True)]
-        if not any(ceilings) or not any(self.planner.copy_lengths(rounds, budgets, ceilings)):
+        if not any(ceilings) or not any(self.planner.copy_lengths(budgets, ceilings)):
             return none  # not even the likeliest copies would pay
         offers = [s.copy_offer() if c else None for s, c in zip(sequences, ceilings, strict=True)]
         if not any(offers):
             return none
-        return offers, self.planner.copy_lengths(rounds, budgets, [o and o.expected for o in offers])
+        return offers, self.planner.copy_lengths(budgets, [o and o.expected for o in offers])
 
 
 def _charge_plan(

@@ -63,16 +63,11 @@ class RoundPlanner(Protocol):
         """One node budget per sequence, in order (when :meth:`plain_stands` said no)."""
         ...
 
-    def copy_lengths(
-        self,
-        sequences: Sequence[RoundSequence],
-        budgets: Sequence[int],
-        copies: Sequence[Sequence[float] | None],
-    ) -> list[int]:
-        """After :meth:`plan`: how many tokens of each sequence's free copy (a drafter's copied
-        continuation that costs no drafting: prompt lookup's) to verify, 0 where none pays;
-        ``copies[i]``: the expected acceptance length per copied length (None: none offered). Only
-        a sequence the plan gave budget 0 takes one."""
+    def copy_lengths(self, budgets: Sequence[int], copies: Sequence[Sequence[float] | None]) -> list[int]:
+        """After :meth:`plan`, for the round it planned: how many tokens of each sequence's free
+        copy (a drafter's copied continuation that costs no drafting: prompt lookup's) to verify, 0
+        where none pays; ``copies[i]``: the expected acceptance length per copied length (None:
+        none offered). Only a sequence the plan gave budget 0 takes one."""
         ...
 
     def build(self, tree_round: TreeRound) -> DraftTree:
