@@ -275,6 +275,22 @@ def test_the_trees_extra_time_is_scaled_apart_from_the_plain_forwards():
     assert rounds.verify_seconds(np.array([2, 9, 16]), 2, 100) == pytest.approx([0.012, 0.022, 0.032])
 
 
+def test_the_trees_times_outlive_a_long_plain_stretch():
+    from diffdraft.budget.batch_cost import BatchCostCurve
+
+    batch = BatchCostCurve(batches=[2], sizes=[1, 8], contexts=[100], seconds=[[[0.01, 0.02]]])
+    rounds = RoundBudgetPlanner(
+        BudgetPlanner(VerifyCostCurve([1, 64], [100], [[0.01, 0.02]])), batch, timed_rounds=8
+    )
+    trees = [0.0319, 0.03195, 0.03205, 0.0321]  # past the plain part (scale 1): 2.2x the curve's extra
+    plain = [0.01 * (1 + i / 100_000) for i in range(40)]  # then plain rounds only: five windows
+    stats = GenerationStats(rounds=44, tree_sizes=[7] * 4 + [0] * 40, accepted_nodes=[[]] * 44)
+    stats.verify_contexts, stats.verify_seconds = [100] * 44, trees + plain
+    stats.verify_forwards = [(2, 16, 100)] * 4 + [(2, 2, 100)] * 40
+    rounds.observe_generation(stats)
+    assert rounds.tree_scale(2) == pytest.approx(2.2, rel=0.01)
+
+
 def test_a_shared_forward_counts_once_and_the_latest_forwards_are_kept():
     from diffdraft.budget.batch_cost import BatchCostCurve
 
@@ -293,10 +309,10 @@ def test_a_shared_forward_counts_once_and_the_latest_forwards_are_kept():
     early = [0.01 * (1 + i / 100) for i in range(6)]
     for _ in range(2):  # both sequences of the pair finish: the six forwards count once
         rounds.observe_generation(pair_member(early))
-    assert len(rounds._batch_forwards) == 6
+    assert len(rounds._batch_forwards[False]) == 6
     late = [0.03 * (1 + i / 100) for i in range(4)]
     rounds.observe_generation(pair_member(late))
-    assert len(rounds._batch_forwards) == 8  # the two oldest forwards make room
+    assert len(rounds._batch_forwards[False]) == 8  # the two oldest forwards make room
     assert rounds.batch_scale(2) == pytest.approx(np.median([s / 0.01 for s in early[2:] + late]))
 
 

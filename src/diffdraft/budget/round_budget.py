@@ -229,9 +229,13 @@ class RoundBudgetPlanner:
         }
         """Seconds per free copy of finished sequences: taking it, building its chain and mask, and its
         share of the plan (:attr:`~diffdraft.runtime.stats.GenerationStats.copy_plan_seconds`)."""
-        self._batch_forwards: dict[tuple[tuple[int, int, int], float], TimedForward] = {}
-        """The latest ``timed_rounds`` shared forwards of finished sequences, by forward (shape and
-        seconds): every sequence of a round recorded it, and it counts once."""
+        self._batch_forwards: dict[bool, dict[tuple[tuple[int, int, int], float], TimedForward]] = {
+            speculative: {} for speculative in (False, True)
+        }
+        """The latest ``timed_rounds`` plain and, apart, speculative shared forwards of finished
+        sequences, by forward (shape and seconds): every sequence of a round recorded it, and it
+        counts once. Kept apart because under load plain forwards would push every tree's out of
+        one window, and a plan that forgot what trees cost drafted again where they did not pay."""
         self.timed_rounds = timed_rounds
         self.context_step = context_step
         self.plain_rounds = plain_rounds
@@ -296,15 +300,15 @@ class RoundBudgetPlanner:
         if shared and self.batch_cost is not None:
             for r in shared:
                 key = (r.forward, r.seconds)
-                if key not in self._batch_forwards:
-                    sequences, tokens, context = r.forward
+                sequences, tokens, context = r.forward
+                kept = self._batch_forwards[tokens > sequences]
+                if key not in kept:
                     plain = self.batch_cost(sequences, sequences, context)
                     curve = self.batch_cost(tokens, sequences, context)
-                    self._batch_forwards[key] = TimedForward(
-                        sequences, tokens > sequences, r.seconds, curve, plain
-                    )
-            while len(self._batch_forwards) > self.timed_rounds:
-                del self._batch_forwards[next(iter(self._batch_forwards))]  # the oldest: dicts keep order
+                    kept[key] = TimedForward(sequences, tokens > sequences, r.seconds, curve, plain)
+            for kept in self._batch_forwards.values():
+                while len(kept) > self.timed_rounds:
+                    del kept[next(iter(kept))]  # the oldest: dicts keep order
 
     def verify_seconds(self, tokens: np.ndarray, sequences: int, context: float) -> np.ndarray:
         """The forward's seconds for each total of ``tokens`` shared by ``sequences`` over ``context``
@@ -322,13 +326,11 @@ class RoundBudgetPlanner:
         """Median measured / curve time of the plain forwards (one token a sequence) of finished
         sequences, shared by ``sequences`` sequences: of any number while too few of that one
         finished, of any shared forward while too few plain ones did, 1 before any."""
-        forwards = self._batch_forwards.values()
-        for kept in (
-            [f for f in forwards if f.sequences == sequences and not f.speculative],
-            [f for f in forwards if not f.speculative],
-        ):
+        plain = list(self._batch_forwards[False].values())
+        for kept in ([f for f in plain if f.sequences == sequences], plain):
             if len(kept) >= MIN_TIMED_ROUNDS:
                 return float(np.median([f.seconds / f.curve for f in kept]))
+        forwards = plain + list(self._batch_forwards[True].values())
         return float(np.median([f.seconds / f.curve for f in forwards])) if forwards else 1.0
 
     def tree_scale(self, sequences: int) -> float:
@@ -337,9 +339,9 @@ class RoundBudgetPlanner:
         any number of sequences while too few of that one finished; the plain scale before that).
         A machine's forward does not grow with the tokens as it did when the curve was measured:
         scaled as a whole to fit the plain forwards, which most are under load, the curve put a
-        6-node tree's extra at 0.72 ms of a batch-2 forward where it took 0.94 ms (medians of
-        hundreds, on a shared 2-core Zen 5), and the plan drafted where it did not pay."""
-        forwards = [f for f in self._batch_forwards.values() if f.speculative]
+        tree's extra well under what it took, and the plan drafted where it did not pay (figures:
+        benchmarks/README.md, 'Measurements behind the code')."""
+        forwards = list(self._batch_forwards[True].values())
         for kept in ([f for f in forwards if f.sequences == sequences], forwards):
             extra = sum(f.curve - f.plain for f in kept)
             if len(kept) >= MIN_TIMED_ROUNDS and extra > 0:
@@ -352,7 +354,8 @@ class RoundBudgetPlanner:
         """Whether the last plan left a batch all plain, with no copy, fewer than ``plain_rounds``
         rounds ago, and ``sequences`` (several) share this round: it then stands this round too,
         counted as one more, whichever sequences joined or left meanwhile (under load one does every
-        few rounds, and a plan made anew for each cost a visible share of the rounds)."""
+        few rounds, and a plan made anew for each cost a visible share of the rounds; figures as
+        :meth:`tree_scale`'s)."""
         if self._plain is None or self._plain >= self.plain_rounds or sequences < 2:
             return False
         self._plain += 1
