@@ -305,7 +305,7 @@ class RoundBudgetPlanner:
                 if key not in kept:
                     plain = self.batch_cost(sequences, sequences, context)
                     curve = self.batch_cost(tokens, sequences, context)
-                    kept[key] = TimedForward(sequences, tokens > sequences, r.seconds, curve, plain)
+                    kept[key] = TimedForward(sequences, r.seconds, curve, plain)
             for kept in self._batch_forwards.values():
                 while len(kept) > self.timed_rounds:
                     del kept[next(iter(kept))]  # the oldest: dicts keep order
@@ -456,8 +456,6 @@ class TimedForward:
     """A finished shared forward beside what the batch curve puts there."""
 
     sequences: int
-    speculative: bool
-    """Whether it verified more than one token a sequence (a tree or a copy)."""
     seconds: float
     """What it took."""
     curve: float
