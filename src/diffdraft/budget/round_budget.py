@@ -302,9 +302,9 @@ class RoundBudgetPlanner:
                 key = (r.forward, r.seconds)
                 sequences, tokens, context = r.forward
                 kept = self._batch_forwards[tokens > sequences]
-                if key not in kept:
-                    plain = self.batch_cost(sequences, sequences, context)
+                if key not in kept:  # a curve lookup is ~12 us, for every round of every finished sequence
                     curve = self.batch_cost(tokens, sequences, context)
+                    plain = self.batch_cost(sequences, sequences, context) if tokens > sequences else curve
                     kept[key] = TimedForward(sequences, r.seconds, curve, plain)
             for kept in self._batch_forwards.values():
                 while len(kept) > self.timed_rounds:
