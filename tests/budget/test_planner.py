@@ -105,6 +105,15 @@ def test_the_planner_measures_each_rank_from_the_rounds_that_verified_it():
     assert tau[32] == tau[10] == tau[3]
 
 
+def test_rounds_that_verified_no_tree_push_no_drafted_round_out_of_the_record():
+    planner = _linear_surrogate_planner()
+    planner.observe_rounds(_rounds(16, 10, [3]) + _rounds(16, 10, []), fixed_seconds=0.0)
+    measured = planner.expected_tau()
+    planner.observe_rounds(_rounds(300, 0, []), fixed_seconds=0.0)  # under load: plain rounds only
+    assert planner.rank_gains()[1][2] == 32
+    assert planner.expected_tau() == measured
+
+
 def test_the_surrogate_covers_unmeasured_ranks_scaled_by_the_share_the_target_confirmed():
     planner = _linear_surrogate_planner()
     # accepted nodes 3 and 8, or 2: ranks 6..10 paid 0.5 of the 0.5 the surrogate promised

@@ -190,6 +190,46 @@ def test_a_plan_that_left_a_batch_plain_stands_a_few_rounds_unless_it_copied_or_
     assert round_of(pair, [[1.0, 1.9], None]) == ([0, 0], [1, 0])
     assert round_of(pair, [None, None])  # the round copied: not plain, planned again
     assert len(made) == 7
+    while rounds.plain_stands(2):
+        pass
+    budgets = rounds.plan(pair)
+    assert rounds.copy_lengths(budgets, [[1.0, 1.9], None]) == [1, 0]  # a copy could pay...
+    assert rounds.copy_lengths(budgets, [None, None]) == [0, 0]  # ...but none was offered
+    assert rounds.plain_stands(2)  # the round's last answer took none: its plain plan stands
+
+
+def test_a_plain_plan_made_plain_again_stands_ever_longer_until_one_drafts(monkeypatch):
+    rounds = losing_planner()
+    pair = [RoundSequence(drafted_once(1), 100, True), RoundSequence(drafted_once(1), 100, True)]
+
+    def stand() -> int:
+        """Rounds the plan made now stands."""
+        assert rounds.plan(pair) == [0, 0]
+        stood = 0
+        while rounds.plain_stands(2):
+            stood += 1
+        return stood
+
+    most = rounds.plain_rounds << rounds.plain_backoff
+    assert [stand() for _ in range(rounds.plain_backoff + 2)] == [
+        rounds.plain_rounds << k for k in range(rounds.plain_backoff)
+    ] + [most, most]
+    monkeypatch.setattr(rounds, "_plan", lambda sequences: ([0, 1], [False, False]))
+    rounds.plan(pair)  # a plan that drafts
+    monkeypatch.undo()
+    assert stand() == rounds.plain_rounds
+
+
+def test_a_sequence_left_alone_right_after_sharing_decodes_one_round_plainly():
+    rounds = RoundBudgetPlanner(
+        BudgetPlanner(VerifyCostCurve(sizes=[1, 64], contexts=[512], seconds=[[0.01, 0.01]]))
+    )
+    stats = GenerationStats(surrogates=[[1.0 + 0.3 * b for b in range(20)]], tree_sizes=[0])
+    stats.verify_forwards = [(2, 2, 100)]
+    assert rounds.plan([RoundSequence(stats, 100, True)]) == [0]  # the others just ended
+    stats.tree_sizes.append(0)
+    stats.verify_forwards.append((1, 1, 101))
+    assert rounds.plan([RoundSequence(stats, 101, True)]) == [19]  # still alone: drafting pays
 
 
 def test_a_sequence_that_stopped_drafting_re_estimates_after_one_exploring_round():
@@ -210,6 +250,39 @@ def test_a_sequence_that_stopped_drafting_re_estimates_after_one_exploring_round
     stats.verify_seconds.append(0.0)
     stats.verify_forwards.append((1, 3, 104))
     assert rounds.expected_tau(stats)[1] > first[1]
+
+
+def shared_pair(tree_sizes: list[int]) -> GenerationStats:
+    """A finished sequence whose rounds, of ``tree_sizes`` each, shared their forwards with another."""
+    stats = GenerationStats(
+        rounds=len(tree_sizes), tree_sizes=tree_sizes, accepted_nodes=[[]] * len(tree_sizes)
+    )
+    stats.verify_contexts, stats.verify_seconds = [100] * len(tree_sizes), [0.01] * len(tree_sizes)
+    stats.verify_forwards = [(2, 2 + size, 100) for size in tree_sizes]
+    return stats
+
+
+def test_a_finished_sequence_re_estimates_the_running_ones_only_when_it_drafted():
+    rounds = losing_planner()
+    running = drafted_once(3)
+    first = rounds.expected_tau(running)
+    rounds.observe_generation(shared_pair([0, 0]))
+    assert rounds.expected_tau(running) is first  # it taught nothing of acceptance
+    rounds.observe_generation(shared_pair([3, 0]))
+    assert rounds.expected_tau(running) is not first
+
+
+def test_the_costs_are_read_anew_after_each_first_finished_sequence_then_after_every_few():
+    rounds = losing_planner()
+    taus = [[1.0, 1.5], [1.0, 1.5]]
+    last, refreshed = rounds._round_costs(taus, 100), []
+    for _ in range(3 * rounds.cost_refresh):
+        rounds.observe_generation(shared_pair([0, 0]))
+        costs = rounds._round_costs(taus, 100)
+        refreshed.append(costs is not last)
+        last = costs
+    every = [False] * (rounds.cost_refresh - 1) + [True]
+    assert refreshed == [True] * rounds.cost_refresh + every * 2
 
 
 @pytest.mark.parametrize("seed", range(5))

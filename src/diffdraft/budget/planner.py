@@ -218,12 +218,16 @@ class BudgetPlanner:
     ) -> None:
         """Verified rounds, the mean seconds per round spent outside verification, and the gain per
         node rank (1..max_budget) their drafter promised (None: the recent proposals' mean). Only
-        rounds verified alone rescale the curve: a shared forward's time is not its tree's."""
-        self._rounds.extend(rounds)
-        gains = np.diff(self.surrogate()) if promised is None else np.asarray(promised, dtype=float)
-        ranks = np.arange(1, self.max_budget + 1)
-        self._promised.extend(gains * (ranks <= r.budget) for r in rounds)
-        self._finished_gains = None
+        rounds verified alone rescale the curve: a shared forward's time is not its tree's. Only
+        rounds that verified a tree teach acceptance: under load most rounds verify none, and they
+        would push the few that did out of the record while adding nothing to any rank's count."""
+        drafted = [r for r in rounds if r.budget > 0]
+        if drafted:
+            gains = np.diff(self.surrogate()) if promised is None else np.asarray(promised, dtype=float)
+            ranks = np.arange(1, self.max_budget + 1)
+            self._rounds.extend(drafted)
+            self._promised.extend(gains * (ranks <= r.budget) for r in drafted)
+            self._finished_gains = None
         self._timed.extend(
             (r.budget + 1, r.seconds / self.curve(r.budget + 1, r.context))
             for r in rounds

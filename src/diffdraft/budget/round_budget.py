@@ -26,6 +26,7 @@ probability the drafter expects it kept (figures: benchmarks/README.md, as above
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -61,37 +62,46 @@ def plan_budgets(
     most, the best point on the way kept (for every total it has the most acceptance when gains
     fall with the rank). Then coordinate ascent from there: each step moves the one sequence whose
     best budget, the others held, raises the rate most (a jump, not a unit step: drafting's cost
-    comes at B = 1 and pays back over several nodes), until no move does.
+    comes at B = 1 and pays back over several nodes), until no move does. Both stop looking at
+    bigger budgets once even the highest acceptance reachable could not pay for their forward: a
+    sequence has hundreds of candidate budgets, and under load a plan that walked them all cost a
+    visible share of a round (figures: benchmarks/README.md, 'Measurements behind the code').
     """
-    curves = [np.asarray(tau, dtype=float) for tau in taus]
-    cost = np.maximum.accumulate(np.asarray(verify_seconds, dtype=float))
-    lowest = [1 if must and len(tau) > 1 else 0 for tau, must in zip(curves, explore, strict=True)]
+    cost = np.maximum.accumulate(np.asarray(verify_seconds, dtype=float)).tolist()
+    lowest = [1 if must and len(tau) > 1 else 0 for tau, must in zip(taus, explore, strict=True)]
+    peaks = [max(tau[b:]) for tau, b in zip(taus, lowest, strict=True)]
 
-    def rates(gained, tokens, drafting):
+    def rate(gained, tokens, drafting):
         return gained / (cost[tokens] + draft_seconds * drafting + fixed_seconds)
 
-    budgets = _best_on_greedy_path([tau.tolist() for tau in curves], lowest, rates)
-    gained = sum(tau[b] for tau, b in zip(curves, budgets, strict=True))
+    budgets = _best_on_greedy_path(taus, lowest, rate)
+    gained = sum(tau[b] for tau, b in zip(taus, budgets, strict=True))
     tokens = sum(budgets) + len(budgets)
     drafting = sum(b > 0 for b in budgets)
-    best = rates(gained, tokens, drafting)
+    best = rate(gained, tokens, drafting)
     while True:
         move = None
-        for i, tau in enumerate(curves):
-            options = np.arange(lowest[i], len(tau))
+        for i, tau in enumerate(taus):
             current = budgets[i]
-            candidate = rates(
-                gained - tau[current] + tau[options],
-                tokens - current + options,
-                drafting - (current > 0) + (options > 0),
-            )
-            pick = int(np.argmax(candidate))  # the smallest budget among equals
-            if candidate[pick] > best * (1 + 1e-9) and options[pick] != current:
-                best, move = float(candidate[pick]), (i, int(options[pick]))
+            others = gained - tau[current]
+            rest_tokens = tokens - current
+            rest_drafting = drafting - (current > 0)
+            reachable = others + peaks[i]
+            pick, value = current, best * (1 + 1e-9)
+            for option in range(lowest[i], len(tau)):
+                drafters = rest_drafting + (option > 0)
+                seconds = cost[rest_tokens + option] + draft_seconds * drafters + fixed_seconds
+                if reachable <= best * seconds:
+                    break  # nor can any bigger budget: its forward costs no less
+                candidate = (others + tau[option]) / seconds
+                if candidate > value:  # the smallest budget among equals
+                    pick, value = option, candidate
+            if pick != current:
+                best, move = value, (i, pick)
         if move is None:
             return budgets
         i, budget = move
-        gained += curves[i][budget] - curves[i][budgets[i]]
+        gained += taus[i][budget] - taus[i][budgets[i]]
         tokens += budget - budgets[i]
         drafting += (budget > 0) - (budgets[i] > 0)
         budgets[i] = budget
@@ -137,31 +147,42 @@ def _best_on_greedy_path(
     """The best point of :func:`plan_budgets`' greedy path: every sequence's next nodes ordered by gain
     (by their running minimum, so a sequence's nodes keep their order; equals in sequence order),
     then the rate after each, ``rate(gained, tokens, starts)`` (starts: sequences past budget 0); the
-    fewest nodes among equal rates."""
-    keys, owners, gains, starts = [], [], [], []
-    for i, tau in enumerate(curves):
-        key = float("inf")
-        for k in range(lowest[i], len(tau) - 1):
-            gain = tau[k + 1] - tau[k]
-            key = min(key, gain)
-            keys.append(-key)
-            owners.append(i)
-            gains.append(gain)
-            starts.append(k == 0)
+    fewest nodes among equal rates. ``rate`` must rise with ``gained`` and never with ``tokens`` or
+    ``starts``: the path ends once not even every sequence's highest acceptance at its current tokens
+    would beat the best point (under load, a few nodes into thousands)."""
     gained = sum(tau[b] for tau, b in zip(curves, lowest, strict=True))
     tokens = sum(lowest) + len(lowest)
     started = sum(b > 0 for b in lowest)
+    # a hair above every sequence's highest acceptance: the path's sums round, and must not end it
+    # before a point the whole walk would keep
+    reachable = sum(max(tau[b:]) for tau, b in zip(curves, lowest, strict=True)) * (1 + 1e-9)
     best, steps, total = rate(gained, tokens, started), 0, 0.0
-    order = sorted(range(len(keys)), key=keys.__getitem__)  # stable: equals keep sequence order
-    for step, node in enumerate(order, 1):
-        total += gains[node]
-        started += starts[node]
-        value = rate(gained + total, tokens + step, started)
+    ranks = list(lowest)
+    keys = [float("inf")] * len(curves)
+    upcoming = []  # (-key, sequence) of every sequence's next node: a heap, equals in sequence order
+    for i, tau in enumerate(curves):
+        if ranks[i] < len(tau) - 1:
+            keys[i] = tau[ranks[i] + 1] - tau[ranks[i]]
+            upcoming.append((-keys[i], i))
+    heapq.heapify(upcoming)
+    owners = []
+    while upcoming and rate(reachable, tokens + 1, started) > best:
+        _, i = heapq.heappop(upcoming)
+        tau, rank = curves[i], ranks[i]
+        total += tau[rank + 1] - tau[rank]
+        tokens += 1
+        started += rank == 0
+        ranks[i] = rank + 1
+        owners.append(i)
+        value = rate(gained + total, tokens, started)
         if value > best:
-            best, steps = value, step
+            best, steps = value, len(owners)
+        if rank + 1 < len(tau) - 1:
+            keys[i] = min(keys[i], tau[rank + 2] - tau[rank + 1])
+            heapq.heappush(upcoming, (-keys[i], i))
     budgets = list(lowest)
-    for node in order[:steps]:
-        budgets[owners[node]] += 1
+    for i in owners[:steps]:
+        budgets[i] += 1
     return budgets
 
 
@@ -191,9 +212,14 @@ class RoundBudgetPlanner:
     round whose inputs did not change but for contexts within ``context_step`` tokens reuses the last
     plan (at batch 8 planning is a noticeable share of a round; figures as above), and a plan that
     left a batch all plain (no tree, no copy) stands ``plain_rounds`` rounds before it is made again,
-    while several sequences share the round, whichever join or leave: under load nearly every round
-    plans that, and a few rounds late is nothing to an exploration due every ``explore_every`` rounds
-    per sequence.
+    while several sequences share the round, whichever join or leave, and twice as long each time it
+    is made plain again, up to ``2 ** plain_backoff`` times: under load nearly every round plans that,
+    and a few rounds late is nothing to an exploration due every ``explore_every`` rounds per sequence.
+
+    A sequence left alone right after sharing rounds (the others ended) decodes that round plainly:
+    under load a waiting request joins it within a round or two, and its first tree would pay for
+    taking in its whole context, which the plan does not count; still alone a round later, it is
+    planned as any lone sequence (figures for both: benchmarks/README.md, as above).
     """
 
     def __init__(
@@ -208,6 +234,8 @@ class RoundBudgetPlanner:
         context_step: int = 64,
         plain_rounds: int = 8,
         explore_backoff: int = 2,
+        plain_backoff: int = 3,
+        cost_refresh: int = 4,
     ) -> None:
         """``batch_cost`` may be a loader, called on the first round shared by several sequences:
         measuring it takes a while, and a process that never batches never pays for it."""
@@ -239,14 +267,28 @@ class RoundBudgetPlanner:
         self.timed_rounds = timed_rounds
         self.context_step = context_step
         self.plain_rounds = plain_rounds
+        self.plain_backoff = plain_backoff
         self._plain: int | None = None
         """Rounds the last plan stood, when it left a batch all plain (budget 0, no copy)."""
+        self._stand = plain_rounds
+        """Rounds the last plan stands when it left a batch all plain."""
+        self._next_stand = plain_rounds
+        """What :attr:`_stand` becomes if the plan being made leaves its batch all plain."""
         self._learned = 0
-        """Finished sequences observed: a new one makes every estimate and plan stale."""
-        self._last_plan: tuple[list[list[float]], tuple, list[int]] | None = None
-        """The last round's estimates, other inputs and budgets."""
-        self._last_costs: tuple[tuple, tuple[np.ndarray, float, float]] | None = None
-        """The last round's costs (:meth:`_round_costs`) and what they were computed for."""
+        """Finished sequences observed."""
+        self.cost_refresh = cost_refresh
+        self._costs: dict[tuple[int, int, int], tuple[np.ndarray, float, float]] = {}
+        """Each round shape's costs (:meth:`_round_costs`) since they were last refreshed: after each
+        of the first ``cost_refresh`` finished sequences (costs start from nothing), then after every
+        ``cost_refresh``-th. One sequence moves windows of many rounds little, and reading them anew
+        for every finished sequence cost a visible share of the plans under load (figures:
+        benchmarks/README.md, 'Measurements behind the code')."""
+        self._taught = 0
+        """Finished sequences that taught acceptance (drafted a tree or proposed a surrogate): a new
+        one makes every estimate stale. Under load most finished sequences drafted nothing, and
+        re-estimating every running sequence after each cost a visible share of the plans."""
+        self._last_plan: tuple[list, tuple, list[int]] | None = None
+        """The last round's estimates and costs, other inputs and budgets."""
         self._round: tuple[list[list[float]], float] = ([], 0.0)
         """The round :meth:`plan` planned last: its estimates and mean context (its copies' too)."""
         self._last_copies: tuple[list, tuple, list[int]] | None = None
@@ -283,8 +325,11 @@ class RoundBudgetPlanner:
     def observe_generation(self, stats: GenerationStats) -> None:
         """Learn a finished sequence's stage times and its shared forwards' times."""
         self._learned += 1
+        if self._learned <= self.cost_refresh or self._learned % self.cost_refresh == 0:
+            self._costs.clear()
         alone = all(forward[0] == 1 for forward in stats.verify_forwards)
         drafted = sum(size > 0 for size in stats.drafter_sizes())
+        self._taught += bool(drafted or stats.surrogates)
         first = stats.first_draft_seconds
         forwards = drafted - (first is not None)  # the first took the prompt in: a one-off, left out
         if forwards > 0:
@@ -351,12 +396,12 @@ class RoundBudgetPlanner:
         return self.batch_scale(sequences)
 
     def plain_stands(self, sequences: int) -> bool:
-        """Whether the last plan left a batch all plain, with no copy, fewer than ``plain_rounds``
-        rounds ago, and ``sequences`` (several) share this round: it then stands this round too,
-        counted as one more, whichever sequences joined or left meanwhile (under load one does every
-        few rounds, and a plan made anew for each cost a visible share of the rounds; figures as
-        :meth:`tree_scale`'s)."""
-        if self._plain is None or self._plain >= self.plain_rounds or sequences < 2:
+        """Whether the last plan left a batch all plain, with no copy, fewer rounds ago than it stands
+        (``plain_rounds``, doubled each time it is made plain again), and ``sequences`` (several)
+        share this round: it then stands this round too, counted as one more, whichever sequences
+        joined or left meanwhile (under load one does every few rounds, and a plan made anew for each
+        cost a visible share of the rounds; figures as :meth:`tree_scale`'s)."""
+        if self._plain is None or self._plain >= self._stand or sequences < 2:
             return False
         self._plain += 1
         return True
@@ -364,26 +409,42 @@ class RoundBudgetPlanner:
     def plan(self, sequences: Sequence[RoundSequence]) -> list[int]:
         """Each sequence's node budget this round (0: it verifies its pending token alone), when
         :meth:`plain_stands` said no."""
+        renewed = self._plain is not None and len(sequences) > 1  # a plain plan stood to its end
+        most = self.plain_rounds << self.plain_backoff
+        self._next_stand = min(2 * self._stand, most) if renewed else self.plain_rounds
         budgets, explore = self._plan(sequences)
         if len(sequences) > 1:
             _count_explorations(sequences, budgets, explore)
-        all_plain = len(sequences) > 1 and not any(budgets)  # alone, a sequence must notice soon
-        self._plain = 0 if all_plain else None
+        self._settle(len(sequences) > 1 and not any(budgets))  # alone, a sequence must notice soon
         return budgets
+
+    def _settle(self, plain: bool) -> None:
+        """Let the plan being made stand when it leaves its batch ``plain`` (asked again once its
+        copies are known: the round's last answer counts)."""
+        if plain:
+            self._plain, self._stand = 0, self._next_stand
+        else:
+            self._plain = None
 
     def _plan(self, sequences: Sequence[RoundSequence]) -> tuple[list[int], list[bool]]:
         """(each sequence's budget, whether it must draft to explore)."""
-        taus = [self.expected_tau(s.stats) if s.can_draft else NO_DRAFT for s in sequences]
-        explore = [s.can_draft and self._must_explore(s.stats, len(sequences)) for s in sequences]
+        alone = len(sequences) == 1
+        drafts = [s.can_draft and not (alone and _shared_last(s.stats)) for s in sequences]
+        taus = [self.expected_tau(s.stats) if d else NO_DRAFT for s, d in zip(sequences, drafts, strict=True)]
+        explore = [
+            d and self._must_explore(s.stats, len(sequences)) for s, d in zip(sequences, drafts, strict=True)
+        ]
         context = sum(s.context for s in sequences) / len(sequences)  # numpy's mean costs more, every round
         self._round = (taus, context)
-        inputs = (explore, self._learned, int(context) // self.context_step)
+        costs = self._round_costs(taus, context)
+        objects = [*taus, costs]  # compared by identity: the same objects while they hold
+        inputs = (explore, int(context) // self.context_step)
         if self._last_plan is not None:
-            last_taus, last_inputs, budgets = self._last_plan
-            if _identical(last_taus, taus) and last_inputs == inputs:
+            last_objects, last_inputs, budgets = self._last_plan
+            if _identical(last_objects, objects) and last_inputs == inputs:
                 return list(budgets), explore
-        budgets = plan_budgets(taus, *self._round_costs(taus, context), explore)
-        self._last_plan = (taus, inputs, budgets)  # holds the estimates, so `is` cannot see a reused id
+        budgets = plan_budgets(taus, *costs, explore)
+        self._last_plan = (objects, inputs, budgets)  # holds them, so `is` cannot see a reused id
         return list(budgets), explore
 
     def copy_lengths(self, budgets: Sequence[int], copies: Sequence[Sequence[float] | None]) -> list[int]:
@@ -391,41 +452,47 @@ class RoundBudgetPlanner:
         planned, its ``budgets`` held (:func:`plan_copies`, from the estimates the plan read;
         ``copies``: each copy's expected acceptance length per copied length, None where none is
         offered). Copies that are the very objects of the last call, all else alike, get its lengths
-        (the copiers' ceilings, asked every round)."""
+        (the copiers' ceilings, asked every round). The round's last answer decides whether a plan
+        that left a batch plain stands (:meth:`plain_stands`): one that found no copy worth taking."""
         taus, context = self._round
-        costs = self._round_costs(taus, context)
-        objects = [*taus, costs, *copies]  # compared by identity: the same objects while they hold
-        inputs = (list(budgets), self.copy_seconds(len(taus) == 1))
-        last = self._last_copies
-        if last is None or not (_identical(last[0], objects) and last[1] == inputs):
-            last = (objects, inputs, plan_copies(taus, budgets, copies, *costs, inputs[1]))
-            self._last_copies = last  # holds them, so `is` sees no reused id
-        if any(last[2]):
-            self._plain = None
-        return list(last[2])
+        if any(copies):
+            costs = self._round_costs(taus, context)
+            objects = [*taus, costs, *copies]  # compared by identity: the same objects while they hold
+            inputs = (list(budgets), self.copy_seconds(len(taus) == 1))
+            last = self._last_copies
+            if last is None or not (_identical(last[0], objects) and last[1] == inputs):
+                last = (objects, inputs, plan_copies(taus, budgets, copies, *costs, inputs[1]))
+                self._last_copies = last  # holds them, so `is` sees no reused id
+            lengths = list(last[2])
+        else:
+            lengths = [0] * len(copies)
+        self._settle(len(taus) > 1 and not any(budgets) and not any(lengths))
+        return lengths
 
     def _round_costs(self, taus: list[list[float]], context: float) -> tuple[np.ndarray, float, float]:
         """(forward seconds per total of tokens the ``taus`` cover, seconds one drafting sequence adds,
-        seconds the round adds outside both) for a round of ``len(taus)`` sequences; reused while
-        nothing they depend on changed but the context, within ``context_step`` (as a plan is)."""
-        key = (len(taus), sum(len(tau) for tau in taus), int(context) // self.context_step, self._learned)
-        if self._last_costs is None or self._last_costs[0] != key:
+        seconds the round adds outside both) for a round of ``len(taus)`` sequences; the same object
+        until they are refreshed (:attr:`_costs`), for contexts within ``context_step`` of each other
+        (as a plan is)."""
+        key = (len(taus), sum(len(tau) for tau in taus), int(context) // self.context_step)
+        costs = self._costs.get(key)
+        if costs is None:
             verify = self.verify_seconds(np.arange(key[1] + 1), len(taus), context)
             alone = len(taus) == 1
-            fixed = self.commit_seconds(alone) * len(taus)
-            self._last_costs = (key, (verify, self.draft_seconds(alone), fixed))
-        return self._last_costs[1]
+            costs = (verify, self.draft_seconds(alone), self.commit_seconds(alone) * len(taus))
+            self._costs[key] = costs
+        return costs
 
     def expected_tau(self, stats: GenerationStats) -> list[float]:
         """:meth:`BudgetPlanner.expected_tau` of the sequence, re-estimated when stale: after
         ``refresh`` drafted rounds (a round at budget 0 adds nothing to its record), a new surrogate or
-        a newly finished sequence, or after any drafted round once it skipped drafting. The same list
-        object while fresh (:meth:`plan` compares by identity)."""
+        a newly finished sequence that drafted, or after any drafted round once it skipped drafting.
+        The same list object while fresh (:meth:`plan` compares by identity)."""
         estimate = stats.tau_estimate
         fresh = (
             estimate is not None
             and estimate.surrogates == len(stats.surrogates)
-            and estimate.learned == self._learned
+            and estimate.learned == self._taught
         )
         if fresh:
             if estimate.checked < len(stats.tree_sizes):
@@ -435,7 +502,7 @@ class RoundBudgetPlanner:
             start = len(stats.tree_sizes)
             taus = self.planner.expected_tau(stats)
             checked = max(0, start - 1)
-            estimate = TauEstimate(taus, start, len(stats.surrogates), self._learned, checked)
+            estimate = TauEstimate(taus, start, len(stats.surrogates), self._taught, checked)
             stats.tau_estimate = estimate
         return estimate.taus
 
@@ -470,6 +537,11 @@ def _count_explorations(sequences: Sequence[RoundSequence], budgets: list[int], 
     for sequence, budget, forced in zip(sequences, budgets, explore, strict=True):
         if budget > 0:
             sequence.stats.fruitless_explorations = sequence.stats.fruitless_explorations + 1 if forced else 0
+
+
+def _shared_last(stats: GenerationStats) -> bool:
+    """Whether the sequence's last round shared its forward with other sequences."""
+    return bool(stats.verify_forwards) and stats.verify_forwards[-1][0] > 1
 
 
 def _identical(these: Sequence, those: Sequence) -> bool:

@@ -96,13 +96,10 @@ class SpeculativeEngine:
         self, sequences: Sequence[SequenceRun], budgets: list[int]
     ) -> tuple[list[CopyOffer | None], list[int]]:
         """Each sequence's offered free copy and how much of it to verify (0: none, or none pays)."""
-        none = ([None] * len(sequences), [0] * len(sequences))
         ceilings = [s.copy_ceiling() if b == 0 else None for s, b in zip(sequences, budgets, strict=True)]
         if not any(ceilings) or not any(self.planner.copy_lengths(budgets, ceilings)):
-            return none  # not even the likeliest copies would pay
+            return [None] * len(sequences), [0] * len(sequences)  # not even the likeliest copies would pay
         offers = [s.copy_offer() if c else None for s, c in zip(sequences, ceilings, strict=True)]
-        if not any(offers):
-            return none
         return offers, self.planner.copy_lengths(budgets, [o and o.expected for o in offers])
 
 

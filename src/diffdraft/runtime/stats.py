@@ -25,7 +25,7 @@ class TauEstimate:
     """The sequence's rounds when it was estimated."""
     surrogates: int
     learned: int
-    """The planner's finished sequences then."""
+    """The finished sequences that had taught the planner acceptance then."""
     checked: int
     """The first round not yet counted into :attr:`drafted` and :attr:`skipped` (from ``start - 1``)."""
     drafted: int = 0

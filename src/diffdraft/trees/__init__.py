@@ -67,7 +67,9 @@ class RoundPlanner(Protocol):
         """After :meth:`plan`, for the round it planned: how many tokens of each sequence's free
         copy (a drafter's copied continuation that costs no drafting: prompt lookup's) to verify, 0
         where none pays; ``copies[i]``: the expected acceptance length per copied length (None:
-        none offered). Only a sequence the plan gave budget 0 takes one."""
+        none offered). Only a sequence the plan gave budget 0 takes one. It may be asked again with
+        other copies (first the most any copy could expect, to skip looking for one that cannot
+        pay): the round's last answer is what it verifies."""
         ...
 
     def build(self, tree_round: TreeRound) -> DraftTree:
