@@ -28,6 +28,11 @@ def test_the_curve_shares_tokens_evenly_and_interpolates_every_axis():
     assert curve(8, 8, 100) == pytest.approx(4.0)  # past the largest batch: linear
     totals = np.array([2, 10, 18])
     assert curve(totals, 2, 100) == pytest.approx([1.0, 2.0, 3.0])
+    assert curve(50, 2, 50) == pytest.approx(7.0)  # flat below the smallest context, linear past 9 tokens
+    # several forwards at once, one shape each: as one by one
+    shapes = [(2, 2, 100), (10, 2, 100), (4, 4, 200), (6, 3, 100), (8, 8, 100), (50, 2, 50), (7, 3, 400)]
+    tokens, batch, context = np.array(shapes, dtype=float).T
+    assert curve(tokens, batch, context) == pytest.approx([curve(*shape) for shape in shapes])
 
 
 def test_measuring_is_monotone_in_every_axis_and_the_cache_is_reused(tmp_path, monkeypatch):

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from diffdraft.budget.cost import blend_rows, curve_key, interpolate, monotone_fit, synthetic_tree
+from diffdraft.budget.cost import curve_key, monotone_fit, synthetic_tree
 from diffdraft.decoding.verify import accept
 from diffdraft.runtime.sampling import SamplingParams
 from diffdraft.target.model import TargetModel, VerifyInput
@@ -53,14 +53,35 @@ class BatchCostCurve:
     measured: list[list[list[float]]] = field(default_factory=list)
     """The medians as measured, before the fit."""
 
-    def __call__(self, tokens: float | np.ndarray, batch: float, context: float) -> float | np.ndarray:
-        """Seconds of a forward of ``tokens`` in all (may be an array) shared by ``batch`` sequences
-        over ``context`` cached tokens each (their mean when they differ), linear between measured
-        points and past the largest; sequences share the tokens evenly."""
-        at_batch = blend_rows(batch, self.batches, self._table)  # every step is linear in the table:
-        row = blend_rows(context, self.contexts, at_batch)  # blended first, one row is interpolated
-        seconds = interpolate(np.asarray(tokens) / batch, self.sizes, row)
-        return float(seconds) if np.ndim(tokens) == 0 else seconds
+    def __call__(
+        self, tokens: float | np.ndarray, batch: float | np.ndarray, context: float | np.ndarray
+    ) -> float | np.ndarray:
+        """Seconds of a forward of ``tokens`` in all shared by ``batch`` sequences over ``context``
+        cached tokens each (their mean when they differ), linear between measured points and past
+        the largest; sequences share the tokens evenly. Any of them may be an array (they broadcast:
+        one forward each), so a finished sequence's forwards are looked up together (one at a time
+        took ~12 us, for every round of every finished sequence)."""
+        tokens, batch, context = np.broadcast_arrays(
+            np.asarray(tokens, dtype=float), np.asarray(batch, dtype=float), np.asarray(context, dtype=float)
+        )
+        _, contexts, sizes = self._table.shape
+        flat = self._table.ravel()
+        low_size, high_size, size_share = _bracket(tokens / batch, self.sizes)
+        low_context, high_context, context_share = _bracket(context, self.contexts)
+        low_batch, high_batch, batch_share = _bracket(batch, self.batches)
+
+        def along_sizes(row: np.ndarray, column: np.ndarray) -> np.ndarray:
+            start = (row * contexts + column) * sizes
+            low = flat[start + low_size]
+            return low + size_share * (flat[start + high_size] - low)
+
+        def at_batch(row: np.ndarray) -> np.ndarray:
+            low = along_sizes(row, low_context)
+            return low + context_share * (along_sizes(row, high_context) - low)
+
+        low = at_batch(low_batch)
+        seconds = low + batch_share * (at_batch(high_batch) - low)
+        return float(seconds) if seconds.ndim == 0 else seconds
 
     @cached_property
     def _table(self) -> np.ndarray:
@@ -69,6 +90,19 @@ class BatchCostCurve:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _bracket(x: np.ndarray, points: Sequence[float]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For each ``x``: the indices of the two measured ``points`` it lies between (the last two past
+    the end) and its share of the way from the first to the second: 0 before the first point (flat
+    there), over 1 past the last (extrapolated linearly)."""
+    if len(points) == 1:
+        first = np.zeros(x.shape, dtype=int)
+        return first, first, np.zeros(x.shape)
+    at = np.asarray(points, dtype=float)
+    high = np.clip(np.searchsorted(at, x), 1, len(at) - 1)
+    low = high - 1
+    return low, high, np.maximum((x - at[low]) / (at[high] - at[low]), 0.0)
 
 
 def measure_batch_cost(

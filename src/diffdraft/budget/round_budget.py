@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from diffdraft.budget.batch_cost import BatchCostCurve
-from diffdraft.budget.planner import MIN_TIMED_ROUNDS, BudgetPlanner, rounds_of
+from diffdraft.budget.planner import MIN_TIMED_ROUNDS, BudgetPlanner
 from diffdraft.runtime.stats import GenerationStats, TauEstimate
 from diffdraft.trees import RoundSequence
 
@@ -341,19 +341,26 @@ class RoundBudgetPlanner:
             self._copy_seconds[alone].append(seconds / len(stats.copy_rounds))
         if stats.rounds:
             self._commit_seconds[alone].append(sum(stats.timings[s] for s in COMMIT_STAGES) / stats.rounds)
-        shared = [r for r in rounds_of(stats) if r.forward is not None and r.seconds > 0]
-        if shared and self.batch_cost is not None:
-            for r in shared:
-                key = (r.forward, r.seconds)
-                sequences, tokens, context = r.forward
-                kept = self._batch_forwards[tokens > sequences]
-                if key not in kept:  # a curve lookup is ~12 us, for every round of every finished sequence
-                    curve = self.batch_cost(tokens, sequences, context)
-                    plain = self.batch_cost(sequences, sequences, context) if tokens > sequences else curve
-                    kept[key] = TimedForward(sequences, r.seconds, curve, plain)
-            for kept in self._batch_forwards.values():
-                while len(kept) > self.timed_rounds:
-                    del kept[next(iter(kept))]  # the oldest: dicts keep order
+        self._keep_forwards(stats)
+
+    def _keep_forwards(self, stats: GenerationStats) -> None:
+        """Keep a finished sequence's shared forwards that no sequence that shared them kept yet,
+        each beside the batch curve's time for it (looked up together), in their windows."""
+        new = {}
+        for forward, seconds in zip(stats.verify_forwards, stats.verify_seconds, strict=True):
+            key = (tuple(forward), seconds)
+            if forward[0] > 1 and seconds > 0 and key not in self._batch_forwards[forward[1] > forward[0]]:
+                new[key] = key[0]
+        if not new or self.batch_cost is None:  # (the curve is loaded once a forward was shared)
+            return
+        sequences, tokens, context = np.asarray(list(new.values()), dtype=float).T
+        curves = self.batch_cost(tokens, sequences, context).tolist()
+        plains = self.batch_cost(sequences, sequences, context).tolist()
+        for (key, (sequences, tokens, _)), curve, plain in zip(new.items(), curves, plains, strict=True):
+            self._batch_forwards[tokens > sequences][key] = TimedForward(sequences, key[1], curve, plain)
+        for kept in self._batch_forwards.values():
+            while len(kept) > self.timed_rounds:
+                del kept[next(iter(kept))]  # the oldest: dicts keep order
 
     def verify_seconds(self, tokens: np.ndarray, sequences: int, context: float) -> np.ndarray:
         """The forward's seconds for each total of ``tokens`` shared by ``sequences`` over ``context``
