@@ -59,8 +59,9 @@ class BatchCostCurve:
         """Seconds of a forward of ``tokens`` in all shared by ``batch`` sequences over ``context``
         cached tokens each (their mean when they differ), linear between measured points and past
         the largest; sequences share the tokens evenly. Any of them may be an array (they broadcast:
-        one forward each), so a finished sequence's forwards are looked up together (one at a time
-        took ~12 us, for every round of every finished sequence)."""
+        one forward each), so a finished sequence's forwards are looked up together: one at a time,
+        the lookups were most of what learning from it cost (figures: benchmarks/README.md,
+        'Measurements behind the code')."""
         tokens, batch, context = np.broadcast_arrays(
             np.asarray(tokens, dtype=float), np.asarray(batch, dtype=float), np.asarray(context, dtype=float)
         )

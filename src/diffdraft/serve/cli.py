@@ -127,7 +127,8 @@ def run_serve(args: argparse.Namespace) -> int:
         generator = load_generator(args)
         scheduler = Scheduler(generator, args.max_batch_size, args.max_queue)
         # what is loaded now lives as long as the server: out of the collector's full passes, each of
-        # which walked its ~424k objects for ~200 ms (2-core Zen 5), stalling every request in flight
+        # which walked all of it and stalled every request in flight (figures: benchmarks/README.md,
+        # 'Measurements behind the code')
         gc.freeze()
         name = served_model_name(args)
         server = uvicorn.Server(
