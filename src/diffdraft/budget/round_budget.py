@@ -499,7 +499,7 @@ class RoundBudgetPlanner:
         fresh = (
             estimate is not None
             and estimate.surrogates == len(stats.surrogates)
-            and estimate.learned == self._taught
+            and estimate.taught == self._taught
         )
         if fresh:
             if estimate.checked < len(stats.tree_sizes):

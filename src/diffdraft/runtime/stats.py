@@ -24,7 +24,7 @@ class TauEstimate:
     start: int
     """The sequence's rounds when it was estimated."""
     surrogates: int
-    learned: int
+    taught: int
     """The finished sequences that had taught the planner acceptance then."""
     checked: int
     """The first round not yet counted into :attr:`drafted` and :attr:`skipped` (from ``start - 1``)."""
