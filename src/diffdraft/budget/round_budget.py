@@ -55,7 +55,8 @@ def plan_budgets(
     #{B_i > 0} + fixed_seconds)``.
 
     ``taus[i]`` covers sequence i's candidate budgets 0..len - 1 (``[1.0]``: it cannot draft);
-    ``verify_seconds[q]`` is the forward of q tokens in all, taken nondecreasing in q;
+    ``verify_seconds[q]`` is the forward of q tokens in all, nondecreasing in q (a measured curve's
+    :func:`running_max`);
     ``explore[i]`` makes sequence i draft (B_i >= 1) whatever it costs, so its record stays fresh.
 
     First the greedy path: nodes added one at a time, each to the sequence whose next node gains the
@@ -67,7 +68,7 @@ def plan_budgets(
     sequence has hundreds of candidate budgets, and under load a plan that walked them all cost a
     visible share of a round (figures: benchmarks/README.md, 'Measurements behind the code').
     """
-    cost = np.maximum.accumulate(np.asarray(verify_seconds, dtype=float)).tolist()
+    cost = verify_seconds
     lowest = [1 if must and len(tau) > 1 else 0 for tau, must in zip(taus, explore, strict=True)]
     peaks = [max(tau[b:]) for tau, b in zip(taus, lowest, strict=True)]
 
@@ -123,8 +124,9 @@ def plan_copies(
     tokens' share of the forward and ``copy_seconds`` per sequence that takes one (its chain and
     mask): its tokens join most likely first, along the same greedy path as the budgets', and the
     point of that path with the best rate is kept. In plain Python: a batch's round asks this of
-    a few short curves, where numpy's overhead cost more than the work."""
-    cost = np.maximum.accumulate(np.asarray(verify_seconds, dtype=float)).tolist()
+    a few short curves, where numpy's overhead cost more than the work. ``verify_seconds`` as
+    :func:`plan_budgets` takes it."""
+    cost = verify_seconds
     offered = [copy is not None and budget == 0 for budget, copy in zip(budgets, copies, strict=True)]
     curves = [
         [float(x) for x in (copy[: len(tau)] if offer else tau[: budget + 1])]
@@ -139,6 +141,12 @@ def plan_copies(
     lowest = [0 if offer else budget for budget, offer in zip(budgets, offered, strict=True)]
     lengths = _best_on_greedy_path(curves, lowest, rate)
     return [length if offer else 0 for length, offer in zip(lengths, offered, strict=True)]
+
+
+def running_max(seconds: Sequence[float]) -> list[float]:
+    """A measured forward-time curve made nondecreasing, as :func:`plan_budgets` and :func:`plan_copies`
+    take it (a forward of more tokens never costs less; measurements can say otherwise by noise)."""
+    return np.maximum.accumulate(np.asarray(seconds, dtype=float)).tolist()
 
 
 def _best_on_greedy_path(
@@ -277,7 +285,7 @@ class RoundBudgetPlanner:
         self._learned = 0
         """Finished sequences observed."""
         self.cost_refresh = cost_refresh
-        self._costs: dict[tuple[int, int, int], tuple[np.ndarray, float, float]] = {}
+        self._costs: dict[tuple[int, int, int], tuple[list[float], float, float]] = {}
         """Each round shape's costs (:meth:`_round_costs`) since they were last refreshed: after each
         of the first ``cost_refresh`` finished sequences (costs start from nothing), then after every
         ``cost_refresh``-th. One sequence moves windows of many rounds little, and reading them anew
@@ -476,15 +484,15 @@ class RoundBudgetPlanner:
         self._settle(len(taus) > 1 and not any(budgets) and not any(lengths))
         return lengths
 
-    def _round_costs(self, taus: list[list[float]], context: float) -> tuple[np.ndarray, float, float]:
-        """(forward seconds per total of tokens the ``taus`` cover, seconds one drafting sequence adds,
-        seconds the round adds outside both) for a round of ``len(taus)`` sequences; the same object
-        until they are refreshed (:attr:`_costs`), for contexts within ``context_step`` of each other
-        (as a plan is)."""
+    def _round_costs(self, taus: list[list[float]], context: float) -> tuple[list[float], float, float]:
+        """(forward seconds per total of tokens the ``taus`` cover, made nondecreasing once here rather
+        than in every plan, seconds one drafting sequence adds, seconds the round adds outside both)
+        for a round of ``len(taus)`` sequences; the same object until they are refreshed
+        (:attr:`_costs`), for contexts within ``context_step`` of each other (as a plan is)."""
         key = (len(taus), sum(len(tau) for tau in taus), int(context) // self.context_step)
         costs = self._costs.get(key)
         if costs is None:
-            verify = self.verify_seconds(np.arange(key[1] + 1), len(taus), context)
+            verify = running_max(self.verify_seconds(np.arange(key[1] + 1), len(taus), context))
             alone = len(taus) == 1
             costs = (verify, self.draft_seconds(alone), self.commit_seconds(alone) * len(taus))
             self._costs[key] = costs

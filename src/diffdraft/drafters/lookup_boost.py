@@ -60,11 +60,13 @@ class LookupBoostedDrafter:
         """Copies scored so far: the calibration's version."""
         self._ceiling: tuple[tuple[int, int], list[float]] | None = None
 
-    def weights(self, ngram: int, depth: int) -> np.ndarray:
-        """w_d for depths 1..depth after an ``ngram`` match: fixed, or (confirmed + 1) / (checked + 2)."""
+    def weights(self, ngram: int | slice, depth: int) -> np.ndarray:
+        """w_d for depths 1..depth after an ``ngram`` match: fixed, or (confirmed + 1) / (checked + 2);
+        [depth], or [n-gram lengths, depth] for a slice of them."""
+        confirmed, checked = self._confirmed[ngram, :depth], self._checked[ngram, :depth]
         if self.weight is not None:
-            return np.full(depth, self.weight)
-        return ((self._confirmed[ngram, :depth] + 1) / (self._checked[ngram, :depth] + 2)).astype(np.float64)
+            return np.full(confirmed.shape, self.weight)
+        return ((confirmed + 1) / (checked + 2)).astype(np.float64)
 
     def _score_last_copy(self, token_ids: list[int]) -> None:
         """Compare last round's copy with what the target emitted since, up to its first miss."""
@@ -114,8 +116,7 @@ class LookupBoostedDrafter:
         depth = min(depth, self.lookup.max_depth)
         key = (depth, self._scorings)
         if self._ceiling is None or self._ceiling[0] != key:
-            ngrams = range(self.lookup.min_ngram, self.lookup.max_ngram + 1)
-            best = np.max([self.weights(n, depth) for n in ngrams], axis=0)
+            best = self.weights(slice(self.lookup.min_ngram, self.lookup.max_ngram + 1), depth).max(axis=0)
             self._ceiling = (key, [1.0, *(1.0 + best.cumprod().cumsum()).tolist()])
         return self._ceiling[1]
 
