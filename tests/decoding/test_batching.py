@@ -13,7 +13,7 @@ from diffdraft.budget.auto_budget import AutoBudgetBuilder
 from diffdraft.budget.cost import VerifyCostCurve
 from diffdraft.budget.planner import BudgetPlanner
 from diffdraft.decoding.batching import BatchEngine
-from diffdraft.decoding.engine import SpeculativeEngine
+from diffdraft.decoding.engine import PLAIN, RoundPlan, SpeculativeEngine
 from diffdraft.decoding.sequence_spec import SequenceSpec
 from diffdraft.drafters.base import Proposal
 from diffdraft.drafters.dart import DARTDrafter
@@ -244,3 +244,29 @@ def test_an_auto_budget_plans_the_batch_rounds_without_changing_any_output():
     # the badly served sequence decodes plainly on most rounds: its drafts would cost the batch time
     skipped = sum(size == 0 for size in together[1].tree_sizes[:-1])
     assert skipped > len(together[1].tree_sizes) // 2
+
+
+def test_waiting_taps_keep_no_rows_of_trees_and_copy_nothing_from_a_plain_round():
+    """A sequence that does not draft holds its accepted taps until it drafts again: beside another
+    sequence's tree they must not keep that tree's rows alive; in a round of one token a sequence
+    every row is kept, and nothing is copied (under load, most rounds are such)."""
+    target = tiny_target("llama", seed=3)
+    drafter, builder = make_method("ddtree-4", target, [], [], 5, 3)
+    engine = SpeculativeEngine(TargetModel(target), drafter, builder)
+    batch = BatchEngine(engine)
+    for prompt, _, seed in requests_for(target, 3, 2):
+        stop = StopConditions([], 20, engine.target.max_context, len(prompt))
+        batch.add(SequenceSpec(prompt, stop, SamplingParams(), seed=seed))
+    tree, plain = batch.active
+
+    def last_taps(sequence) -> torch.Tensor:
+        return sequence.drafter._pending[-1][0]
+
+    engine.plan = lambda sequences: [RoundPlan(), PLAIN]
+    batch.step()
+    assert tree.stats.tree_sizes[-1] > 0 and plain.stats.tree_sizes[-1] == 0
+    taps = last_taps(plain)
+    assert taps.untyped_storage().nbytes() == taps.nbytes  # a copy of its own row
+    engine.plan = lambda sequences: [PLAIN, PLAIN]
+    batch.step()
+    assert last_taps(tree).untyped_storage().data_ptr() == last_taps(plain).untyped_storage().data_ptr()

@@ -301,9 +301,11 @@ class SequenceRun:
             path = _rows(result.path)
             if self.drafter is not None:
                 hidden = out.hidden[path] if out.hidden is not None else None
-                if isinstance(path, slice) and hidden is not None:
-                    # a slice is a view: it would keep the whole batch's taps alive while the drafter
-                    # waits to draft (a list index already copies)
+                sequences, rows = forward[:2] if forward else (1, tree.num_nodes + 1)  # the taps' rows
+                if isinstance(path, slice) and hidden is not None and rows > sequences:
+                    # a slice is a view: it would keep rows nobody accepted alive while the drafter
+                    # waits to draft (a list index already copies); a round that verified one token
+                    # a sequence keeps every row (under load, most rounds)
                     hidden = hidden.clone()
                 self.drafter.extend_context(hidden, start)
             new = [*tree.tokens[path][1:].tolist(), result.next_token]
