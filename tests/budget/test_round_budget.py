@@ -199,6 +199,8 @@ def test_a_plan_that_left_a_batch_plain_stands_a_few_rounds_unless_it_copied_or_
 
 
 def test_a_plain_plan_made_plain_again_stands_ever_longer_until_one_drafts(monkeypatch):
+    from diffdraft.budget import round_budget
+
     rounds = losing_planner()
     pair = [RoundSequence(drafted_once(1), 100, True), RoundSequence(drafted_once(1), 100, True)]
 
@@ -211,9 +213,17 @@ def test_a_plain_plan_made_plain_again_stands_ever_longer_until_one_drafts(monke
         return stood
 
     most = rounds.plain_rounds << rounds.plain_backoff
-    assert [stand() for _ in range(rounds.plain_backoff + 2)] == [
+    assert [stand() for _ in range(rounds.plain_backoff)] == [
         rounds.plain_rounds << k for k in range(rounds.plain_backoff)
-    ] + [most, most]
+    ]
+    with monkeypatch.context() as patched:  # rounds that copy in between
+        patched.setattr(round_budget, "plan_copies", lambda *args: [1, 0])
+        for _ in range(3):
+            assert rounds.copy_lengths(rounds.plan(pair), [[1.0, 1.9], None]) == [1, 0]
+            assert not rounds.plain_stands(2)  # planned again the next round
+    assert [stand() for _ in range(2)] == [most, most]  # the copies left the stands as they were
+    assert rounds.plan(pair[:1]) == [0]  # a round alone, plain
+    assert stand() == most  # ...left them too
     monkeypatch.setattr(rounds, "_plan", lambda sequences: ([0, 1], [False, False]))
     rounds.plan(pair)  # a plan that drafts
     monkeypatch.undo()

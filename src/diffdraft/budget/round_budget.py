@@ -223,6 +223,12 @@ class RoundBudgetPlanner:
     while several sequences share the round, whichever join or leave, and twice as long each time it
     is made plain again, up to ``2 ** plain_backoff`` times: under load nearly every round plans that,
     and a few rounds late is nothing to an exploration due every ``explore_every`` rounds per sequence.
+    A plan that drafts starts the stands over. One that takes a copy is made again the next round
+    (copies come in runs), and a lone sequence is planned every round; neither changes the stands
+    (under load copies are frequent, and clients that send requests of one length leave a sequence
+    alone for a round every request: restarting at ``plain_rounds`` after either made a plan every
+    dozen rounds at 4 clients, each ~0.7 ms; figures: benchmarks/README.md, 'Measurements behind the
+    code').
 
     A sequence left alone right after sharing rounds (the others ended) decodes that round plainly:
     under load a waiting request joins it within a round or two, and its first tree would pay for
@@ -279,9 +285,7 @@ class RoundBudgetPlanner:
         self._plain: int | None = None
         """Rounds the last plan stood, when it left a batch all plain (budget 0, no copy)."""
         self._stand = plain_rounds
-        """Rounds the last plan stands when it left a batch all plain."""
-        self._next_stand = plain_rounds
-        """What :attr:`_stand` becomes if the plan being made leaves its batch all plain."""
+        """Rounds a plan that leaves a batch all plain stands."""
         self._learned = 0
         """Finished sequences observed."""
         self.cost_refresh = cost_refresh
@@ -424,22 +428,21 @@ class RoundBudgetPlanner:
     def plan(self, sequences: Sequence[RoundSequence]) -> list[int]:
         """Each sequence's node budget this round (0: it verifies its pending token alone), when
         :meth:`plain_stands` said no."""
-        renewed = self._plain is not None and len(sequences) > 1  # a plain plan stood to its end
-        most = self.plain_rounds << self.plain_backoff
-        self._next_stand = min(2 * self._stand, most) if renewed else self.plain_rounds
+        shared = len(sequences) > 1
+        if shared and self._plain is not None:  # a plain plan stood to its end
+            self._stand = min(2 * self._stand, self.plain_rounds << self.plain_backoff)
         budgets, explore = self._plan(sequences)
-        if len(sequences) > 1:
+        if shared:
             _count_explorations(sequences, budgets, explore)
-        self._settle(len(sequences) > 1 and not any(budgets))  # alone, a sequence must notice soon
+        if any(budgets):
+            self._stand = self.plain_rounds
+        self._settle(shared and not any(budgets))  # alone, a sequence must notice soon
         return budgets
 
     def _settle(self, plain: bool) -> None:
         """Let the plan being made stand when it leaves its batch ``plain`` (asked again once its
         copies are known: the round's last answer counts)."""
-        if plain:
-            self._plain, self._stand = 0, self._next_stand
-        else:
-            self._plain = None
+        self._plain = 0 if plain else None
 
     def _plan(self, sequences: Sequence[RoundSequence]) -> tuple[list[int], list[bool]]:
         """(each sequence's budget, whether it must draft to explore)."""
@@ -485,14 +488,16 @@ class RoundBudgetPlanner:
         return lengths
 
     def _round_costs(self, taus: list[list[float]], context: float) -> tuple[list[float], float, float]:
-        """(forward seconds per total of tokens the ``taus`` cover, made nondecreasing once here rather
-        than in every plan, seconds one drafting sequence adds, seconds the round adds outside both)
-        for a round of ``len(taus)`` sequences; the same object until they are refreshed
-        (:attr:`_costs`), for contexts within ``context_step`` of each other (as a plan is)."""
-        key = (len(taus), sum(len(tau) for tau in taus), int(context) // self.context_step)
+        """(forward seconds per total of tokens up to as many as the longest of the ``taus`` covers
+        times the sequences, made nondecreasing once here rather than in every plan, seconds one
+        drafting sequence adds, seconds the round adds outside both) for a round of ``len(taus)``
+        sequences; the same object until they are refreshed (:attr:`_costs`), for contexts within
+        ``context_step`` of each other (as a plan is), whichever sequences cannot draft (under load
+        one ends every few rounds, and each such round missed a cache keyed by the tokens covered)."""
+        key = (len(taus), max(len(tau) for tau in taus), int(context) // self.context_step)
         costs = self._costs.get(key)
         if costs is None:
-            verify = running_max(self.verify_seconds(np.arange(key[1] + 1), len(taus), context))
+            verify = running_max(self.verify_seconds(np.arange(key[0] * key[1] + 1), len(taus), context))
             alone = len(taus) == 1
             costs = (verify, self.draft_seconds(alone), self.commit_seconds(alone) * len(taus))
             self._costs[key] = costs
