@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Serve-load rows (issue 32): three servers up at once on the default target (ar, ddtree:auto,
 # ddtree+pld:auto), each warmed up, then for every client count 1-8 and each of PASSES passes the
-# three are loaded one after another, so drift of this shared machine hits every method alike.
+# three are loaded one after another, so drift of this shared machine hits every method alike, the
+# one to go first rotating from pass to pass (no method always runs right after another's load).
 # Writes <method>-c<clients>-p<pass>.json to $OUT (default: here); summarize with summary.py $OUT.
 set -euo pipefail
 OUT=${OUT:-$(dirname "$0")}
@@ -28,11 +29,15 @@ load() {  # method clients requests json
     --max-tokens 64 --ignore-eos --stream --json "$4" > /dev/null
 }
 for m in ar ddtree-auto ddtree+pld-auto; do load "$m" 8 32 /dev/null; done  # warm-up, not kept
+methods=(ar ddtree-auto ddtree+pld-auto)
+first=0
 for c in 1 2 3 4 5 6 7 8; do
   for p in $(seq 1 "$PASSES"); do
-    for m in ar ddtree-auto ddtree+pld-auto; do
+    for k in 0 1 2; do
+      m=${methods[$(((first + k) % 3))]}
       load "$m" "$c" $((PER_CLIENT * c)) "$m-c$c-p$p.json"
       echo "$(date +%T) $m clients $c pass $p"
     done
+    first=$(((first + 1) % 3))
   done
 done
