@@ -1,5 +1,6 @@
 """The serve-load table from run.sh's files: per method and client count, output tokens/s of the
-median pass (of an even count, the mean of the middle two) and the requests' mean tau."""
+median pass (of an even count, the mean of the middle two) and the requests' mean tau; beside it,
+ddtree+pld:auto over `ar` pass by pass (the two ran back to back), median [lowest-highest]."""
 
 from __future__ import annotations
 
@@ -16,23 +17,28 @@ METHODS = ("ar", "ddtree-auto", "ddtree+pld-auto")
 def main(folder: Path) -> None:
     speed: dict[tuple[str, int], list[float]] = defaultdict(list)
     tau: dict[tuple[str, int], list[float]] = defaultdict(list)
+    by_pass: dict[tuple[str, int], dict[int, float]] = defaultdict(dict)
     failed = 0
     for file in sorted(folder.glob("*-c*-p*.json")):
-        method, clients = re.fullmatch(r"(.+)-c(\d+)-p\d+\.json", file.name).groups()
+        method, clients, run = re.fullmatch(r"(.+)-c(\d+)-p(\d+)\.json", file.name).groups()
         summary = json.loads(file.read_text())["summary"]
+        by_pass[method, int(clients)][int(run)] = summary["output_tokens_per_second"]
         speed[method, int(clients)].append(summary["output_tokens_per_second"])
         tau[method, int(clients)].append(summary["mean_tau"])
         failed += summary["failed"]
     counts = sorted({clients for _, clients in speed})
-    print("| clients | " + " | ".join(METHODS) + " | ddtree+pld:auto / ar |")
-    print("|---|" + "---|" * (len(METHODS) + 1))
+    print("| clients | " + " | ".join(METHODS) + " | ddtree+pld:auto / ar | pass by pass |")
+    print("|---|" + "---|" * (len(METHODS) + 2))
     for clients in counts:
         cells = [
             f"{statistics.median(speed[m, clients]):.1f} (tau {statistics.mean(tau[m, clients]):.2f})"
             for m in METHODS
         ]
         ratio = statistics.median(speed["ddtree+pld-auto", clients]) / statistics.median(speed["ar", clients])
-        print(f"| {clients} | " + " | ".join(cells) + f" | {ratio:.2f}x |")
+        reference, auto = by_pass["ar", clients], by_pass["ddtree+pld-auto", clients]
+        paired = [auto[run] / reference[run] for run in sorted(reference.keys() & auto.keys())]
+        spread = f"{statistics.median(paired):.2f}x [{min(paired):.2f}-{max(paired):.2f}]" if paired else "-"
+        print(f"| {clients} | " + " | ".join(cells) + f" | {ratio:.2f}x | {spread} |")
     runs = sum(len(v) for v in speed.values())
     passes = sorted({len(v) for v in speed.values()})
     print(f"\n{runs} runs, passes per point {passes}, failed requests {failed}")
