@@ -15,15 +15,14 @@ METHODS = ("ar", "ddtree-auto", "ddtree+pld-auto")
 
 
 def main(folder: Path) -> None:
-    speed: dict[tuple[str, int], list[float]] = defaultdict(list)
+    speed: dict[tuple[str, int], dict[int, float]] = defaultdict(dict)
+    """Output tokens/s by (method, clients), then by pass."""
     tau: dict[tuple[str, int], list[float]] = defaultdict(list)
-    by_pass: dict[tuple[str, int], dict[int, float]] = defaultdict(dict)
     failed = 0
     for file in sorted(folder.glob("*-c*-p*.json")):
         method, clients, run = re.fullmatch(r"(.+)-c(\d+)-p(\d+)\.json", file.name).groups()
         summary = json.loads(file.read_text())["summary"]
-        by_pass[method, int(clients)][int(run)] = summary["output_tokens_per_second"]
-        speed[method, int(clients)].append(summary["output_tokens_per_second"])
+        speed[method, int(clients)][int(run)] = summary["output_tokens_per_second"]
         tau[method, int(clients)].append(summary["mean_tau"])
         failed += summary["failed"]
     counts = sorted({clients for _, clients in speed})
@@ -31,11 +30,12 @@ def main(folder: Path) -> None:
     print("|---|" + "---|" * (len(METHODS) + 2))
     for clients in counts:
         cells = [
-            f"{statistics.median(speed[m, clients]):.1f} (tau {statistics.mean(tau[m, clients]):.2f})"
+            f"{statistics.median(speed[m, clients].values()):.1f}"
+            f" (tau {statistics.mean(tau[m, clients]):.2f})"
             for m in METHODS
         ]
-        ratio = statistics.median(speed["ddtree+pld-auto", clients]) / statistics.median(speed["ar", clients])
-        reference, auto = by_pass["ar", clients], by_pass["ddtree+pld-auto", clients]
+        reference, auto = speed["ar", clients], speed["ddtree+pld-auto", clients]
+        ratio = statistics.median(auto.values()) / statistics.median(reference.values())
         paired = [auto[run] / reference[run] for run in sorted(reference.keys() & auto.keys())]
         spread = f"{statistics.median(paired):.2f}x [{min(paired):.2f}-{max(paired):.2f}]" if paired else "-"
         print(f"| {clients} | " + " | ".join(cells) + f" | {ratio:.2f}x | {spread} |")
