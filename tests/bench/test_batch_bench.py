@@ -17,3 +17,10 @@ def test_repeats_pair_with_the_plain_repeat_they_ran_beside():
     # the ratio of medians (1.0 s / 1.25 s) beside the median of the paired ratios and their range
     assert "80.0 (0.80x, tau 0.00)" in report
     assert "| ddtree:auto | 0.80x [0.80-2.00] |" in report
+
+
+def test_tau_is_the_one_of_the_repeat_whose_throughput_is_reported():
+    # an auto budget learns over the repeats: the first repeat's tau would sit beside the median's speed
+    point = BatchPoint("ddtree:auto", 1, seconds=[3.0, 1.0, 2.0], tokens=10, taus=[1.5, 2.5, 2.0])
+    assert point.tau == 2.0
+    assert BatchPoint("ar", 1).tau == 0.0

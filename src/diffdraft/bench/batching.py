@@ -43,7 +43,8 @@ class BatchPoint:
     """Wall time of the whole batch of prompts, per repeat."""
     tokens: int = 0
     """Tokens generated over all prompts (one repeat)."""
-    tau: float = 0.0
+    taus: list[float] = field(default_factory=list)
+    """Mean tokens per sequence per round, per repeat (an auto budget's differ: it learns as it goes)."""
     identical: int = 0
     near_ties: int = 0
     violations: int = 0
@@ -54,6 +55,13 @@ class BatchPoint:
         one take nearly twice as long as its twins) must not move the row (figures:
         benchmarks/README.md, 'Measurements behind the code')."""
         return self.tokens / float(np.median(self.seconds)) if self.seconds else float("nan")
+
+    @property
+    def tau(self) -> float:
+        """The tau of a median repeat (the upper of two middle ones), beside its throughput."""
+        if not self.taus:
+            return 0.0
+        return self.taus[int(np.argsort(self.seconds, kind="stable")[len(self.seconds) // 2])]
 
 
 def run_batch_benchmark(
@@ -86,6 +94,8 @@ def run_batch_benchmark(
                     begin = time.perf_counter()
                     results = runner.generator.generate_batch(requests, batch_size)
                     point.seconds.append(time.perf_counter() - begin)
+                    lengths = [n for r in results for n in r.stats.acceptance_lengths]
+                    point.taus.append(float(np.mean(lengths)) if lengths else 0.0)
                     if repeat == 0:
                         _check(point, results, expected, prompts, checker)
                     bar.update()
@@ -95,8 +105,6 @@ def run_batch_benchmark(
 
 def _check(point: BatchPoint, results, expected, prompts, checker: LosslessChecker) -> None:
     point.tokens = sum(len(r.token_ids) for r in results)
-    lengths = [n for r in results for n in r.stats.acceptance_lengths]
-    point.tau = float(np.mean(lengths)) if lengths else 0.0
     for result, reference, prompt in zip(results, expected, prompts, strict=True):
         divergence = checker.check(list(prompt), reference, result.token_ids)
         if divergence is None:
@@ -156,7 +164,7 @@ def write_batch_outputs(
     out.mkdir(parents=True, exist_ok=True)
     data = {
         **header,
-        "points": [asdict(p) | {"tokens_per_second": p.tokens_per_second} for p in points],
+        "points": [asdict(p) | {"tokens_per_second": p.tokens_per_second, "tau": p.tau} for p in points],
         "verify_cost": {
             "context": cost.context,
             "seconds": {str(b): {str(q): s for q, s in row.items()} for b, row in cost.seconds.items()},
@@ -187,7 +195,7 @@ def batch_markdown(header: dict, points: Sequence[BatchPoint], cost: BatchVerify
         "B sequences in every round (continuous batching: a waiting prompt joins when one finishes)",
         "",
         "Tokens/s of the whole batch (speedup over `ar` at the same batch size in brackets; tau = "
-        "mean tokens per sequence per round):",
+        "mean tokens per sequence per round in the median repeat):",
         "",
         "| method | " + " | ".join(f"batch {b}" for b in sizes) + " | lossless vs ar at batch 1 |",
         "|---|" + "---|" * (len(sizes) + 1),
