@@ -105,13 +105,10 @@ class PreparedRequest:
     """A checked, encoded request and its output so far: text is decoded as tokens arrive and
     released in chunks that never show half a character or the start of a stop string."""
 
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    seed: int | None
-    stop: StopConditions
+    spec: SequenceSpec
+    """What the engine generates it from (``SpeculativeEngine.run``, ``BatchEngine.add``): its prompt,
+    stop conditions, sampling, seed, stats and log-probability recorder, held once."""
     text_of: IncrementalDecoder
-    stats: GenerationStats = field(default_factory=GenerationStats)
-    logprobs: LogprobRecorder | None = None
     generated: list[int] = field(default_factory=list)
     pending: list[int] = field(default_factory=list)
     """Tokens whose text is not shown yet."""
@@ -121,9 +118,10 @@ class PreparedRequest:
         """Take a round's tokens; the chunk of text they make visible, if any."""
         self.generated.extend(new)
         self.pending.extend(new)
-        text = self.stop.cut_text(self.text_of(self.generated)).rstrip(INCOMPLETE)
-        if self.stop.stop_strings:
-            text = text[: max(0, len(text) - max(map(len, self.stop.stop_strings)) + 1)]
+        stop = self.spec.stop
+        text = stop.cut_text(self.text_of(self.generated)).rstrip(INCOMPLETE)
+        if stop.stop_strings:
+            text = text[: max(0, len(text) - max(map(len, stop.stop_strings)) + 1)]
         if len(text) <= len(self.shown):
             return None
         chunk = GenerationChunk(text[len(self.shown) :], self.pending, logprobs=self._pending_logprobs())
@@ -132,19 +130,17 @@ class PreparedRequest:
 
     def finish(self) -> GenerationChunk:
         """The rest of the text and the result, once generation ended."""
-        text = self.stop.cut_text(self.text_of(self.generated))
-        logprobs = None if self.logprobs is None else self.logprobs.tokens
-        result = GenerationResult(list(self.prompt_ids), self.generated, text, self.stats, logprobs)
+        spec = self.spec
+        text = spec.stop.cut_text(self.text_of(self.generated))
+        logprobs = None if spec.logprobs is None else spec.logprobs.tokens
+        result = GenerationResult(list(spec.prompt_ids), self.generated, text, spec.stats, logprobs)
         return GenerationChunk(text[len(self.shown) :], self.pending, result, self._pending_logprobs())
 
     def _pending_logprobs(self) -> list[TokenLogprob] | None:
-        if self.logprobs is None:
+        recorder = self.spec.logprobs
+        if recorder is None:
             return None
-        return self.logprobs.tokens[len(self.generated) - len(self.pending) : len(self.generated)]
-
-    def sequence_spec(self) -> SequenceSpec:
-        """What the engine generates this request from (``SpeculativeEngine.run``, ``BatchEngine.add``)."""
-        return SequenceSpec(self.prompt_ids, self.stop, self.sampling, self.stats, self.seed, self.logprobs)
+        return recorder.tokens[len(self.generated) - len(self.pending) : len(self.generated)]
 
 
 def _make_drafter(
@@ -241,7 +237,7 @@ class SpeculativeGenerator:
         exactly one of prompt (used as given), messages (chat template applied) or
         prompt_token_ids, and the sampling and stopping settings."""
         request = self.prepare(GenerationRequest(prompt, **options))
-        for new in self.engine.run(request.sequence_spec()):
+        for new in self.engine.run(request.spec):
             chunk = request.add(new)
             if chunk is not None:
                 yield chunk
@@ -276,7 +272,7 @@ class SpeculativeGenerator:
             while waiting and len(batch.active) < max_batch_size:
                 index = waiting.pop(0)
                 request = prepared[index]
-                sequence, first = batch.add(request.sequence_spec())
+                sequence, first = batch.add(request.spec)
                 request.add(first)
                 if sequence.done:
                     yield index, self.finish(request).result
@@ -318,13 +314,14 @@ class SpeculativeGenerator:
             decode=text_of,
         )
         recorder = None if logprobs is None else LogprobRecorder(logprobs)
-        return PreparedRequest(prompt_ids, sampling, seed, stop_conditions, text_of, logprobs=recorder)
+        spec = SequenceSpec(prompt_ids, stop_conditions, sampling, seed=seed, logprobs=recorder)
+        return PreparedRequest(spec, text_of)
 
     def finish(self, request: PreparedRequest) -> GenerationChunk:
         """The last chunk of a request whose generation ended, with its result; the auto budget
         learns from what its rounds accepted and cost."""
         if self._auto_budget is not None:
-            stats = request.stats
+            stats = request.spec.stats
             outside = sum(
                 seconds for stage, seconds in stats.timings.items() if stage not in ("prefill", "verify")
             )

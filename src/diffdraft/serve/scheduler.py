@@ -58,7 +58,7 @@ class RequestHandle:
 
     @property
     def prompt_tokens(self) -> int:
-        return len(self.prepared.prompt_ids)
+        return len(self.prepared.spec.prompt_ids)
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -228,7 +228,7 @@ class Scheduler:
             return
         prepared = handle.prepared
         try:
-            sequence, first = self._batch.add(prepared.sequence_spec())
+            sequence, first = self._batch.add(prepared.spec)
         except Exception as error:
             handle.put(error)
             return
