@@ -4,12 +4,14 @@
 # three are loaded one after another, so drift of this shared machine hits every method alike, the
 # one to go first rotating from pass to pass (no method always runs right after another's load).
 # Writes <method>-c<clients>-p<pass>.json to $OUT (default: here); summarize with summary.py $OUT.
+# PER_CLIENT requests a client a load (default 18): loads of 2-3 s (8 a client) swung +-15% on a
+# shared 2-core machine, so more passes of shorter loads measured worse than fewer long ones.
 set -euo pipefail
 OUT=${OUT:-$(dirname "$0")}
 mkdir -p "$OUT"
 cd "$OUT"
 PASSES=${PASSES:-2}
-PER_CLIENT=${PER_CLIENT:-6}
+PER_CLIENT=${PER_CLIENT:-18}
 declare -A PORT=([ar]=8013 [ddtree-auto]=8014 [ddtree+pld-auto]=8015)
 declare -A ARGS=([ar]="--method ar" [ddtree-auto]="--method ddtree --budget auto"
                  [ddtree+pld-auto]="--method ddtree+pld --budget auto")
