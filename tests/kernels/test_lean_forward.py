@@ -57,6 +57,8 @@ def test_logits_taps_and_cache_equal_hugging_face(family, dtype):
     # the last layer's tap is reported after the final norm, as Hugging Face does
     _assert_same_as_hugging_face(tiny_target(family, seed=3, dtype=dtype), layer_ids=[0, 2, 3])
     _assert_same_as_hugging_face(tiny_target(family, seed=4, dtype=dtype), layer_ids=[])
+    # the forward stacks its taps in ascending order: other orders and repeats are picked from them
+    _assert_same_as_hugging_face(tiny_target(family, seed=6, dtype=dtype), layer_ids=[3, 0, 2, 0])
 
 
 @needs_packing

@@ -99,17 +99,15 @@ class LeanForward:
         hidden = self.decoder.embed_tokens.forward(token_ids[None])
         positions = position_ids[None]
         rotary = self.rotary(hidden, positions)
-        wanted = set(layer_ids)
         rows = segment_rows(segments)
-        if self.fused is not None:
-            hidden, taps = self.fused(hidden[0], rotary, segments, rows, wanted)
-        else:
-            hidden, taps = self._layers(hidden, rotary, positions, segments, rows, wanted)
         last = len(self.layers) - 1
-        if last in wanted:  # Hugging Face reports the last layer's output after the final norm
-            taps[last] = hidden
+        tapped = sorted({i for i in layer_ids if i != last})
+        if self.fused is not None:
+            hidden, stacked = self.fused(hidden[0], rotary, segments, rows, tapped)
+        else:
+            hidden, stacked = self._layers(hidden, rotary, positions, segments, rows, tapped)
+        stacked = _taps_in_order(stacked, tapped, layer_ids, hidden, last)
         logits = self.model.lm_head.forward(hidden[-logits_to_keep:][None])[0]  # [-0:]: every row
-        stacked = torch.stack([taps[i] for i in layer_ids], dim=1) if layer_ids else None
         if len(segments) == 1:
             return [(logits, stacked)]
         sizes = [segment.length for segment in segments]
@@ -123,14 +121,15 @@ class LeanForward:
         positions: torch.Tensor,
         segments: list[Segment],
         rows: list[slice],
-        wanted: set[int],
-    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        tapped: list[int],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decoder layers through the model's own modules, in Hugging Face's order: (hidden [n, H]
-        after the final norm, {layer index: its output [n, H]} for ``wanted``)."""
+        after the final norm, the outputs of layers ``tapped`` (ascending) stacked [n, len(tapped), H],
+        None for none)."""
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.model.config._attn_implementation, eager_attention_forward
         )
-        taps: dict[int, torch.Tensor] = {}
+        wanted, taps = set(tapped), []
         for index, (layer, stacked) in enumerate(zip(self.layers, self.stacked_qkv, strict=True)):
             residual = hidden
             normed = layer.input_layernorm.forward(hidden)
@@ -143,8 +142,24 @@ class LeanForward:
             gated = mlp.act_fn(mlp.gate_proj.forward(normed)) * mlp.up_proj.forward(normed)
             hidden = residual + mlp.down_proj.forward(gated)
             if index in wanted:
-                taps[index] = hidden[0]
-        return self.decoder.norm.forward(hidden)[0], taps
+                taps.append(hidden[0])
+        return self.decoder.norm.forward(hidden)[0], torch.stack(taps, dim=1) if taps else None
+
+
+def _taps_in_order(
+    stacked: torch.Tensor | None, tapped: list[int], layer_ids: list[int], final: torch.Tensor, last: int
+) -> torch.Tensor | None:
+    """The taps [n, len(layer_ids), H] in ``layer_ids``' order, from the layers ``tapped`` stacked in
+    the forward (ascending, the last layer left out) and the ``final`` normed rows [n, H]: Hugging
+    Face reports the last layer's output after the final norm. Ascending ids (a drafter's usual)
+    take the forward's stack as it is."""
+    columns = tapped
+    if last in layer_ids:
+        columns = [*tapped, last]
+        stacked = final[:, None] if stacked is None else torch.cat([stacked, final[:, None]], dim=1)
+    if layer_ids != columns:  # another order, or an id given twice (selects: a CUDA graph captures them)
+        stacked = torch.stack([stacked[:, columns.index(i)] for i in layer_ids], dim=1)
+    return stacked
 
 
 def segment_rows(segments: list[Segment]) -> list[slice]:

@@ -300,6 +300,24 @@ def test_tree_nodes_get_the_outputs_of_their_path_decoded_token_by_token(family)
             assert torch.equal(alone.logits[0], tree.logits[node])
 
 
+def test_taps_in_any_order_are_the_fused_loops_columns():
+    """The fused loop stacks the taps of ascending layers below the last; the final norm's rows stand
+    for the last layer, and ids in another order or given twice pick those columns."""
+    target = _block_target("llama", seed=4)
+    prompt = torch.randint(1, 95, (9,), generator=torch.Generator().manual_seed(4))
+    outputs = []
+    for layer_ids in ([0, 2, 3], [3, 0, 2, 0], [3]):
+        cache = target.new_cache()
+        target.prefill(cache, prompt, [])
+        mask = target.attention_mask(cache, TREE.ancestor_mask())
+        outputs.append(
+            target.verify(cache, TREE.tokens, TREE.position_ids(len(prompt)), mask, layer_ids).hidden
+        )
+    ascending, shuffled, last = outputs
+    assert torch.equal(shuffled, ascending[:, [2, 0, 1, 0]])
+    assert torch.equal(last, ascending[:, 2:])
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_a_prefill_in_chunks_gives_each_prompt_token_what_its_decode_step_would(family, monkeypatch):
     """A prefill through the fused ops is the prompt decoded token by token, chunk boundaries aside:

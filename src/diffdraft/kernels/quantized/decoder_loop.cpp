@@ -97,8 +97,9 @@ struct Layers {
   }
 };
 
-// The forward's rows [n, H] (the embeddings) through every layer: returns the final norm's output and
-// then the outputs of layers `taps` (ascending), as FusedDecoderLayers.__call__ does with its cache writes.
+// The forward's rows [n, H] (the embeddings) through every layer: returns the final norm's output and, when
+// `taps` (ascending layer indices) is not empty, those layers' outputs stacked [n, taps, H], as
+// FusedDecoderLayers.__call__ does with its cache writes (one tensor back, not one per tap).
 // Linears and norms as Layers holds them (weights[kLinears * l + i]: layer l's linear i, the int8
 // kernel's tiles). Attention: attend_cached over `buffers` at each layer's cache index, with the
 // segments' starts, counts and masks.
@@ -121,7 +122,10 @@ std::vector<Tensor> decode_layers(const Tensor& hidden_in, const Tensor& cos, co
 
   Tensor hidden = hidden_in;
   Tensor normed = ops.rms_norm.call(hidden, norms[0], epsilons[0]);
-  std::vector<Tensor> outputs{Tensor()};
+  // each tap is copied out as it passes, so every layer's rows can reuse the freed (cache-warm) memory of
+  // the layer before, as without taps (figures: benchmarks/README.md, 'Measurements behind the code')
+  const int64_t tap_count = static_cast<int64_t>(taps.size());
+  Tensor tapped = tap_count ? at::empty({hidden.size(0), tap_count, hidden.size(1)}, hidden.options()) : Tensor();
   size_t next_tap = 0;
   for (int64_t layer = 0; layer < layers; ++layer) {
     auto [query, key, value] = ops.rotary_split.call(stack.linear(normed, kLinears * layer), cos, sin, heads, kv_heads,
@@ -130,12 +134,15 @@ std::vector<Tensor> decode_layers(const Tensor& hidden_in, const Tensor& cos, co
         attend_cached.call(query, key, value, buffers, cache_layers[layer], starts, counts, masks, scalings[layer]);
     stack.finish(layer, attended, hidden, normed);
     if (next_tap < taps.size() && taps[next_tap] == layer) {
-      outputs.push_back(hidden);
+      tapped.select(1, static_cast<int64_t>(next_tap)).copy_(hidden);
       ++next_tap;
     }
   }
   TORCH_CHECK(next_tap == taps.size(), "taps must be ascending layer indices below ", layers);
-  outputs[0] = normed;
+  std::vector<Tensor> outputs{normed};
+  if (tap_count) {
+    outputs.push_back(tapped);
+  }
   return outputs;
 }
 

@@ -118,18 +118,18 @@ class FusedDecoderLayers:
         rotary: tuple[torch.Tensor, torch.Tensor],
         segments: Sequence[Segment],
         rows: Sequence[slice],
-        wanted: set[int],
-    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """(hidden [n, H] after the final norm, {layer index: its output [n, H]} for ``wanted``), from
-        the embeddings [n, H] and the rotary (cos, sin), each [1, n, head_dim]; ``rows``: each
-        segment's tokens among the n."""
+        tapped: Sequence[int],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(hidden [n, H] after the final norm, the outputs of layers ``tapped`` (ascending) stacked
+        [n, len(tapped), H], None for none), from the embeddings [n, H] and the rotary (cos, sin),
+        each [1, n, head_dim]; ``rows``: each segment's tokens among the n."""
         ops = self.ops
         cos, sin = rotary[0][0], rotary[1][0]
         writes = _CacheWrites.reserve(segments)
         if writes is not None and self.stack is not None:
-            return self._looped(hidden, cos, sin, writes, wanted)
+            return self._looped(hidden, cos, sin, writes, tapped)
         normed = ops.rms_norm(hidden, *self.first_norm)
-        taps = {}
+        wanted, taps = set(tapped), []
         for index, layer in enumerate(self.layers):
             query, key, value = ops.rotary_split(
                 layer.qkv.forward(normed), cos, sin, self.heads, self.kv_heads
@@ -142,10 +142,10 @@ class FusedDecoderLayers:
             gated = ops.silu_gate(layer.gate_up.forward(normed))
             hidden, normed = ops.residual_rms_norm(hidden, layer.down.forward(gated), *layer.next_norm)
             if index in wanted:
-                taps[index] = hidden
+                taps.append(hidden)
         if writes is not None:
             writes.commit()
-        return normed, taps
+        return normed, torch.stack(taps, dim=1) if taps else None
 
     def _looped(
         self,
@@ -153,11 +153,11 @@ class FusedDecoderLayers:
         cos: torch.Tensor,
         sin: torch.Tensor,
         writes: _CacheWrites,
-        wanted: set[int],
-    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        tapped: Sequence[int],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """:meth:`__call__`'s loop as one op (``decode_layers``)."""
-        stack, taps = self.stack, sorted(i for i in wanted if i < len(self.layers))
-        normed, *outputs = self.ops.decode_layers(
+        stack = self.stack
+        normed, *taps = self.ops.decode_layers(
             hidden,
             cos,
             sin,
@@ -170,10 +170,10 @@ class FusedDecoderLayers:
             writes.starts,
             writes.counts,
             writes.masks,
-            taps,
+            tapped,
         )
         writes.commit()
-        return normed, dict(zip(taps, outputs, strict=True))
+        return normed, taps[0] if taps else None
 
     def _attend(
         self,
