@@ -20,7 +20,7 @@ from diffdraft.budget.planner import (
     rounds_of,
     surrogate_acceptance,
 )
-from diffdraft.drafters.base import Proposal
+from diffdraft.drafters.base import Proposal, vocab_columns
 from diffdraft.runtime.sampling import SamplingParams
 from diffdraft.runtime.stats import GenerationStats
 from diffdraft.trees import DDTreeBuilder, TreeRound
@@ -63,7 +63,18 @@ def test_the_surrogate_sums_the_best_prefix_probabilities():
     log_probs = torch.tensor([[0.6, 0.3, 0.1], [0.5, 0.4, 0.1]]).log()
     tree = DDTreeBuilder(9).build(TreeRound(0, Proposal(log_probs=log_probs), SamplingParams(), None))
     # prefixes by probability: a .6, then b .3 and aa .3, ab .24, ba .15, bb .12, c .1 ...
-    assert surrogate_acceptance(tree, log_probs)[:6] == pytest.approx([1.0, 1.6, 1.9, 2.2, 2.44, 2.59])
+    expected = [1.0, 1.6, 1.9, 2.2, 2.44, 2.59]
+    assert surrogate_acceptance(tree, Proposal(log_probs=log_probs))[:6] == pytest.approx(expected)
+
+
+def test_the_surrogate_of_a_restricted_proposal_reads_its_scored_columns_only():
+    # the draft vocabulary (7, 2, 4) of 9 tokens, scored as the test above scores its (0, 1, 2)
+    vocab = torch.tensor([7, 2, 4])
+    scored = torch.tensor([[0.6, 0.3, 0.1], [0.5, 0.4, 0.1]]).log()
+    proposal = Proposal.restricted(scored, vocab, 9, vocab_columns(vocab))
+    tree = DDTreeBuilder(9).build(TreeRound(0, proposal, SamplingParams(), None))
+    assert surrogate_acceptance(tree, proposal)[:6] == pytest.approx([1.0, 1.6, 1.9, 2.2, 2.44, 2.59])
+    assert proposal._log_probs is None  # the [depth, 9] rows were never written out
 
 
 def _rounds(count: int, budget: int, accepted: list[int], seconds: float = 0.0) -> list[ObservedRound]:

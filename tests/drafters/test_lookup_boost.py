@@ -54,16 +54,17 @@ class RestrictedDrafter(FixedDrafter):
         return Proposal.restricted(scored, self.VOCAB, 8, vocab_columns(self.VOCAB))
 
 
-@pytest.mark.parametrize(("context", "scored_only"), [([7, 1, 2, 1], True), ([4, 1, 3, 1], False)])
-def test_a_restricted_proposal_is_boosted_as_its_full_rows_would_be(context, scored_only):
-    """A copy of draft-vocabulary tokens is mixed into the scored columns (the rows are never
-    written out); one that leaves the vocabulary ("3") is mixed into the full rows: the same numbers."""
+@pytest.mark.parametrize("context", [[7, 1, 2, 1], [4, 1, 3, 1]])
+def test_a_restricted_proposal_is_boosted_as_its_full_rows_would_be(context):
+    """A copy of draft-vocabulary tokens is mixed into the scored columns; one that leaves the
+    vocabulary ("3") into them widened by its column: the rows are never written out, and they
+    hold the full rows' numbers."""
     log_probs = torch.randn(3, 4, generator=torch.Generator().manual_seed(1)).log_softmax(-1)
     restricted = LookupBoostedDrafter(RestrictedDrafter(log_probs), weight=0.5)
     proposal = restricted.propose(torch.tensor(context), 3)
     full_rows = Proposal.restricted(log_probs.clone(), RestrictedDrafter.VOCAB, 8).log_probs
     full = LookupBoostedDrafter(FixedDrafter(full_rows), weight=0.5).propose(torch.tensor(context), 3)
-    assert (proposal._log_probs is None) == scored_only
+    assert proposal._log_probs is None
     torch.testing.assert_close(proposal.log_probs, full.log_probs, rtol=0, atol=0)
     for k in (1, 3):
         for ours, theirs in zip(proposal.top(k), full.top(k), strict=True):
@@ -118,6 +119,19 @@ def test_a_copy_longer_than_the_drafter_block_extends_the_proposal():
         assert math.isclose(row[copied], 0.5 + 0.5 / 6, rel_tol=1e-5)
         assert math.isclose(row.min(), 0.5 / 6, rel_tol=1e-5)
     assert boosted.propose(torch.tensor([1, 2, 3, 4, 5, 0, 1, 2]), 4).depth == 4  # the engine's cap holds
+
+
+def test_past_the_block_a_restricted_proposal_spreads_the_rest_over_its_scored_tokens():
+    boosted = LookupBoostedDrafter(RestrictedDrafter(LOG_PROBS[:, :4].log_softmax(-1)), weight=0.5)
+    # "1 2" copies "5 0 1 2": depths 4 and 5 lie past the block of 3; "0" is outside the vocabulary
+    proposal = boosted.propose(torch.tensor([1, 2, 5, 0, 1, 2]), 5)
+    assert proposal.depth == 4 and proposal._log_probs is None
+    probs = proposal.log_probs.exp()
+    torch.testing.assert_close(probs.sum(-1), torch.ones(4))
+    row = probs[3]  # the copied "2" gets w plus its even share of the rest over the 4 scored tokens
+    assert math.isclose(row[2], 0.5 + 0.5 / 4, rel_tol=1e-5)
+    assert math.isclose(row[5], 0.5 / 4, rel_tol=1e-5) and row[0] == 0 and row[3] == 0
+    assert math.isclose(probs[1, 0], 0.5, rel_tol=1e-5)  # "0" at depth 2: the copy's weight alone
 
 
 def test_boosted_forks_draft_together_as_each_alone():

@@ -79,7 +79,7 @@ class AutoBudgetBuilder:
             tree = DDTreeBuilder(budget).build(tree_round)
         else:
             largest = DDTreeBuilder(horizon).build(tree_round)
-            stats.surrogates.append(surrogate_acceptance(largest, proposal.log_probs))
+            stats.surrogates.append(surrogate_acceptance(largest, proposal))
             if built // self.refresh % 2 == 0:
                 verified = min(horizon, budget + max(1, round(self.explore_up * budget)))
             else:

@@ -21,19 +21,20 @@ import numpy as np
 import torch
 
 from diffdraft.budget.cost import MAX_BUDGET, VerifyCostCurve
+from diffdraft.drafters.base import Proposal
 from diffdraft.runtime.stats import GenerationStats
 from diffdraft.trees import DraftTree
 
 
-def surrogate_acceptance(tree: DraftTree, log_probs: torch.Tensor) -> list[float]:
+def surrogate_acceptance(tree: DraftTree, proposal: Proposal) -> list[float]:
     """Expected acceptance length (bonus included) of the first B nodes of a best-first DDTree, per B.
 
-    Entry B is ``1 + sum of the first B prefix probabilities`` under the drafter's factorized
-    surrogate; entry 0 is 1 (the bonus token alone). Best-first order makes every prefix of the
-    node list the optimal tree of that size.
+    Entry B is ``1 + sum of the first B prefix probabilities`` under the factorized surrogate of
+    ``proposal``, the drafter's proposal the tree was built from; entry 0 is 1 (the bonus token
+    alone). Best-first order makes every prefix of the node list the optimal tree of that size.
     """
     depths = tree.depths.cpu()
-    node_log_probs = log_probs.float().cpu()[(depths[1:] - 1).clamp_min(0), tree.tokens[1:].cpu()]
+    node_log_probs = proposal.scores_at((depths[1:] - 1).clamp_min(0), tree.tokens[1:]).float().cpu()
     prefix = torch.zeros(depths.shape[0])
     parents = tree.parents.cpu()
     for level in range(1, int(depths.max()) + 1):

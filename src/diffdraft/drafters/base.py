@@ -8,6 +8,7 @@ The engine never learns a drafter's name. It tells the drafter which target laye
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -45,6 +46,9 @@ class Proposal:
         self._vocab: torch.Tensor | None = None
         self._vocab_size = 0
         self._columns: Mapping[int, int] | None = None
+        self._added: dict[int, int] = {}
+        """Columns :meth:`scores_of` added for tokens outside the draft vocabulary (``_columns`` is
+        the drafter's, shared by every proposal)."""
 
     @classmethod
     def restricted(
@@ -69,15 +73,52 @@ class Proposal:
 
     def scores_of(self, token_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, columns): the proposal's log-probabilities [depth, width] to change in place, and
-        where each of ``token_ids`` is in them, a [len(token_ids)] index. The scored columns alone where
-        they hold every one of those tokens (and :meth:`restricted` was given their columns), else
-        the whole [depth, V] :attr:`log_probs`, written out."""
+        where each of ``token_ids`` is in them, a [len(token_ids)] index. The scored columns alone
+        when :meth:`restricted` was given their columns, widened first by a column of probability 0
+        for each of those tokens outside the draft vocabulary (a few columns, where writing out the
+        rows costs the whole vocabulary's), else the whole [depth, V] :attr:`log_probs`."""
         if self._log_probs is None and self._columns is not None:
-            columns = [self._columns.get(token, -1) for token in token_ids]
-            if min(columns, default=0) >= 0:
-                return self._scored, torch.tensor(columns, device=self._scored.device)
+            missing = [token for token in dict.fromkeys(token_ids) if self._column(token) is None]
+            if missing:
+                self._add_columns(missing)
+            columns = [self._column(token) for token in token_ids]
+            return self._scored, torch.tensor(columns, device=self._scored.device)
         rows = self.log_probs
         return rows, torch.tensor(list(token_ids), device=rows.device)
+
+    def scores_at(self, depths: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """The log-probabilities of ``token_ids`` [n] at the depths indexed by ``depths`` [n] (row d:
+        depth d + 1), read from the scored columns where they hold every one of those tokens."""
+        if self._log_probs is None and self._columns is not None:
+            columns = [self._column(token) for token in token_ids.tolist()]
+            if None not in columns:
+                device = self._scored.device
+                return self._scored[depths.to(device), torch.tensor(columns, device=device)]
+        rows = self.log_probs
+        return rows[depths.to(rows.device), token_ids.to(rows.device)]
+
+    def extended(self, rows: int) -> Proposal:
+        """This proposal with ``rows`` more depths at which every token it scores is equally likely
+        (its draft vocabulary's, or without one the whole vocabulary's)."""
+        if self._log_probs is not None or self._scored is None:
+            return Proposal(log_probs=torch.cat([self.log_probs, _uniform(self.log_probs, rows)]))
+        scored = torch.cat([self._scored, _uniform(self._scored, rows)])
+        longer = Proposal.restricted(scored, self._vocab, self._vocab_size, self._columns)
+        longer._added = dict(self._added)
+        return longer
+
+    def _column(self, token: int) -> int | None:
+        column = self._columns.get(token)
+        return self._added.get(token) if column is None else column
+
+    def _add_columns(self, token_ids: list[int]) -> None:
+        """Score ``token_ids`` (none in the draft vocabulary) too, each at probability 0 everywhere."""
+        width = self._scored.shape[1]
+        self._added.update((token, width + i) for i, token in enumerate(token_ids))
+        never = self._scored.new_full((self._scored.shape[0], len(token_ids)), float("-inf"))
+        self._scored = torch.cat([self._scored, never], dim=1)
+        added = torch.tensor(token_ids, dtype=self._vocab.dtype, device=self._vocab.device)
+        self._vocab = torch.cat([self._vocab, added])
 
     @property
     def log_probs(self) -> torch.Tensor | None:
@@ -111,6 +152,11 @@ class Proposal:
         source = self._log_probs if self._log_probs is not None else self._scored
         source = source if source is not None else self.tokens
         return 0 if source is None else int(source.shape[0])
+
+
+def _uniform(rows: torch.Tensor, count: int) -> torch.Tensor:
+    """``count`` rows of log-probabilities as wide as ``rows``, every column equally likely."""
+    return rows.new_full((count, rows.shape[1]), -math.log(rows.shape[1]))
 
 
 def vocab_columns(vocab: torch.Tensor | None) -> dict[int, int] | None:

@@ -12,13 +12,12 @@ calibrated weights gained acceptance on code and held even on chat (figures: ben
 exact whatever the weights.
 
 A copy may run past the drafter's block (some rounds fill the block, while prompt lookup alone goes
-on copying past it): there the copied token gets w and the rest of the row is spread evenly, so the
-tree can follow a long copy while the drafter covers its start.
+on copying past it): there the copied token gets w and the rest of the row is spread evenly over the
+tokens the drafter scores, so the tree can follow a long copy while the drafter covers its start.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -138,11 +137,9 @@ class LookupBoostedDrafter:
             return proposal
         beyond = len(follow) - proposal.depth
         if beyond > 0:  # past the drafter's block only the copy speaks; q is uniform there
-            drafted = proposal.log_probs
-            uniform = drafted.new_full((beyond, drafted.shape[1]), -math.log(drafted.shape[1]))
-            proposal = Proposal(log_probs=torch.cat([drafted, uniform]))
-        # the scores, mixed in place: the inner drafter's fresh ones (its draft vocabulary's columns
-        # where they hold the copy: rows a third as wide as the whole vocabulary's, never written out)
+            proposal = proposal.extended(beyond)
+        # the scores, mixed in place: the inner drafter's fresh ones (its draft vocabulary's columns,
+        # widened by any copied token outside it: rows a third as wide as the whole vocabulary's)
         mixed, copied = proposal.scores_of(follow)
         copy_rows = mixed[: len(follow)]
         weight = torch.from_numpy(self.weights(ngram, len(follow))).to(mixed.device)
