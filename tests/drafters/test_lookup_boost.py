@@ -123,7 +123,7 @@ def test_a_copy_longer_than_the_drafter_block_extends_the_proposal():
 
 def test_past_the_block_a_restricted_proposal_spreads_the_rest_over_its_scored_tokens():
     boosted = LookupBoostedDrafter(RestrictedDrafter(LOG_PROBS[:, :4].log_softmax(-1)), weight=0.5)
-    # "1 2" copies "5 0 1 2": depths 4 and 5 lie past the block of 3; "0" is outside the vocabulary
+    # "1 2" copies "5 0 1 2": depth 4 lies past the block of 3; "0" is outside the vocabulary
     proposal = boosted.propose(torch.tensor([1, 2, 5, 0, 1, 2]), 5)
     assert proposal.depth == 4 and proposal._log_probs is None
     probs = proposal.log_probs.exp()
