@@ -1,10 +1,13 @@
 """The serve-load table from run.sh's files: per method and client count, output tokens/s of the
 median pass (of an even count, the mean of the middle two) and the requests' mean tau; beside it,
-ddtree+pld:auto over `ar` pass by pass (the two ran back to back), median [lowest-highest]."""
+ddtree+pld:auto over `ar` pass by pass (the two ran back to back), median [lowest-highest], and their
+mean with a 95% bootstrap interval (resampling the passes): whether a shortfall is more than the
+machine's noise."""
 
 from __future__ import annotations
 
 import json
+import random
 import re
 import statistics
 import sys
@@ -26,8 +29,8 @@ def main(folder: Path) -> None:
         tau[method, int(clients)].append(summary["mean_tau"])
         failed += summary["failed"]
     counts = sorted({clients for _, clients in speed})
-    print("| clients | " + " | ".join(METHODS) + " | ddtree+pld:auto / ar | pass by pass |")
-    print("|---|" + "---|" * (len(METHODS) + 2))
+    print("| clients | " + " | ".join(METHODS) + " | ddtree+pld:auto / ar | pass by pass | mean [95%] |")
+    print("|---|" + "---|" * (len(METHODS) + 3))
     for clients in counts:
         cells = [
             f"{statistics.median(speed[m, clients].values()):.1f}"
@@ -38,10 +41,21 @@ def main(folder: Path) -> None:
         ratio = statistics.median(auto.values()) / statistics.median(reference.values())
         paired = [auto[run] / reference[run] for run in sorted(reference.keys() & auto.keys())]
         spread = f"{statistics.median(paired):.2f}x [{min(paired):.2f}-{max(paired):.2f}]" if paired else "-"
-        print(f"| {clients} | " + " | ".join(cells) + f" | {ratio:.2f}x | {spread} |")
+        interval = _mean_interval(paired)
+        print(f"| {clients} | " + " | ".join(cells) + f" | {ratio:.2f}x | {spread} | {interval} |")
     runs = sum(len(v) for v in speed.values())
     passes = sorted({len(v) for v in speed.values()})
     print(f"\n{runs} runs, passes per point {passes}, failed requests {failed}")
+
+
+def _mean_interval(paired: list[float], resamples: int = 4000) -> str:
+    """The mean of the paired ratios and its 95% percentile bootstrap interval (fixed seed)."""
+    if len(paired) < 2:
+        return "-"
+    draw = random.Random(0)
+    means = sorted(statistics.fmean(draw.choices(paired, k=len(paired))) for _ in range(resamples))
+    low, high = means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
+    return f"{statistics.fmean(paired):.3f}x [{low:.3f}-{high:.3f}]"
 
 
 if __name__ == "__main__":
