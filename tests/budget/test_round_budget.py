@@ -14,13 +14,15 @@ import pytest
 from diffdraft.budget.cost import VerifyCostCurve
 from diffdraft.budget.planner import BudgetPlanner, rounds_of
 from diffdraft.budget.round_budget import RoundBudgetPlanner, plan_budgets, plan_copies
-from diffdraft.decoding.engine import SpeculativeEngine
+from diffdraft.decoding.engine import PLAIN, RoundPlan, SpeculativeEngine
+from diffdraft.drafters.dart import DARTDrafter
+from diffdraft.drafters.lookup_boost import LookupBoostedDrafter
 from diffdraft.runtime.sampling import SamplingParams
 from diffdraft.runtime.stats import GenerationStats
 from diffdraft.target.model import TargetModel
 from diffdraft.trees import ChainBuilder, DDTreeBuilder, RoundSequence, TreeRound
 
-from conftest import tiny_target
+from conftest import tiny_dart, tiny_target
 from decoding.test_batching import alone, batched, requests_for
 from decoding.test_engine import make_method
 
@@ -198,7 +200,7 @@ def test_a_plan_that_left_a_batch_plain_stands_a_few_rounds_unless_it_copied_or_
     assert rounds.plain_stands(2)  # the round's last answer took none: its plain plan stands
 
 
-def test_a_plain_plan_made_plain_again_stands_ever_longer_until_one_drafts(monkeypatch):
+def test_a_plain_plan_made_plain_again_stands_ever_longer_and_settles_until_one_drafts(monkeypatch):
     from diffdraft.budget import round_budget
 
     rounds = losing_planner()
@@ -213,20 +215,25 @@ def test_a_plain_plan_made_plain_again_stands_ever_longer_until_one_drafts(monke
         return stood
 
     most = rounds.plain_rounds << rounds.plain_backoff
-    assert [stand() for _ in range(rounds.plain_backoff)] == [
-        rounds.plain_rounds << k for k in range(rounds.plain_backoff)
-    ]
+    stands = []
+    for _ in range(rounds.plain_backoff):
+        assert not rounds.plain_settled()  # the stand has not backed off to its longest yet
+        stands.append(stand())
+    assert stands == [rounds.plain_rounds << k for k in range(rounds.plain_backoff)]
     with monkeypatch.context() as patched:  # rounds that copy in between
         patched.setattr(round_budget, "plan_copies", lambda *args: [1, 0])
         for _ in range(3):
             assert rounds.copy_lengths(rounds.plan(pair), [[1.0, 1.9], None]) == [1, 0]
             assert not rounds.plain_stands(2)  # planned again the next round
     assert [stand() for _ in range(2)] == [most, most]  # the copies left the stands as they were
+    assert rounds.plain_settled()
     assert rounds.plan(pair[:1]) == [0]  # a round alone, plain
     assert stand() == most  # ...left them too
+    assert rounds.plain_settled()
     monkeypatch.setattr(rounds, "_plan", lambda sequences: ([0, 1], [False, False]))
     rounds.plan(pair)  # a plan that drafts
     monkeypatch.undo()
+    assert not rounds.plain_settled()
     assert stand() == rounds.plain_rounds
 
 
@@ -420,15 +427,19 @@ def test_the_batch_curve_is_measured_on_the_first_shared_round_only():
 
 
 class FixedPlan:
-    """A round planner that gives every sequence the budgets of ``pattern`` in turn, by round, and
-    takes every offered copy whole when ``copies``."""
+    """A round planner that gives every sequence the budgets of ``pattern`` in turn, by round, takes
+    every offered copy whole when ``copies``, and says plain decoding settled in when ``settled``."""
 
-    def __init__(self, pattern: list[int], copies: bool = False) -> None:
+    def __init__(self, pattern: list[int], copies: bool = False, settled: bool = False) -> None:
         self.pattern = pattern
         self.copies = copies
+        self.settled = settled
 
     def plain_stands(self, sequences: int) -> bool:
         return False
+
+    def plain_settled(self) -> bool:
+        return self.settled
 
     def plan(self, sequences: list[RoundSequence]) -> list[int]:
         return [self.pattern[s.stats.rounds % len(self.pattern)] if s.can_draft else 0 for s in sequences]
@@ -466,6 +477,55 @@ def test_rounds_at_budget_0_are_plain_decoding_steps(temperature):
     assert batched(mixed, requests, sampling, 3) == each
     if temperature == 0:
         assert each == plain
+
+
+def test_shared_rounds_without_a_tree_tap_nothing_once_plain_settled_in_and_change_no_output(monkeypatch):
+    """Taps skipped in such rounds leave gaps in the drafter's context; its later trees draft across
+    them, and the outputs stay the target's."""
+    target, drafter, requests, sampling, plain = boosted_case(0.0)
+    wrapped = TargetModel(target)
+    engine = SpeculativeEngine(wrapped, drafter, FixedPlan([0, 0, 3, 0, 0, 0, 6], copies=True, settled=True))
+    assert engine.untapped_plain
+    plans, tapped = [], []
+    make_plans, verify_batch = engine.plan, wrapped.verify_batch
+    monkeypatch.setattr(engine, "plan", lambda sequences: plans.append(make_plans(sequences)) or plans[-1])
+    monkeypatch.setattr(
+        wrapped,
+        "verify_batch",
+        lambda inputs, layer_ids: tapped.append(layer_ids) or verify_batch(inputs, layer_ids),
+    )
+    stats = [GenerationStats() for _ in requests]
+    assert batched(engine, requests, sampling, 3, stats) == plain
+    untapped = [len(p) > 1 and all(plan.budget == 0 for plan in p) for p in plans]
+    assert tapped == [[] if skip else engine.layer_ids for skip in untapped]
+    assert 0 < sum(untapped) < len(untapped)
+    first = untapped.index(True)
+    assert any(plan.budget for p in plans[first + 1 :] for plan in p)  # trees drafted across the gaps
+    assert any(s.copy_rounds for s in stats)
+
+
+def test_only_a_round_planner_with_a_drafter_that_tolerates_gaps_may_skip_taps():
+    target = tiny_target("qwen3", seed=4)
+    wrapped = TargetModel(target)
+    boosted, _ = make_method("ddtree-4+pld", target, [], [], 5, 4)
+    dart = DARTDrafter(tiny_dart(target, seed=4), wrapped)
+    assert SpeculativeEngine(wrapped, boosted, FixedPlan([0])).untapped_plain
+    assert SpeculativeEngine(wrapped, boosted.drafter, FixedPlan([0])).untapped_plain
+    assert not SpeculativeEngine(wrapped, boosted, DDTreeBuilder(4)).untapped_plain  # nothing plans rounds
+    assert not SpeculativeEngine(
+        wrapped, dart, FixedPlan([0])
+    ).untapped_plain  # its prefix rows are contiguous
+    assert not SpeculativeEngine(wrapped, LookupBoostedDrafter(dart), FixedPlan([0])).untapped_plain
+    assert not SpeculativeEngine(
+        wrapped, boosted.lookup, FixedPlan([0])
+    ).untapped_plain  # taps nothing anyway
+    unsettled = SpeculativeEngine(wrapped, boosted, FixedPlan([0], settled=False))
+    assert unsettled.round_layer_ids([PLAIN, PLAIN]) == unsettled.layer_ids
+    settled = SpeculativeEngine(wrapped, boosted, FixedPlan([0], settled=True))
+    assert settled.round_layer_ids([PLAIN, PLAIN]) == []
+    assert settled.round_layer_ids([PLAIN]) == settled.layer_ids  # alone, a sequence keeps its taps
+    assert settled.round_layer_ids([PLAIN, RoundPlan(3)]) == settled.layer_ids
+    assert settled.round_layer_ids([PLAIN, RoundPlan()]) == settled.layer_ids  # the builder's own size
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

@@ -130,6 +130,28 @@ def test_incremental_context_cache_equals_full_recompute(variant):
     torch.testing.assert_close(incremental, expected)
 
 
+@pytest.mark.parametrize("variant", [DFLASH, DFLARE])
+def test_a_context_with_gaps_drafts_from_the_rows_it_has_at_their_positions(variant):
+    """Rounds verified without taps (None) leave gaps: the block attends to the rows there are, each
+    projected at its own position."""
+    target = tiny_target("qwen2")
+    model = tiny_drafter(target, layers=2, block_size=5, variant=variant)
+    drafter = DFlashDrafter(model, TargetModel(target))
+    assert drafter.tolerates_gaps()
+    taps = torch.randn(12, 2, target.config.hidden_size, dtype=target.dtype)
+    tokens = torch.randint(0, 60, (13,))
+    for begin, end, tapped in [(0, 5, True), (5, 6, False), (6, 8, False), (8, 12, True)]:
+        drafter.extend_context(taps[begin:end] if tapped else None, begin)
+    gapped = drafter.propose(tokens, 4).log_probs
+
+    kept = torch.tensor([0, 1, 2, 3, 4, 8, 9, 10, 11])
+    context_kv = model.context_kv(taps[kept][None], kept[None])
+    block = torch.tensor([int(tokens[-1])] + [model.mask_token_id] * 4)
+    hidden = model(target.get_input_embeddings()(block[None]), torch.arange(12, 17)[None], context_kv)
+    expected = target.get_output_embeddings()(hidden[0, 1:]).float().log_softmax(-1)
+    torch.testing.assert_close(gapped, expected)
+
+
 def test_default_layer_ids_spread_from_shallow_to_deep():
     assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
     assert default_target_layer_ids(30, 1) == [15]

@@ -3,6 +3,8 @@ without a draft vocabulary, through context appends that outgrow the buffers."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -139,24 +141,35 @@ def test_the_context_projection_in_one_op_gives_the_python_steps_bits(variant):
 @pytest.mark.parametrize("draft_vocab", [None, list(range(0, 96, 3))])
 def test_a_drafting_round_in_one_op_gives_the_steps_bits(variant, draft_vocab):
     """``draft_block`` (taps appended, block drafted, LM head) against the same round step by step, with
-    the taps of one or several rounds pending and buffers outgrown: the same proposals and context."""
+    the taps of one or several rounds pending, buffers outgrown, and gaps (rounds verified without
+    taps, before or between pending ones: one op still where those pending run up to the root): the
+    same proposals and context."""
     one_op, steps = _drafters(variant, draft_vocab, seed=10, q8_head=True)
     steps._fused = type(one_op._fused)(steps.model)
     assert one_op._lm_head is not None
     steps._lm_head = None
+    in_one_op = []
+    draft_block = one_op._fused.draft_block
+    one_op._fused.draft_block = lambda *args: in_one_op.append(1) or draft_block(*args)
     g = torch.Generator().manual_seed(11)
     width = (len(one_op.target_layer_ids), one_op.model.config.hidden_size)
-    committed = 0
-    for commits, depth in (((300,), 5), ((2,), 3), ((1, 3), 1), ((60, 1), 7), ((), 2)):
+    committed = rows = 0
+    rounds = (((300,), 5), ((2,), 3), ((1, 3), 1), ((-4, 2), 3), ((60, 1), 7), ((), 2), ((2, -1, 3), 2))
+    for commits, depth in rounds:  # a negative count: tokens committed without taps
+        gap_after_taps = any(a > 0 > b for a, b in itertools.pairwise(commits))
+        one_op_round = rows > 0 and not gap_after_taps  # an empty context is projected step by step
         for new in commits:  # rounds that did not draft leave their taps pending
-            states = torch.randn(new, *width, generator=g)
+            states = torch.randn(abs(new), *width, generator=g) if new > 0 else None
             for drafter in (one_op, steps):
-                drafter.extend_context(states.to(torch.bfloat16), committed)
-            committed += new
+                drafter.extend_context(states if states is None else states.to(torch.bfloat16), committed)
+            committed += abs(new)
+            rows += max(new, 0)
         token_ids = torch.randint(0, 90, (committed + 1,), generator=g)
+        drafted_in_one_op = len(in_one_op)
         proposals = [drafter.propose(token_ids, depth).log_probs for drafter in (one_op, steps)]
+        assert len(in_one_op) == drafted_in_one_op + one_op_round
         assert proposals[0].shape == (depth, 96) and torch.equal(proposals[0], proposals[1])
         assert torch.equal(proposals[0].isinf(), proposals[1].isinf()) and proposals[0].isfinite().any()
-        assert one_op._context.length == steps._context.length == committed and not one_op._pending
+        assert one_op._context.length == steps._context.length == rows and not one_op._pending
         for a, b in zip(one_op._context.layers(), steps._context.layers(), strict=True):
             assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])

@@ -59,6 +59,10 @@ class AutoBudgetBuilder:
         """Each sequence's node budget this round (see :class:`RoundBudgetPlanner`)."""
         return self.rounds.plan(sequences)
 
+    def plain_settled(self) -> bool:
+        """Whether plain rounds settled in (:meth:`RoundBudgetPlanner.plain_settled`)."""
+        return self.rounds.plain_settled()
+
     def copy_lengths(self, budgets: Sequence[int], copies: Sequence[Sequence[float] | None]) -> list[int]:
         """How many tokens of each offered free copy to verify
         (:meth:`RoundBudgetPlanner.copy_lengths`)."""

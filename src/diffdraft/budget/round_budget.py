@@ -425,6 +425,13 @@ class RoundBudgetPlanner:
         self._plain += 1
         return True
 
+    def plain_settled(self) -> bool:
+        """Whether the plans have left shared rounds plain so long that a plain plan stands at its
+        longest (no plan gave a tree since): then a gap in the drafter's context, which costs the
+        next few drafted rounds some acceptance, costs less than tapping every round for it. A
+        shorter stand keeps the taps: batches that draft now and then would draft after gaps."""
+        return self._stand == self.plain_rounds << self.plain_backoff
+
     def plan(self, sequences: Sequence[RoundSequence]) -> list[int]:
         """Each sequence's node budget this round (0: it verifies its pending token alone), when
         :meth:`plain_stands` said no."""

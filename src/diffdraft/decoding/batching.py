@@ -49,10 +49,11 @@ class BatchEngine:
         if not sequences:
             return []
         contexts = [sequence.context for sequence in sequences]
-        inputs = draft_round(sequences, self.engine.plan(sequences))
+        plans = self.engine.plan(sequences)
+        inputs = draft_round(sequences, plans)
         target = self.engine.target
         begin = time.perf_counter()
-        outputs = target.verify_batch(inputs, self.engine.layer_ids)
+        outputs = target.verify_batch(inputs, self.engine.round_layer_ids(plans))
         if target.device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - begin

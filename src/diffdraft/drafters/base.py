@@ -237,6 +237,17 @@ class CopyingDrafter(Protocol):
         ...
 
 
+@runtime_checkable
+class GapTolerantDrafter(Protocol):
+    """A drafter that may draft on from a context with gaps: committed tokens whose target states never
+    reached it (``extend_context`` got None for them). Rounds that nobody drafts in can then verify
+    without tapping the target's layers: under load most rounds are such."""
+
+    def tolerates_gaps(self) -> bool:
+        """Whether this drafter (a wrapper: the drafter it wraps) drafts from the rows it has."""
+        ...
+
+
 def propose_together(
     drafters: Sequence[Drafter], token_ids: Sequence[torch.Tensor], depths: Sequence[int]
 ) -> list[Proposal]:

@@ -65,8 +65,17 @@ class DFlashDrafter(ForksByCopy):
 
     def extend_context(self, hidden: torch.Tensor | None, start: int) -> None:
         """Keep the committed tokens' states; they are projected when this sequence next drafts, all
-        at once, so a round that does not draft (budget 0) costs the drafter nothing."""
-        self._pending.append((hidden, start))  # reset rebinds the list: a fork never shares it
+        at once, so a round that does not draft (budget 0) costs the drafter nothing. Tokens whose
+        states were not tapped (None) leave a gap (:meth:`tolerates_gaps`)."""
+        if hidden is not None:
+            self._pending.append((hidden, start))  # reset rebinds the list: a fork never shares it
+
+    def tolerates_gaps(self) -> bool:
+        """Yes: every context row is projected at its own position, and a block attends to whatever
+        rows there are. A gap costs acceptance for the next few rounds only (about 3-5 tokens over
+        the ~10 drafting rounds after it, then none; figures: benchmarks/README.md,
+        smollm2-135m-batching-zen5)."""
+        return True
 
     def _pending_taps(self) -> torch.Tensor | None:
         """The pending states in one tensor (one round's commit: no copy); None when none wait."""
@@ -95,8 +104,9 @@ class DFlashDrafter(ForksByCopy):
     @torch.inference_mode()
     def propose(self, token_ids: torch.Tensor, depth: int) -> Proposal:
         start = token_ids.shape[0] - 1
-        if self._lm_head is not None and self._context.length and self._taps_follow_context(start):
-            return self._proposal(self._drafted_in_one_op(int(token_ids[-1]), start, depth))
+        first = self._taps_run_start(start)
+        if self._lm_head is not None and self._context.length and first is not None:
+            return self._proposal(self._drafted_in_one_op(int(token_ids[-1]), first, start, depth))
         block = torch.full((depth + 1,), self.model.mask_token_id, device=self._device)
         block[0] = token_ids[-1]  # the root, copied on the device (int() would wait for a GPU)
         positions = torch.arange(start, start + depth + 1, device=self._device)[None]
@@ -109,23 +119,25 @@ class DFlashDrafter(ForksByCopy):
             hidden = self._fused(embeds, cos[0], sin[0], [context], [slice(None)])
         return self._proposal(self.head(hidden[1:]).float().log_softmax(-1))
 
-    def _taps_follow_context(self, start: int) -> bool:
-        """Whether the pending taps are those of positions [context rows, ``start``) in order, as rounds
-        commit them: then one rotary span covers them and the block rooted at ``start``."""
-        position = self._context.length
-        for hidden, first in self._pending:
-            if first != position:
-                return False
+    def _taps_run_start(self, start: int) -> int | None:
+        """The position of the first pending tap when the pending taps are those of consecutive
+        positions up to ``start`` (exclusive), as rounds commit them (``start`` when none wait): then
+        one rotary span covers them and the block rooted at ``start``. None otherwise."""
+        first = self._pending[0][1] if self._pending else start
+        position = first
+        for hidden, begin in self._pending:
+            if begin != position:
+                return None
             position += hidden.shape[0]
-        return position == start
+        return first if position == start else None
 
-    def _drafted_in_one_op(self, root: int, start: int, depth: int) -> torch.Tensor:
-        """:meth:`propose`'s log-probabilities [depth, draft vocabulary], the pending taps projected
-        first, all in one op (the same bits as step by step)."""
+    def _drafted_in_one_op(self, root: int, first: int, start: int, depth: int) -> torch.Tensor:
+        """:meth:`propose`'s log-probabilities [depth, draft vocabulary], the pending taps (positions
+        ``first`` .. ``start - 1``) projected first, all in one op (the same bits as step by step)."""
         taps = self._pending_taps()
         self._pending = []
         weight = self.embed.weight
-        cos, sin = self._rope.rows(weight, self._context.length, start + depth + 1)
+        cos, sin = self._rope.rows(weight, first, start + depth + 1)
         block = DraftBlock(root, depth, taps, self.model.mask_token_id, weight, self._lm_head)
         return self._fused.draft_block(block, self._context, cos, sin)
 

@@ -63,6 +63,11 @@ class RoundPlanner(Protocol):
         """One node budget per sequence, in order (when :meth:`plain_stands` said no)."""
         ...
 
+    def plain_settled(self) -> bool:
+        """Whether plans have given no sequence a tree for long: the drafter is then unlikely to draft
+        soon, and a round without one need not tap the target's states for it."""
+        ...
+
     def copy_lengths(self, budgets: Sequence[int], copies: Sequence[Sequence[float] | None]) -> list[int]:
         """After :meth:`plan`, for the round it planned: how many tokens of each sequence's free
         copy (a drafter's copied continuation that costs no drafting: prompt lookup's) to verify, 0
