@@ -10,11 +10,13 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from diffdraft.budget.cost import VerifyCostCurve
 from diffdraft.budget.planner import BudgetPlanner, rounds_of
-from diffdraft.budget.round_budget import RoundBudgetPlanner, plan_budgets, plan_copies
+from diffdraft.budget.round_budget import TREE_SCALE_FLOOR, RoundBudgetPlanner, plan_budgets, plan_copies
 from diffdraft.decoding.engine import PLAIN, RoundPlan, SpeculativeEngine
+from diffdraft.drafters.base import Proposal
 from diffdraft.drafters.dart import DARTDrafter
 from diffdraft.drafters.lookup_boost import LookupBoostedDrafter
 from diffdraft.runtime.sampling import SamplingParams
@@ -365,6 +367,22 @@ def test_the_trees_extra_time_is_scaled_apart_from_the_plain_forwards():
     assert rounds.verify_seconds(np.array([2, 9, 16]), 2, 100) == pytest.approx([0.012, 0.022, 0.032])
 
 
+def test_trees_whose_forwards_read_no_dearer_than_plain_ones_are_not_taken_for_free():
+    """Short copies add less to a forward than its plain part's noise: read as costing nothing, every
+    node would pay and the plan would verify the biggest trees in every sequence."""
+    from diffdraft.budget.batch_cost import BatchCostCurve
+
+    batch = BatchCostCurve(batches=[2], sizes=[1, 8], contexts=[100], seconds=[[[0.01, 0.02]]])
+    rounds = RoundBudgetPlanner(BudgetPlanner(VerifyCostCurve([1, 64], [100], [[0.01, 0.02]])), batch)
+    stats = GenerationStats(rounds=8, tree_sizes=[0] * 4 + [1] * 4, accepted_nodes=[[]] * 8)
+    stats.verify_contexts = [100] * 8
+    stats.verify_seconds = [0.0119, 0.01195, 0.01205, 0.0121, 0.0110, 0.01105, 0.01095, 0.0111]
+    stats.verify_forwards = [(2, 2, 100)] * 4 + [(2, 4, 100)] * 4  # copies of one token: faster than plain
+    rounds.observe_generation(stats)
+    assert rounds.batch_scale(2) == pytest.approx(1.2)
+    assert rounds.tree_scale(2) == pytest.approx(TREE_SCALE_FLOOR * 1.2)
+
+
 def test_the_trees_times_outlive_a_long_plain_stretch():
     from diffdraft.budget.batch_cost import BatchCostCurve
 
@@ -496,7 +514,7 @@ def test_shared_rounds_without_a_tree_tap_nothing_once_plain_settled_in_and_chan
     )
     stats = [GenerationStats() for _ in requests]
     assert batched(engine, requests, sampling, 3, stats) == plain
-    untapped = [len(p) > 1 and all(plan.budget == 0 for plan in p) for p in plans]
+    untapped = [len(p) > 1 and all(plan.budget == 0 and plan.copy is None for plan in p) for p in plans]
     assert tapped == [[] if skip else engine.layer_ids for skip in untapped]
     assert 0 < sum(untapped) < len(untapped)
     first = untapped.index(True)
@@ -526,6 +544,8 @@ def test_only_a_round_planner_with_a_drafter_that_tolerates_gaps_may_skip_taps()
     assert settled.round_layer_ids([PLAIN]) == settled.layer_ids  # alone, a sequence keeps its taps
     assert settled.round_layer_ids([PLAIN, RoundPlan(3)]) == settled.layer_ids
     assert settled.round_layer_ids([PLAIN, RoundPlan()]) == settled.layer_ids  # the builder's own size
+    copy = RoundPlan(0, Proposal(tokens=torch.tensor([3, 4])))
+    assert settled.round_layer_ids([PLAIN, copy]) == settled.layer_ids  # timed with the trees' forwards
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

@@ -42,6 +42,11 @@ COMMIT_STAGES = ("accept", "commit")
 """What every sequence pays per round outside the shared forward."""
 NO_DRAFT = [1.0]
 """The expected acceptance of a sequence that cannot draft (one object, so plans can be reused)."""
+TREE_SCALE_FLOOR = 0.5
+"""The least :meth:`RoundBudgetPlanner.tree_scale` reads, as a share of the plain forwards' scale:
+forwards whose trees add little (short copies) measure their extra under the noise of their plain
+part, and read as 0 the plan took trees for free (255-node trees for a whole batch, rounds of
+0.2-0.5 s instead of ~6 ms; figures: benchmarks/README.md, 'Measurements behind the code')."""
 
 
 def plan_budgets(
@@ -400,7 +405,8 @@ class RoundBudgetPlanner:
     def tree_scale(self, sequences: int) -> float:
         """What finished forwards shared by ``sequences`` sequences with trees took past their plain
         part (:meth:`batch_scale` of the curve's), summed, over what the curve puts there, summed (of
-        any number of sequences while too few of that one finished; the plain scale before that).
+        any number of sequences while too few of that one finished; the plain scale before that), at
+        least :data:`TREE_SCALE_FLOOR` of the plain scale.
         A machine's forward does not grow with the tokens as it did when the curve was measured:
         scaled as a whole to fit the plain forwards, which most are under load, the curve put a
         tree's extra well under what it took, and the plan drafted where it did not pay (figures:
@@ -411,7 +417,8 @@ class RoundBudgetPlanner:
             if len(kept) >= MIN_TIMED_ROUNDS and extra > 0:
                 scales = {n: self.batch_scale(n) for n in {f.sequences for f in kept}}
                 plain = sum(scales[f.sequences] * f.plain for f in kept)
-                return max(0.0, (sum(f.seconds for f in kept) - plain) / extra)
+                floor = TREE_SCALE_FLOOR * self.batch_scale(sequences)
+                return max(floor, (sum(f.seconds for f in kept) - plain) / extra)
         return self.batch_scale(sequences)
 
     def plain_stands(self, sequences: int) -> bool:

@@ -107,15 +107,16 @@ class SpeculativeEngine:
         ]
 
     def round_layer_ids(self, plans: Sequence[RoundPlan]) -> list[int]:
-        """The target layers a round's forward taps for the drafter: none in a shared round that gives
-        nobody a drafter's tree once plain decoding settled in (:meth:`RoundPlanner.plain_settled`),
+        """The target layers a round's forward taps for the drafter: none in a shared round of plain
+        plans (no tree, no copy) once plain decoding settled in (:meth:`RoundPlanner.plain_settled`),
         where the drafter drafts across the gap. Under load most rounds are such, and a server that
         tapped none of them served 3-4% more tokens a second at 6-8 clients (figures:
-        benchmarks/README.md, smollm2-135m-batching-zen5)."""
+        benchmarks/README.md, smollm2-135m-batching-zen5). A copy's round taps: the planner times
+        it with the trees' forwards, which tap, and untapped copies made trees look free."""
         if (
             self.untapped_plain
             and len(plans) > 1
-            and all(plan.budget == 0 for plan in plans)
+            and all(plan.budget == 0 and plan.copy is None for plan in plans)
             and self.planner.plain_settled()
         ):
             return []
