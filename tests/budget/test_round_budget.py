@@ -530,13 +530,9 @@ def test_only_a_round_planner_with_a_drafter_that_tolerates_gaps_may_skip_taps()
     assert SpeculativeEngine(wrapped, boosted, FixedPlan([0])).untapped_plain
     assert SpeculativeEngine(wrapped, boosted.drafter, FixedPlan([0])).untapped_plain
     assert not SpeculativeEngine(wrapped, boosted, DDTreeBuilder(4)).untapped_plain  # nothing plans rounds
-    assert not SpeculativeEngine(
-        wrapped, dart, FixedPlan([0])
-    ).untapped_plain  # its prefix rows are contiguous
-    assert not SpeculativeEngine(wrapped, LookupBoostedDrafter(dart), FixedPlan([0])).untapped_plain
-    assert not SpeculativeEngine(
-        wrapped, boosted.lookup, FixedPlan([0])
-    ).untapped_plain  # taps nothing anyway
+    # DART's prefix rows must be contiguous; prompt lookup taps nothing anyway
+    for drafter in (dart, LookupBoostedDrafter(dart), boosted.lookup):
+        assert not SpeculativeEngine(wrapped, drafter, FixedPlan([0])).untapped_plain
     unsettled = SpeculativeEngine(wrapped, boosted, FixedPlan([0], settled=False))
     assert unsettled.round_layer_ids([PLAIN, PLAIN]) == unsettled.layer_ids
     settled = SpeculativeEngine(wrapped, boosted, FixedPlan([0], settled=True))
