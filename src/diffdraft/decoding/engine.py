@@ -23,8 +23,8 @@ from diffdraft.drafters.base import (
     CopyingDrafter,
     CopyOffer,
     Drafter,
-    GapTolerantDrafter,
     Proposal,
+    drafts_across_gaps,
     propose_together,
 )
 from diffdraft.kernels.quantized.row_argmax import greedy_rows
@@ -55,10 +55,7 @@ class SpeculativeEngine:
         self.layer_ids = list(drafter.target_layer_ids) if drafter is not None else []
         target.check_layer_ids(self.layer_ids)
         self.untapped_plain = (
-            self.planner is not None
-            and bool(self.layer_ids)
-            and isinstance(drafter, GapTolerantDrafter)
-            and drafter.tolerates_gaps()
+            self.planner is not None and bool(self.layer_ids) and drafts_across_gaps(drafter)
         )
         """Whether settled plain shared rounds skip the drafter's taps (:meth:`round_layer_ids`)."""
         if drafter is not None:

@@ -248,6 +248,11 @@ class GapTolerantDrafter(Protocol):
         ...
 
 
+def drafts_across_gaps(drafter: Drafter | None) -> bool:
+    """Whether ``drafter`` is a :class:`GapTolerantDrafter` that says it tolerates gaps."""
+    return isinstance(drafter, GapTolerantDrafter) and drafter.tolerates_gaps()
+
+
 def propose_together(
     drafters: Sequence[Drafter], token_ids: Sequence[torch.Tensor], depths: Sequence[int]
 ) -> list[Proposal]:

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from diffdraft.drafters.base import CopyOffer, Drafter, GapTolerantDrafter, Proposal, propose_together
+from diffdraft.drafters.base import CopyOffer, Drafter, Proposal, drafts_across_gaps, propose_together
 from diffdraft.drafters.prompt_lookup import PromptLookupDrafter
 
 COPY_DEPTH = 10
@@ -83,7 +83,7 @@ class LookupBoostedDrafter:
 
     def tolerates_gaps(self) -> bool:
         """The inner drafter's answer (prompt lookup reads the tokens, never the target's states)."""
-        return isinstance(self.drafter, GapTolerantDrafter) and self.drafter.tolerates_gaps()
+        return drafts_across_gaps(self.drafter)
 
     def propose(self, token_ids: torch.Tensor, depth: int) -> Proposal:
         inner = self.drafter.propose(token_ids, min(depth, self.drafter.max_depth))
