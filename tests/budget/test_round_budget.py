@@ -719,3 +719,25 @@ def test_a_lone_sequence_plans_with_the_stage_costs_of_sequences_that_ran_alone(
     assert rounds.draft_seconds(alone=False) == pytest.approx(0.05)
     lone = GenerationStats(surrogates=[[1.0 + 0.3 * b for b in range(20)]])
     assert rounds.plan([RoundSequence(lone, 100, can_draft=True)]) != [0]
+
+
+def test_a_few_sequences_that_ran_through_a_stall_do_not_move_the_stage_costs():
+    """A stall of the machine slows every stage of the sequences running through it: by the mean, a
+    handful of them read drafting several times dearer for a window of requests, and a lone
+    sequence stopped drafting where it paid."""
+    rounds = RoundBudgetPlanner(BudgetPlanner(VerifyCostCurve([1, 64], [100], [[0.01, 0.02]])))
+
+    def finished(draft: float) -> GenerationStats:
+        stats = GenerationStats(rounds=2, tree_sizes=[3, 3], accepted_nodes=[[], []])
+        stats.verify_contexts, stats.verify_seconds = [100] * 2, [0.01] * 2
+        stats.verify_forwards = [(1, 4, 100)] * 2
+        stats.timings.update(draft=2 * draft, tree=0.0, mask=0.0, accept=0.0, commit=2 * draft / 10)
+        return stats
+
+    for draft in [0.002] * 7 + [0.05] * 3:
+        rounds.observe_generation(finished(draft))
+    assert rounds.draft_seconds(alone=True) == pytest.approx(0.002)
+    assert rounds.commit_seconds(alone=True) == pytest.approx(0.0002)
+    for _ in range(4):  # half the window now: the middle of the two middle ones
+        rounds.observe_generation(finished(0.05))
+    assert rounds.draft_seconds(alone=True) == pytest.approx((0.002 + 0.05) / 2)

@@ -3,7 +3,7 @@
 # ddtree+pld:auto), each warmed up, then for every client count 1-8 and each of PASSES passes the
 # three are loaded one after another, so drift of this shared machine hits every method alike, the
 # one to go first rotating from pass to pass (no method always runs right after another's load).
-# Writes <method>-c<clients>-p<pass>.json to $OUT (default: here); summarize with summary.py $OUT.
+# CLIENTS picks the client counts (default: 1-8). Writes <method>-c<clients>-p<pass>.json to $OUT (default: here); summarize with summary.py $OUT.
 # PER_CLIENT requests a client a load (default 18): loads of 2-3 s (8 a client) swung +-15% on a
 # shared 2-core machine, so more passes of shorter loads measured worse than fewer long ones.
 set -euo pipefail
@@ -12,6 +12,7 @@ mkdir -p "$OUT"
 cd "$OUT"
 PASSES=${PASSES:-2}
 PER_CLIENT=${PER_CLIENT:-18}
+CLIENTS=${CLIENTS:-1 2 3 4 5 6 7 8}  # the client counts to load, in order
 declare -A PORT=([ar]=8013 [ddtree-auto]=8014 [ddtree+pld-auto]=8015)
 declare -A ARGS=([ar]="--method ar" [ddtree-auto]="--method ddtree --budget auto"
                  [ddtree+pld-auto]="--method ddtree+pld --budget auto")
@@ -33,7 +34,7 @@ load() {  # method clients requests json
 for m in ar ddtree-auto ddtree+pld-auto; do load "$m" 8 32 /dev/null; done  # warm-up, not kept
 methods=(ar ddtree-auto ddtree+pld-auto)
 first=0
-for c in 1 2 3 4 5 6 7 8; do
+for c in $CLIENTS; do
   for p in $(seq 1 "$PASSES"); do
     for k in 0 1 2; do
       m=${methods[$(((first + k) % 3))]}

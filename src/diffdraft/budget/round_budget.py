@@ -327,17 +327,17 @@ class RoundBudgetPlanner:
         """Seconds one drafting sequence adds to a round of one sequence (``alone``) or of several,
         as the finished sequences that ran so measured it (those that ran the other way stand in
         before any did; 0 before any sequence finished)."""
-        return _mean_of(self._draft_seconds, alone)
+        return _median_of(self._draft_seconds, alone)
 
     def copy_seconds(self, alone: bool = True) -> float:
         """Seconds a free copy adds to a round besides its tokens' share of the forward (as
         :meth:`draft_seconds`; 0 before any copy was measured, so copies get tried)."""
-        return _mean_of(self._copy_seconds, alone)
+        return _median_of(self._copy_seconds, alone)
 
     def commit_seconds(self, alone: bool = True) -> float:
         """Seconds each sequence adds to a round outside the forward and drafting (as
         :meth:`draft_seconds`)."""
-        return _mean_of(self._commit_seconds, alone)
+        return _median_of(self._commit_seconds, alone)
 
     def observe_generation(self, stats: GenerationStats) -> None:
         """Learn a finished sequence's stage times and its shared forwards' times."""
@@ -583,8 +583,13 @@ def _identical(these: Sequence, those: Sequence) -> bool:
     return len(these) == len(those) and all(a is b for a, b in zip(these, those, strict=True))
 
 
-def _mean_of(seconds: dict[bool, deque[float]], alone: bool) -> float:
-    """The mean of ``seconds[alone]``, else of the other record, else 0 (in Python: asked several
-    times a round, and numpy's mean of a deque costs ten times as much)."""
-    record = seconds[alone] or seconds[not alone]
-    return sum(record) / len(record) if record else 0.0
+def _median_of(seconds: dict[bool, deque[float]], alone: bool) -> float:
+    """The median of ``seconds[alone]``, else of the other record, else 0. Not the mean: a few
+    sequences that ran through a stall of the machine would move it for as long as they stay in the
+    window (``window`` sequences: a minute of lone requests), and a lone sequence that read drafting
+    4x dearer so drafted far less (tau 1.33 against 2.05; figures: benchmarks/README.md,
+    'Measurements behind the code'). In Python: asked every round that offers a copy, and numpy's
+    median of a deque costs ten times as much."""
+    record = sorted(seconds[alone] or seconds[not alone])
+    middle = len(record) // 2
+    return (record[middle] + record[~middle]) / 2 if record else 0.0
