@@ -724,7 +724,7 @@ def test_a_lone_sequence_plans_with_the_stage_costs_of_sequences_that_ran_alone(
 def test_a_few_sequences_that_ran_through_a_stall_do_not_move_the_stage_costs():
     """A stall of the machine slows every stage of the sequences running through it: by the mean, a
     handful of them read drafting several times dearer for a window of requests, and a lone
-    sequence stopped drafting where it paid."""
+    sequence drafted far less where drafting paid."""
     rounds = RoundBudgetPlanner(BudgetPlanner(VerifyCostCurve([1, 64], [100], [[0.01, 0.02]])))
 
     def finished(draft: float) -> GenerationStats:
