@@ -697,21 +697,19 @@ def test_a_sequence_that_drafted_once_teaches_no_drafting_cost():
     assert rounds.draft_seconds(alone=True) == rounds.draft_seconds(alone=False) == 0.0
 
 
+def finished(forwards: tuple[int, int, int], draft: float, commit: float = 0.0) -> GenerationStats:
+    """A finished sequence of two drafting rounds of the ``forwards`` shape, each taking ``draft``
+    seconds to draft and ``commit`` to commit."""
+    stats = GenerationStats(rounds=2, tree_sizes=[3, 3], accepted_nodes=[[], []])
+    stats.verify_contexts, stats.verify_seconds, stats.verify_forwards = [100] * 2, [0.01] * 2, [forwards] * 2
+    stats.timings.update(draft=2 * draft, tree=0.0, mask=0.0, accept=0.0, commit=2 * commit)
+    return stats
+
+
 def test_a_lone_sequence_plans_with_the_stage_costs_of_sequences_that_ran_alone():
     """Drafting in a batch costs a sequence another time than drafting alone: a lone sequence after a
     busy spell must not plan with the batch's times (it stopped drafting when it did)."""
     rounds = RoundBudgetPlanner(BudgetPlanner(VerifyCostCurve([1, 64], [100], [[0.01, 0.02]])))
-
-    def finished(forwards: tuple[int, int, int], draft: float) -> GenerationStats:
-        stats = GenerationStats(rounds=2, tree_sizes=[3, 3], accepted_nodes=[[], []])
-        stats.verify_contexts, stats.verify_seconds, stats.verify_forwards = (
-            [100] * 2,
-            [0.01] * 2,
-            [forwards] * 2,
-        )
-        stats.timings.update(draft=2 * draft, tree=0.0, mask=0.0, accept=0.0, commit=0.0)
-        return stats
-
     rounds.observe_generation(finished((8, 32, 100), draft=0.05))
     assert rounds.draft_seconds(alone=True) == rounds.draft_seconds(alone=False) == pytest.approx(0.05)
     rounds.observe_generation(finished((1, 4, 100), draft=0.002))
@@ -726,18 +724,10 @@ def test_a_few_sequences_that_ran_through_a_stall_do_not_move_the_stage_costs():
     handful of them read drafting several times dearer for a window of requests, and a lone
     sequence drafted far less where drafting paid."""
     rounds = RoundBudgetPlanner(BudgetPlanner(VerifyCostCurve([1, 64], [100], [[0.01, 0.02]])))
-
-    def finished(draft: float) -> GenerationStats:
-        stats = GenerationStats(rounds=2, tree_sizes=[3, 3], accepted_nodes=[[], []])
-        stats.verify_contexts, stats.verify_seconds = [100] * 2, [0.01] * 2
-        stats.verify_forwards = [(1, 4, 100)] * 2
-        stats.timings.update(draft=2 * draft, tree=0.0, mask=0.0, accept=0.0, commit=2 * draft / 10)
-        return stats
-
     for draft in [0.002] * 7 + [0.05] * 3:
-        rounds.observe_generation(finished(draft))
+        rounds.observe_generation(finished((1, 4, 100), draft, commit=draft / 10))
     assert rounds.draft_seconds(alone=True) == pytest.approx(0.002)
     assert rounds.commit_seconds(alone=True) == pytest.approx(0.0002)
     for _ in range(4):  # half the window now: the middle of the two middle ones
-        rounds.observe_generation(finished(0.05))
+        rounds.observe_generation(finished((1, 4, 100), 0.05, commit=0.005))
     assert rounds.draft_seconds(alone=True) == pytest.approx((0.002 + 0.05) / 2)
