@@ -21,3 +21,12 @@ def test_a_shared_stage_is_split_evenly_and_named_in_a_profile():
         torch.ones(4).sum()
     assert "diffdraft.verify" in {event.name for event in profile.events()}
     assert all(s.timings["verify"] > 0 for s in together)
+
+
+def test_the_surrogate_gains_are_the_mean_of_what_each_surrogate_adds_per_rank_as_they_come():
+    stats = GenerationStats(surrogates=[[1.0, 1.5, 1.75]])
+    assert stats.surrogate_gains() == [0.5, 0.25]
+    stats.surrogates.append([1.0, 1.25, 1.5, 1.625, 1.75])  # a longer tree: the first adds nothing past 2
+    assert stats.surrogate_gains() == [0.375, 0.25, 0.0625, 0.0625]
+    stats.surrogates = [[1.0, 2.0]]  # replaced, not appended to: summed anew
+    assert stats.surrogate_gains() == [1.0]

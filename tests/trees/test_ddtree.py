@@ -82,6 +82,20 @@ def test_ddtree_is_the_top_budget_prefixes(draft: tuple[torch.Tensor, int]) -> N
 
 
 @settings(max_examples=100, deadline=None)
+@given(drafts())
+def test_ranked_gives_the_tree_and_each_nodes_prefix_score_in_order(draft: tuple[torch.Tensor, int]) -> None:
+    log_probs, budget = draft
+    tree_round = TreeRound(7, Proposal(log_probs=log_probs), GREEDY, None)
+    tree, scores = DDTreeBuilder(budget).ranked(tree_round)
+    built = DDTreeBuilder(budget).build(tree_round)
+    assert torch.equal(tree.tokens, built.tokens) and torch.equal(tree.parents, built.parents)
+    table = log_probs.tolist()
+    assert scores[0] == 0.0
+    assert scores[1:] == pytest.approx([score(p, table) for p in prefixes(tree)], abs=1e-5)
+    assert scores[1:] == sorted(scores[1:], reverse=True)
+
+
+@settings(max_examples=100, deadline=None)
 @given(drafts(), st.integers(0, 100))
 def test_mask_and_positions_match_parent_walk(draft: tuple[torch.Tensor, int], start: int) -> None:
     log_probs, budget = draft

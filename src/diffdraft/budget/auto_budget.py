@@ -82,8 +82,8 @@ class AutoBudgetBuilder:
         if horizon is None or not proposal.has_distributions:
             tree = DDTreeBuilder(budget).build(tree_round)
         else:
-            largest = DDTreeBuilder(horizon).build(tree_round)
-            stats.surrogates.append(surrogate_acceptance(largest, proposal))
+            largest, prefix_log_probs = DDTreeBuilder(horizon).ranked(tree_round)
+            stats.surrogates.append(surrogate_acceptance(prefix_log_probs))
             if built // self.refresh % 2 == 0:
                 verified = min(horizon, budget + max(1, round(self.explore_up * budget)))
             else:

@@ -13,34 +13,28 @@ with t the verification cost curve of :mod:`diffdraft.budget.cost`.
 
 from __future__ import annotations
 
+import math
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import numpy as np
-import torch
 
 from diffdraft.budget.cost import MAX_BUDGET, VerifyCostCurve
-from diffdraft.drafters.base import Proposal
 from diffdraft.runtime.stats import GenerationStats
-from diffdraft.trees import DraftTree
 
 
-def surrogate_acceptance(tree: DraftTree, proposal: Proposal) -> list[float]:
+def surrogate_acceptance(prefix_log_probs: Sequence[float]) -> list[float]:
     """Expected acceptance length (bonus included) of the first B nodes of a best-first DDTree, per B.
 
-    Entry B is ``1 + sum of the first B prefix probabilities`` under the factorized surrogate of
-    ``proposal``, the drafter's proposal the tree was built from; entry 0 is 1 (the bonus token
-    alone). Best-first order makes every prefix of the node list the optimal tree of that size.
+    ``prefix_log_probs`` are the tree's nodes' prefix log-probabilities under the factorized surrogate
+    of the drafter's proposal, root (0) first, in the tree's best-first order
+    (:meth:`~diffdraft.trees.DDTreeBuilder.ranked`): entry B is ``1 + the sum of the first B prefix
+    probabilities``, entry 0 is 1 (the bonus token alone). Best-first order makes every prefix of the
+    node list the optimal tree of that size.
     """
-    depths = tree.depths.cpu()
-    node_log_probs = proposal.scores_at((depths[1:] - 1).clamp_min(0), tree.tokens[1:]).float().cpu()
-    prefix = torch.zeros(depths.shape[0])
-    parents = tree.parents.cpu()
-    for level in range(1, int(depths.max()) + 1):
-        nodes = (depths == level).nonzero().squeeze(-1)
-        prefix[nodes] = prefix[parents[nodes]] + node_log_probs[nodes - 1]
-    return [1.0, *(1.0 + prefix[1:].exp().cumsum(0)).tolist()]
+    return list(accumulate((math.exp(score) for score in prefix_log_probs[1:]), initial=1.0))
 
 
 @dataclass
@@ -102,10 +96,10 @@ def rounds_of(stats: GenerationStats) -> list[ObservedRound]:
     return [_observed(stats, index) for index in range(len(stats.tree_sizes)) if index not in copies]
 
 
-def latest_drafted_rounds(stats: GenerationStats, count: int) -> list[ObservedRound]:
-    """The last ``count`` of :func:`rounds_of` whose drafter built a tree (budget > 0), read from the
-    end: a running sequence is asked for them every few rounds, and under load most of its rounds
-    drafted nothing."""
+def latest_drafted(stats: GenerationStats, count: int) -> list[int]:
+    """The indices of the last ``count`` rounds whose drafter built a tree (:func:`rounds_of`'s with
+    budget > 0), rising, read from the end: a running sequence is asked for them every few rounds,
+    and under load most of its rounds drafted nothing."""
     sizes = stats.drafter_sizes()
     latest = []
     for index in range(len(sizes) - 1, -1, -1):
@@ -113,7 +107,7 @@ def latest_drafted_rounds(stats: GenerationStats, count: int) -> list[ObservedRo
             break
         if sizes[index] > 0:
             latest.append(index)
-    return [_observed(stats, index) for index in reversed(latest)]
+    return latest[::-1]
 
 
 def _observed(stats: GenerationStats, index: int) -> ObservedRound:
@@ -188,9 +182,9 @@ class BudgetPlanner:
         self._timed: deque[tuple[int, float]] = deque(maxlen=timed_rounds)  # (q, measured / curve)
         self.fixed_seconds = 0.0
         """Seconds per round outside verification (see choose_budget)."""
-        self._mean_surrogate: list[float] | None = None
-        """The finished proposals' mean surrogate, until one more comes (every sequence that has not
-        drafted yet is estimated from it)."""
+        self._mean_gains: np.ndarray | None = None
+        """The finished proposals' mean gain per node rank, until one more comes (every sequence that
+        has not drafted yet is estimated from it)."""
         self._finished_gains: tuple[np.ndarray, np.ndarray, float] | None = None
         """The finished rounds' per-rank gains, counts and growth calibration, until they change
         (every running sequence's estimate reads them, so they are computed once per change)."""
@@ -204,7 +198,7 @@ class BudgetPlanner:
 
     def observe_proposal(self, surrogate: Sequence[float]) -> None:
         self._surrogates.append(self._padded(surrogate))
-        self._mean_surrogate = None
+        self._mean_gains = None
         self._finished_gains = None
 
     def _padded(self, surrogate: Sequence[float]) -> np.ndarray:
@@ -224,7 +218,7 @@ class BudgetPlanner:
         would push the few that did out of the record while adding nothing to any rank's count."""
         drafted = [r for r in rounds if r.budget > 0]
         if drafted:
-            gains = np.diff(self.surrogate()) if promised is None else np.asarray(promised, dtype=float)
+            gains = self.promised_gains() if promised is None else np.asarray(promised, dtype=float)
             ranks = np.arange(1, self.max_budget + 1)
             self._rounds.extend(drafted)
             self._promised.extend(gains * (ranks <= r.budget) for r in drafted)
@@ -240,13 +234,22 @@ class BudgetPlanner:
     def surrogate(self, sequence: GenerationStats | None = None) -> list[float]:
         """Mean surrogate acceptance per budget over ``sequence``'s own proposals when it has any,
         else over the recent finished ones (1.0 everywhere before any)."""
+        return [1.0, *(1.0 + np.cumsum(self.promised_gains(sequence))).tolist()]
+
+    def promised_gains(self, sequence: GenerationStats | None = None) -> np.ndarray:
+        """Per node rank 1..max_budget, what :meth:`surrogate` adds at it (a rank past a proposal's
+        tree adds nothing to that proposal's)."""
         if sequence is not None and sequence.surrogates:
-            return np.mean([self._padded(s) for s in sequence.surrogates], axis=0).tolist()
+            mean = sequence.surrogate_gains()[: self.max_budget]
+            gains = np.zeros(self.max_budget)
+            gains[: len(mean)] = mean
+            return gains
         if not self._surrogates:
-            return [1.0] * (self.max_budget + 1)
-        if self._mean_surrogate is None:
-            self._mean_surrogate = np.mean(np.asarray(self._surrogates), axis=0).tolist()
-        return list(self._mean_surrogate)
+            return np.zeros(self.max_budget)
+        if self._mean_gains is None:
+            self._mean_gains = np.diff(np.mean(np.asarray(self._surrogates), axis=0))
+            self._mean_gains.flags.writeable = False  # shared by every estimate until it changes
+        return self._mean_gains
 
     def cost(self) -> Callable[[float, float], float]:
         """t(q, n): the cached curve rescaled by the recent rounds' own verification times (the same
@@ -278,7 +281,7 @@ class BudgetPlanner:
     def rank_gains(self) -> tuple[np.ndarray, np.ndarray]:
         """Per node rank 1..max_budget: summed acceptance gain over the recent rounds that verified
         that rank, and how many did."""
-        return _rank_gains(self._rounds, self.max_budget)
+        return _rank_gains(((r.budget, r.accepted) for r in self._rounds), self.max_budget)
 
     def growth_calibration(self) -> float:
         """Realized / promised gain over the upper half of the ranks at least :data:`PRIOR_ROUNDS`
@@ -299,13 +302,15 @@ class BudgetPlanner:
     def expected_tau(self, sequence: GenerationStats | None = None) -> list[float]:
         """Expected acceptance length per budget 0..max_budget (see the class docstring), for the
         running ``sequence`` (its record so far) or, without one, for the recent finished rounds."""
-        gains = np.diff(self.surrogate(sequence))
+        gains = self.promised_gains(sequence)
         if self._rounds:
             observed, counts, growth = self._finished()
             gains = (observed + PRIOR_ROUNDS * gains * growth) / (counts + PRIOR_ROUNDS)
         if sequence is not None and sequence.rounds:
-            own = latest_drafted_rounds(sequence, OWN_ROUNDS)
-            observed, counts = _rank_gains(own, self.max_budget)
+            own = latest_drafted(sequence, OWN_ROUNDS)
+            observed, counts = _rank_gains(
+                ((sequence.tree_sizes[i], sequence.accepted_nodes[i]) for i in own), self.max_budget
+            )
             gains = (observed + PRIOR_ROUNDS * gains) / (counts + PRIOR_ROUNDS)
         return [1.0, *(1.0 + np.cumsum(gains)).tolist()]
 
@@ -327,16 +332,18 @@ class BudgetPlanner:
         }
 
 
-def _rank_gains(rounds: Sequence[ObservedRound], max_budget: int) -> tuple[np.ndarray, np.ndarray]:
-    """:meth:`BudgetPlanner.rank_gains` over ``rounds`` (counted round by round: a running sequence's
-    estimate reads its latest rounds every few rounds, and [rounds, max_budget] matrices cost it
-    several times more)."""
+def _rank_gains(
+    rounds: Iterable[tuple[int, Sequence[int]]], max_budget: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """:meth:`BudgetPlanner.rank_gains` over ``rounds``, each (nodes verified, accepted node indices)
+    (counted round by round: a running sequence's estimate reads its latest rounds every few rounds,
+    and [rounds, max_budget] matrices cost it several times more)."""
     gains = np.zeros(max_budget + 1)
     reached = np.zeros(max_budget + 1)  # rounds whose top verified rank is each
-    for r in rounds:
-        top = min(r.budget, max_budget)
+    for budget, accepted in rounds:
+        top = min(budget, max_budget)
         reached[top] += 1
-        for i in r.accepted:  # accepted node indices rise along the path: node r is rank r
+        for i in accepted:  # accepted node indices rise along the path: node r is rank r
             if 0 < i <= top:
                 gains[i] += 1.0
     counts = np.cumsum(reached[::-1])[::-1]  # rounds that verified rank r or more

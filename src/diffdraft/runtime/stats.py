@@ -7,6 +7,7 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 import torch
 
@@ -73,6 +74,11 @@ class GenerationStats:
     """The drafter's promised acceptance per budget on each of the auto budget's refresh rounds: the
     sequence's own prior while it runs, and what the planner learns from once it finished (a planner
     input, so not in :meth:`to_dict`)."""
+    _surrogate_sums: tuple[list[list[float]], int, list[float]] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
+    """(:attr:`surrogates` as last read, how many of them were summed, their gains per node rank summed)
+    for :meth:`surrogate_gains`; started over when the list is replaced."""
     fruitless_explorations: int = 0
     """In a batch, the explorations since this sequence last drafted of its own accord: each doubles
     the round planner's interval to its next one (a planner input, so not in :meth:`to_dict`)."""
@@ -119,6 +125,21 @@ class GenerationStats:
                 break
             sizes[index - start] = 0
         return sizes
+
+    def surrogate_gains(self) -> list[float]:
+        """Per node rank 1, 2, ... (as far as the longest of :attr:`surrogates` reaches), the mean over
+        the surrogates of what each promised that rank adds (nothing past its own tree). Summed as
+        surrogates come: the auto budget reads it every few rounds, and averaging every surrogate anew
+        each time took half of each re-estimate (156 of 318 us in situ at batch 1)."""
+        summed, count, sums = self._surrogate_sums or (self.surrogates, 0, [])
+        if summed is not self.surrogates:
+            count, sums = 0, []
+        for surrogate in self.surrogates[count:]:
+            sums.extend([0.0] * (len(surrogate) - 1 - len(sums)))
+            for rank, (before, after) in enumerate(pairwise(surrogate)):
+                sums[rank] += after - before
+        self._surrogate_sums = (self.surrogates, len(self.surrogates), sums)
+        return [total / len(self.surrogates) for total in sums]
 
     @property
     def acceptance_histogram(self) -> dict[int, int]:

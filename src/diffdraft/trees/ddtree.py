@@ -46,17 +46,23 @@ class DDTreeBuilder:
         """Reads the round's ``root_token`` and ``proposal``; ``sampling``, ``generator``, ``context``,
         ``stats`` and ``budget`` are unused: the tree is deterministic, its size fixed, and the sampling
         walk verifier keeps it lossless at any temperature."""
+        return self.ranked(tree_round)[0]
+
+    def ranked(self, tree_round: TreeRound) -> tuple[DraftTree, list[float]]:
+        """:meth:`build`'s tree with each node's prefix log-probability under the drafter (root: 0),
+        non-increasing along the nodes: the heap computed them, and the auto budget's surrogate is
+        their running sum (recomputing them from the tree took twice the tree's own time)."""
         root_token, proposal = tree_round.root_token, tree_round.proposal
         if not proposal.has_distributions:
             if proposal.tokens is not None:
                 raise InvalidRequestError(
                     "ddtree needs a drafter that gives distributions; use --method chain for prompt lookup"
                 )
-            return DraftTree.root_only(root_token)
+            return DraftTree.root_only(root_token), [0.0]
         values, ids = proposal.top(self.budget)
         depth, device = values.shape[0], values.device
         if depth == 0:
-            return DraftTree.root_only(root_token, device)
+            return DraftTree.root_only(root_token, device), [0.0]
         ranked_scores: list[list[float]] = values.float().cpu().tolist()
         ranked_tokens: list[list[int]] = ids.cpu().tolist()
         k = len(ranked_tokens[0])
@@ -81,8 +87,9 @@ class DDTreeBuilder:
                 if child > -math.inf:
                     heapq.heappush(heap, (-child, node, pos + 1, 0))
 
-        return DraftTree(
+        tree = DraftTree(
             tokens=torch.tensor(tokens, dtype=torch.long, device=device),
             parents=torch.tensor(parents, dtype=torch.long, device=device),
             depths=torch.tensor(depths, dtype=torch.long, device=device),
         )
+        return tree, scores
