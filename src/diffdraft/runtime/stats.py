@@ -130,7 +130,8 @@ class GenerationStats:
         """Per node rank 1, 2, ... (as far as the longest of :attr:`surrogates` reaches), the mean over
         the surrogates of what each promised that rank adds (nothing past its own tree). Summed as
         surrogates come: the auto budget reads it every few rounds, and averaging every surrogate anew
-        each time took half of each re-estimate (156 of 318 us in situ at batch 1)."""
+        each time took half of each re-estimate (figures: benchmarks/README.md, 'Measurements behind
+        the code')."""
         summed, count, sums = self._surrogate_sums or (self.surrogates, 0, [])
         if summed is not self.surrogates:
             count, sums = 0, []
