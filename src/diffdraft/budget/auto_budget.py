@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-import numpy as np
-
 from diffdraft.budget.batch_cost import BatchCostCurve
 from diffdraft.budget.planner import BudgetPlanner, rounds_of, surrogate_acceptance
 from diffdraft.budget.round_budget import RoundBudgetPlanner
@@ -114,6 +112,6 @@ class AutoBudgetBuilder:
         round spent outside verification."""
         for surrogate in stats.surrogates:
             self.planner.observe_proposal(surrogate)
-        promised = np.diff(self.planner.surrogate(stats))
+        promised = self.planner.promised_gains(stats)
         self.planner.observe_rounds(rounds_of(stats), fixed_seconds, promised)
         self.rounds.observe_generation(stats)
