@@ -49,11 +49,22 @@ def test_the_auto_builder_keeps_the_best_first_prefix_of_the_planned_size_and_ex
     observed, counts = builder.planner.rank_gains()
     assert counts[5] == 3 and counts[7] == 2 and counts[8] == 1
     assert observed[0] == 1 and observed[1] == 1 and observed[2:].sum() == 0
-    # another sequence's first refresh tree looks ahead from the initial budget, not from this one's
+    # another sequence's first refresh tree looks ahead from its own plan's budget, not from this one's
     other = GenerationStats()
     tree = builder.build(TreeRound(5, proposal, SamplingParams(), None, context=10, stats=other, budget=3))
     assert tree.num_nodes == 5
     assert other.budgets == [3]
+
+
+def test_a_first_tree_looks_ahead_from_the_initial_budget_until_a_finished_sequence_taught_the_planner():
+    curve = VerifyCostCurve(sizes=[1, 256], contexts=[512], seconds=[[0.01, 0.02]])
+    builder = AutoBudgetBuilder(BudgetPlanner(curve), initial_budget=32, refresh=4, lookahead=4)
+    # nothing known yet: the first surrogate reaches far past the plan, so the next plan can grow
+    assert builder.deepest(5, GenerationStats()) == 4 * 32
+    builder.planner.observe_proposal([1.0, 1.6, 1.9])
+    # once taught, the plan's budget stands in for the last one a sequence does not have yet
+    assert builder.deepest(5, GenerationStats()) == 4 * 5
+    assert builder.deepest(None, GenerationStats()) == 4 * 32  # no plan: the initial budget
 
 
 def test_without_a_plan_a_tree_keeps_the_last_budget():
