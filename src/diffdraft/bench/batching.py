@@ -2,10 +2,10 @@
 
 Each method generates every prompt with continuous batching (``generate_batch``) at each batch
 size, interleaved (batch size outermost per repeat, methods rotating), and every output is checked
-against plain AR at batch 1. A second table measures what one packed verification forward costs
-for B sequences of q tokens each: speculation pays while tau exceeds t(B, q) / t(B, 1), and a
-CPU's forward cost grows with the total tokens B·q, so the batch that AR fills with B tokens the
-trees fill B·q times over.
+against plain AR at batch 1; an auto budget is also set beside the best fixed choice at each size.
+A second table measures what one packed verification forward costs for B sequences of q tokens
+each: speculation pays while tau exceeds t(B, q) / t(B, 1), and a CPU's forward cost grows with the
+total tokens B·q, so the batch that AR fills with B tokens the trees fill B·q times over.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import matplotlib.pyplot as plt
 
 from diffdraft.bench.lossless import LosslessChecker
 from diffdraft.bench.methods import REFERENCE, OursRunner
+from diffdraft.bench.runner_api import MethodSpec
 from diffdraft.errors import InvalidRequestError
 from diffdraft.generator import GenerationRequest
 from diffdraft.target.model import TargetModel, VerifyInput
@@ -226,6 +227,7 @@ def batch_markdown(header: dict, points: Sequence[BatchPoint], cost: BatchVerify
         if method != REFERENCE:
             cells = [_paired_cell(paired_ratios(by[method, b], by[REFERENCE, b])) for b in sizes]
             lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    lines += _auto_against_fixed(by, methods, sizes)
     qs = sorted(next(iter(cost.seconds.values())))
     lines += [
         "",
@@ -241,6 +243,33 @@ def batch_markdown(header: dict, points: Sequence[BatchPoint], cost: BatchVerify
             f"| {b} | " + " | ".join(f"{1000 * row[q]:.1f} ({row[q] / row[1]:.2f})" for q in qs) + " |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _auto_against_fixed(
+    by: dict[tuple[str, int], BatchPoint], methods: list[str], sizes: list[int]
+) -> list[str]:
+    """The table of each auto budget against the best fixed choice at each batch size (``ar`` or a
+    fixed budget, whichever the median repeats put first), repeat by repeat: what a user who tried
+    every fixed choice by hand would have picked. Paired, as the table against ``ar``: the machine's
+    drift moves two methods' median repeats apart (a run read 0.95x from the medians where the
+    repeats paired at 0.99x; figures: benchmarks/README.md, smollm2-135m-batching-zen5)."""
+    autos = [m for m in methods if MethodSpec.parse(m).arg == "auto"]
+    fixed = [m for m in methods if m not in autos]
+    if not autos or len(fixed) < 2:
+        return []
+    best = {b: max(fixed, key=lambda m: by[m, b].tokens_per_second) for b in sizes}
+    lines = [
+        "",
+        "Each auto budget against the best fixed choice at the same batch size (`ar` or a fixed budget, "
+        "whichever the median repeats put first, named in brackets), repeat by repeat as above:",
+        "",
+        "| method | " + " | ".join(f"batch {b}" for b in sizes) + " |",
+        "|---|" + "---|" * len(sizes),
+    ]
+    for method in autos:
+        cells = [f"{_paired_cell(paired_ratios(by[method, b], by[best[b], b]))} ({best[b]})" for b in sizes]
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def paired_ratios(point: BatchPoint, reference: BatchPoint) -> list[float]:
