@@ -214,19 +214,18 @@ def batch_markdown(header: dict, points: Sequence[BatchPoint], cost: BatchVerify
             f"{sum(p.violations for p in checked)} unexplained"
         )
         lines.append(f"| {method} | " + " | ".join(cells) + f" | {lossless} |")
-    lines += [
-        "",
+    paired = [
+        (method, [_paired_cell(paired_ratios(by[method, b], by[REFERENCE, b])) for b in sizes])
+        for method in methods
+        if method != REFERENCE
+    ]
+    lines += _ratio_table(
         "The same ratios per repeat: a method's throughput over `ar`'s in the same repeat at the same "
         "batch size (they ran back to back), median [lowest-highest] over the repeats; the spread is "
         "what the machine's noise does to one repeat:",
-        "",
-        "| method | " + " | ".join(f"batch {b}" for b in sizes) + " |",
-        "|---|" + "---|" * len(sizes),
-    ]
-    for method in methods:
-        if method != REFERENCE:
-            cells = [_paired_cell(paired_ratios(by[method, b], by[REFERENCE, b])) for b in sizes]
-            lines.append(f"| {method} | " + " | ".join(cells) + " |")
+        sizes,
+        paired,
+    )
     lines += _auto_against_fixed(by, methods, sizes)
     qs = sorted(next(iter(cost.seconds.values())))
     lines += [
@@ -258,18 +257,28 @@ def _auto_against_fixed(
     if not autos or len(fixed) < 2:
         return []
     best = {b: max(fixed, key=lambda m: by[m, b].tokens_per_second) for b in sizes}
-    lines = [
-        "",
+    rows = [
+        (method, [f"{_paired_cell(paired_ratios(by[method, b], by[best[b], b]))} ({best[b]})" for b in sizes])
+        for method in autos
+    ]
+    return _ratio_table(
         "Each auto budget against the best fixed choice at the same batch size (`ar` or a fixed budget, "
         "whichever the median repeats put first, named in brackets), repeat by repeat as above:",
+        sizes,
+        rows,
+    )
+
+
+def _ratio_table(intro: str, sizes: list[int], rows: list[tuple[str, list[str]]]) -> list[str]:
+    """A report table: ``intro``, then one row per (method, its cell per batch size)."""
+    return [
+        "",
+        intro,
         "",
         "| method | " + " | ".join(f"batch {b}" for b in sizes) + " |",
         "|---|" + "---|" * len(sizes),
+        *(f"| {method} | " + " | ".join(cells) + " |" for method, cells in rows),
     ]
-    for method in autos:
-        cells = [f"{_paired_cell(paired_ratios(by[method, b], by[best[b], b]))} ({best[b]})" for b in sizes]
-        lines.append(f"| {method} | " + " | ".join(cells) + " |")
-    return lines
 
 
 def paired_ratios(point: BatchPoint, reference: BatchPoint) -> list[float]:
