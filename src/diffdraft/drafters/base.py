@@ -86,17 +86,6 @@ class Proposal:
         rows = self.log_probs
         return rows, torch.tensor(list(token_ids), device=rows.device)
 
-    def scores_at(self, depths: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        """The log-probabilities of ``token_ids`` [n] at the depths indexed by ``depths`` [n] (row d:
-        depth d + 1), read from the scored columns where they hold every one of those tokens."""
-        if self._log_probs is None and self._columns is not None:
-            columns = [self._column(token) for token in token_ids.tolist()]
-            if None not in columns:
-                device = self._scored.device
-                return self._scored[depths.to(device), torch.tensor(columns, device=device)]
-        rows = self.log_probs
-        return rows[depths.to(rows.device), token_ids.to(rows.device)]
-
     def extended(self, rows: int) -> Proposal:
         """This proposal with ``rows`` more depths at which every token it scores is equally likely
         (its draft vocabulary's, or without one the whole vocabulary's)."""
