@@ -8,12 +8,14 @@ import pytest
 import torch
 
 import diffdraft
+from diffdraft.bench.lossless import TIE_TOLERANCE, LosslessChecker
 from diffdraft.budget import cost
 from diffdraft.budget.auto_budget import AutoBudgetBuilder
 from diffdraft.budget.planner import BudgetPlanner, rounds_of
 from diffdraft.decoding.method_table import METHODS
 from diffdraft.drafters.checkpoint import save_draft_model
 from diffdraft.drafters.deer_model import deer_from_causal_lm
+from diffdraft.target.loading import load_target
 from diffdraft.util.fingerprint import tokenizer_fingerprint
 
 from conftest import hf_greedy, make_checkpoint, save_tiny_drafter, tiny_dart, tiny_drafter
@@ -290,8 +292,14 @@ def test_the_generator_is_reusable_across_requests(checkpoint, drafter_dir):
 
 @pytest.mark.real_model
 def test_default_target_every_method_matches_transformers_greedy(tmp_path):
+    """Token for token, but for a divergence where the top two logits tie within the rounding of the
+    default load's dtype (bfloat16 on CPUs that compute it: transformers' own cached and uncached
+    forwards then disagree too), checked in float32 as the benchmark checks it."""
     generator = diffdraft.load("default", method="pld")
     model = generator.loaded.model
+    checker = LosslessChecker(
+        lambda: load_target("default", dtype="float32", optimize=False).model, TIE_TOLERANCE[model.dtype]
+    )
     messages = [{"role": "user", "content": "Write a Python function that reverses a list."}]
     expected = None
     save_draft_model(tiny_drafter(model, layers=1, block_size=6).float(), tmp_path / "drafter")
@@ -300,7 +308,8 @@ def test_default_target_every_method_matches_transformers_greedy(tmp_path):
         result = gen.generate(messages=messages, max_new_tokens=24)
         if expected is None:
             expected = hf_greedy(model, result.prompt_token_ids, 24, eos=gen.end_token_ids)
-        assert result.token_ids == expected, method
+        divergence = checker.check(result.prompt_token_ids, expected, result.token_ids)
+        assert divergence is None or divergence.explained, (method, divergence)
 
 
 @pytest.fixture
