@@ -59,6 +59,24 @@ def test_measuring_gives_every_size_and_the_cache_is_reused_until_it_stops_match
     assert load_or_measure(target, cache_dir=tmp_path).seconds != stale["seconds"]
 
 
+def test_one_token_rounds_are_timed_deep_in_a_run_as_plain_decoding_runs_them(monkeypatch):
+    """A stand-in machine whose one-token forward takes 4 ms right after a bigger one and comes down
+    1 ms a round to 1 ms in a run: t(1) is the run's, the bigger sizes' as measured."""
+    since_bigger = [0]
+
+    def time_one(target, cache, tokens):
+        if tokens.shape[0] > 1:
+            since_bigger[0] = 0
+            return 0.01
+        since_bigger[0] += 1
+        return 0.001 * max(1, 5 - since_bigger[0])
+
+    monkeypatch.setattr(cost, "_time_one", time_one)
+    target = TargetModel(tiny_target(dtype=torch.float32, max_positions=64))
+    curve = measure_verify_cost(target, sizes=(1, 4), contexts=(8,), repeats=2)
+    assert curve.measured == [[pytest.approx(0.001), pytest.approx(0.01)]]
+
+
 @needs_block_kernel
 def test_a_block_targets_cached_curve_is_not_reused_once_the_kernel_source_changed(tmp_path, monkeypatch):
     from diffdraft.kernels.quantized import kernel_build

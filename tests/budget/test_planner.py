@@ -17,6 +17,7 @@ from diffdraft.budget.planner import (
     ObservedRound,
     choose_budget,
     latest_drafted,
+    rounds_of,
     surrogate_acceptance,
 )
 from diffdraft.drafters.base import Proposal, vocab_columns
@@ -190,6 +191,19 @@ def test_the_rounds_own_verification_times_rescale_the_cached_curve():
     # a line through the sizes' scales, weighted by rounds: one odd size does not bend the curve
     planner.observe_rounds(_rounds(4, 11, [], seconds=0.1 * curve(12, 512)), 0.0)
     assert planner.cost()(12, 512) < curve(12, 512) * 1.5
+
+
+def test_a_plain_round_is_timed_only_right_after_another_as_the_curve_times_one_token_rounds():
+    stats = GenerationStats(
+        tree_sizes=[3, 0, 0, 2, 0, 0, 0],
+        accepted_nodes=[[1], [], [], [], [], [], []],
+        verify_contexts=[10, 12, 13, 14, 15, 16, 17],
+        verify_seconds=[0.03, 0.05, 0.02, 0.03, 0.05, 0.02, 0.02],
+        verify_forwards=[(1, 4, 10), (1, 1, 12), (1, 1, 13), (1, 3, 14), (1, 1, 15), (1, 1, 16), (1, 1, 17)],
+        copy_rounds=[3],  # a free copy's round: left out, and the plain round after it untimed too
+    )
+    timed = [(r.budget, r.seconds) for r in rounds_of(stats)]
+    assert timed == [(3, 0.03), (0, 0.0), (0, 0.02), (0, 0.0), (0, 0.02), (0, 0.02)]
 
 
 def test_the_choice_never_takes_a_dip_in_a_calibrated_cost_as_a_cheaper_tree():

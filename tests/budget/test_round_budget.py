@@ -113,30 +113,32 @@ def test_a_batch_explores_about_once_per_explore_every_rounds_and_a_sequence_alo
     assert rounds.plan(pair[1:]) == [0, 1]
 
 
-def test_in_a_batch_fruitless_explorations_come_ever_rarer_until_the_sequence_drafts_of_its_own_accord():
-    rounds = losing_planner(explore_every=4)
+@pytest.mark.parametrize("sequences", [1, 2])
+def test_fruitless_explorations_come_ever_rarer_until_the_sequence_drafts_of_its_own_accord(sequences):
+    rounds = losing_planner(explore_every=4, explore_alone=8)
     rounds.plain_rounds = 0  # every round planned anew: the explorations come exactly when due
-    pair = [drafted_once(0), drafted_once(0)]
+    group = [drafted_once(0) for _ in range(sequences)]
 
     def explored_after(count: int) -> list[int]:
         """The rounds (of the first sequence) in which it drafted, over the next ``count`` rounds."""
         drafted = []
         for _ in range(count):
-            budgets = rounds.plan([RoundSequence(stats, 100, True) for stats in pair])
-            for stats, budget in zip(pair, budgets, strict=True):
+            budgets = rounds.plan([RoundSequence(stats, 100, True) for stats in group])
+            for stats, budget in zip(group, budgets, strict=True):
                 stats.tree_sizes.append(budget)
             if budgets[0]:
-                drafted.append(len(pair[0].tree_sizes) - 1)
+                drafted.append(len(group[0].tree_sizes) - 1)
         return drafted
 
-    # due after 4 x 2 plain rounds, then twice and four times as long (explore_backoff 2), and no longer
+    # due after 8 plain rounds (alone: explore_alone; a pair: explore_every x 2), then twice and four
+    # times as long (explore_backoff 2), and no longer
     assert explored_after(80) == [9, 26, 59]
-    assert pair[0].fruitless_explorations == 3
+    assert group[0].fruitless_explorations == 3
     assert explored_after(40)[:1] == [92]
-    pair[0].surrogates = [[1.0 + 20.0 * b for b in range(20)]]  # now drafting pays: it drafts freely
-    pair[0].tau_estimate = None
+    group[0].surrogates = [[1.0 + 20.0 * b for b in range(20)]]  # now drafting pays: it drafts freely
+    group[0].tau_estimate = None
     explored_after(1)
-    assert pair[0].fruitless_explorations == 0
+    assert group[0].fruitless_explorations == 0
 
 
 def test_a_new_sequence_in_a_batch_drafts_its_first_round_only_while_the_planner_knows_no_proposal():

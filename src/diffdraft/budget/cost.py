@@ -40,6 +40,8 @@ from diffdraft.util.progress import progress_bar
 DEFAULT_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 DEFAULT_CONTEXTS = (128, 256, 512, 1024)
 MAX_BUDGET = 256
+PLAIN_RUN = 32
+"""One-token rounds timed back to back at each point of t(1, n); the second half counts."""
 _GREEDY = SamplingParams()
 
 
@@ -100,6 +102,12 @@ def measure_verify_cost(
     """Median time of a verification stage per size and context, fitted nondecreasing in both.
 
     Every pass visits every (context, size) point, so drift on a shared machine hits all alike.
+    A one-token round is plain decoding, whose rounds follow one another with nothing in between,
+    so t(1, n) is timed in a run of them (:data:`PLAIN_RUN`): on a CPU whose cache holds much of the
+    target's weights, a one-token forward right after a bigger one took 1.7x what it takes deep in a
+    run (the first fifteen of a run came down step by step), a curve that said so made plain
+    decoding look dear, and the auto budget drafted at batch 1 where drafting lost 7% (figures:
+    benchmarks/README.md, 'Measurements behind the code').
     Verifying more tokens over the same cache, or the same tokens over a longer one, does not get
     cheaper, so the medians get a least-squares nondecreasing fit (pooling adjacent violators):
     on a shared CPU single medians still wander (figures: benchmarks/README.md, 'Measurements behind
@@ -119,7 +127,7 @@ def measure_verify_cost(
     with progress_bar(total=points, desc="verify cost t(q, n)", disable=not progress, leave=False) as steps:
         for repeat in range(repeats + 1):  # the first pass warms kernels up and is not kept
             for n, q in timings:
-                seconds = _time_one(target, caches[n], ids[n : n + q])
+                seconds = (_time_plain if q == 1 else _time_one)(target, caches[n], ids[n : n + q])
                 if repeat:
                     timings[n, q].append(seconds)
                 steps.update()
@@ -171,6 +179,12 @@ def _time_one(target: TargetModel, cache: DynamicCache, tokens: torch.Tensor) ->
     return seconds
 
 
+def _time_plain(target: TargetModel, cache: DynamicCache, token: torch.Tensor) -> float:
+    """Median seconds of the second half of :data:`PLAIN_RUN` one-token rounds run back to back (the
+    first half brings the weights back into the cache); the cache is left as it was."""
+    return float(np.median([_time_one(target, cache, token) for _ in range(PLAIN_RUN)][PLAIN_RUN // 2 :]))
+
+
 def synthetic_tree(tokens: torch.Tensor) -> DraftTree:
     """A tree of the given tokens shaped like a DDTree: node i hangs under node i - 16, so depth stays
     within a drafter block however many nodes there are."""
@@ -217,7 +231,7 @@ def curve_key(target: TargetModel) -> str:
         "stacked": any(isinstance(module, ProjectionSlice) for module in target.model.modules()),
         "cache": type(target.new_cache().layers[0]).__name__,
         "lean_forward": target.lean is not None,
-        "stage": "mask+forward+accept per context, fitted",  # a change must not reuse old curves
+        "stage": "mask+forward+accept per context, fitted, one token deep in a run",  # a change: new curves
     }
     digest = hashlib.sha1(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:12]
     dtype = str(target.dtype).removeprefix("torch.")

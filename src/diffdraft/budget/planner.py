@@ -91,9 +91,13 @@ class ObservedRound:
 def rounds_of(stats: GenerationStats) -> list[ObservedRound]:
     """A sequence's verified rounds as the planner learns from them: every list is one entry per
     round, recorded by the round itself, so nothing from another sequence can be mixed in. Rounds
-    that verified a free copy are left out: their nodes are no DDTree's best-first ranks."""
+    that verified a free copy are left out: their nodes are no DDTree's best-first ranks. A plain
+    round (no tree) counts as timed only right after another: the cost curve's one-token rounds
+    are timed in a run, as plain decoding runs (:func:`~diffdraft.budget.cost.measure_verify_cost`),
+    and one between drafting rounds, whose drafter pushed the target's weights out of a CPU's cache,
+    took 1.4x as long (figures: benchmarks/README.md, 'Measurements behind the code')."""
     copies = set(stats.copy_rounds)
-    return [_observed(stats, index) for index in range(len(stats.tree_sizes)) if index not in copies]
+    return [_observed(stats, index, copies) for index in range(len(stats.tree_sizes)) if index not in copies]
 
 
 def latest_drafted(stats: GenerationStats, count: int) -> list[int]:
@@ -110,13 +114,15 @@ def latest_drafted(stats: GenerationStats, count: int) -> list[int]:
     return latest[::-1]
 
 
-def _observed(stats: GenerationStats, index: int) -> ObservedRound:
+def _observed(stats: GenerationStats, index: int, copies: set[int]) -> ObservedRound:
     forward = stats.verify_forwards[index]
+    plain = stats.tree_sizes[index] == 0
+    in_run = index > 0 and stats.tree_sizes[index - 1] == 0 and index - 1 not in copies
     return ObservedRound(
         stats.tree_sizes[index],
         stats.accepted_nodes[index],
         stats.verify_contexts[index],
-        stats.verify_seconds[index],
+        stats.verify_seconds[index] if in_run or not plain else 0.0,
         None if forward[0] == 1 else tuple(forward),
     )
 

@@ -211,14 +211,15 @@ class RoundBudgetPlanner:
     when it runs alone): plain decoding teaches nothing about acceptance, and what pays changes along
     a text and as sequences join and leave, but each exploration costs a drafting sequence's time, so
     a batch explores about once per ``explore_every`` rounds whatever its size (at batch 8, every
-    sequence exploring at that interval cost the batch a visible share of its throughput). In a
-    batch each exploration after which the sequence still did not draft of its own accord doubles
-    its interval, up to ``2 ** explore_backoff`` times, and its next voluntary drafting round resets
-    it: where drafting does not pay (under load on a small CPU), the whole batch waits for each
-    forced tree and gains little from it. Alone, a drafting round costs about what it gains even
-    where drafting does not pay, and a sequence that stopped drafting on a hard stretch of text must
-    notice soon that drafting pays again (at a 32-round interval some sequences went on drafting in
-    most of their rounds; figures: benchmarks/README.md, 'Measurements behind the code').
+    sequence exploring at that interval cost the batch a visible share of its throughput). Each
+    exploration after which the sequence still did not draft of its own accord doubles its
+    interval, up to ``2 ** explore_backoff`` times, and its next voluntary drafting round resets it:
+    where drafting does not pay (under load on a small CPU, and alone on some), each forced tree
+    costs more than it gains, alone also the plain rounds after it (the drafter pushed the target's
+    weights out of the cache: exploring every 8 rounds cost a lone sequence 7% where drafting lost).
+    Alone the interval starts shorter: a sequence that stopped drafting on a hard stretch of text
+    must notice soon that drafting pays again (at a 32-round interval some sequences went on
+    drafting in few of their rounds; figures: benchmarks/README.md, 'Measurements behind the code').
 
     A sequence's acceptance estimate is refreshed after ``refresh`` drafted rounds, after any drafted
     round once it stopped drafting (an exploration is news), with each new surrogate and when a
@@ -447,8 +448,7 @@ class RoundBudgetPlanner:
         if shared and self._plain is not None:  # a plain plan stood to its end
             self._stand = min(2 * self._stand, self.plain_rounds << self.plain_backoff)
         budgets, explore = self._plan(sequences)
-        if shared:
-            _count_explorations(sequences, budgets, explore)
+        _count_explorations(sequences, budgets, explore)
         if any(budgets):
             self._stand = self.plain_rounds
         self._settle(shared and not any(budgets))  # alone, a sequence must notice soon
@@ -544,11 +544,8 @@ class RoundBudgetPlanner:
     def _must_explore(self, stats: GenerationStats, sequences: int) -> bool:
         if not stats.surrogates:
             return sequences == 1 or not self.planner.has_proposals
-        if sequences == 1:
-            interval = self.explore_alone
-        else:
-            backoff = min(stats.fruitless_explorations, self.explore_backoff)
-            interval = self.explore_every * sequences << backoff
+        interval = self.explore_alone if sequences == 1 else self.explore_every * sequences
+        interval <<= min(stats.fruitless_explorations, self.explore_backoff)
         rounds = len(stats.tree_sizes)
         return rounds >= interval and not any(stats.drafter_sizes(rounds - interval))
 
@@ -567,8 +564,8 @@ class TimedForward:
 
 
 def _count_explorations(sequences: Sequence[RoundSequence], budgets: list[int], explore: list[bool]) -> None:
-    """Count a batch round's explorations in each sequence's stats; a drafting round the plan chose
-    freely clears the count."""
+    """Count a round's explorations in each sequence's stats; a drafting round the plan chose freely
+    clears the count."""
     for sequence, budget, forced in zip(sequences, budgets, explore, strict=True):
         if budget > 0:
             sequence.stats.fruitless_explorations = sequence.stats.fruitless_explorations + 1 if forced else 0
