@@ -218,8 +218,8 @@ class RoundBudgetPlanner:
     costs more than it gains, alone also the plain rounds after it (the drafter pushed the target's
     weights out of the cache: exploring every 8 rounds cost a lone sequence 7% where drafting lost).
     Alone the interval starts shorter: a sequence that stopped drafting on a hard stretch of text
-    must notice soon that drafting pays again (at a 32-round interval some sequences went on
-    drafting in few of their rounds; figures: benchmarks/README.md, 'Measurements behind the code').
+    must notice soon that drafting pays again (figures for both: benchmarks/README.md, 'Measurements
+    behind the code').
 
     A sequence's acceptance estimate is refreshed after ``refresh`` drafted rounds, after any drafted
     round once it stopped drafting (an exploration is news), with each new surrogate and when a
