@@ -622,15 +622,56 @@ def test_a_round_where_not_even_the_copy_ceiling_pays_looks_for_no_copy(monkeypa
     from diffdraft.drafters.lookup_boost import LookupBoostedDrafter
 
     target, drafter, requests, sampling, plain = boosted_case(0.0)
-    looked = []
+    looked = []  # the sequences in the round of each lookup
+    sharing = [0]
     offer = LookupBoostedDrafter.copy_offer
-    monkeypatch.setattr(LookupBoostedDrafter, "copy_offer", lambda *a: looked.append(1) or offer(*a))
+    monkeypatch.setattr(LookupBoostedDrafter, "copy_offer", lambda *a: looked.append(sharing[0]) or offer(*a))
+    plan = SpeculativeEngine.plan
+
+    def counted(engine, sequences):
+        sharing[0] = len(sequences)
+        return plan(engine, sequences)
+
+    monkeypatch.setattr(SpeculativeEngine, "plan", counted)
     never = SpeculativeEngine(TargetModel(target), drafter, FixedPlan([0], copies=False))
     assert batched(never, requests, sampling, 3) == plain
-    assert not looked
+    assert not [n for n in looked if n > 1]  # (a sequence left alone looks: see the next test)
     copying = SpeculativeEngine(TargetModel(target), drafter, FixedPlan([0], copies=True))
     assert batched(copying, requests, sampling, 3) == plain
-    assert looked
+    assert [n for n in looked if n > 1]
+
+
+class CountingPlan(FixedPlan):
+    """:class:`FixedPlan` that keeps every copy curve it was asked about, by round."""
+
+    def __init__(self, copies: bool) -> None:
+        super().__init__([0], copies=copies)
+        self.asked: list[list] = []
+
+    def copy_lengths(self, budgets, copies) -> list[int]:
+        self.asked.append(list(copies))
+        return super().copy_lengths(budgets, copies)
+
+
+@pytest.mark.parametrize("copies", [False, True])
+def test_a_sequence_alone_goes_straight_to_its_copy_offer_without_asking_the_ceiling(monkeypatch, copies):
+    """Alone, the ceiling would cost as much as the lookup it spares and pays in most rounds: the plan
+    asks once a round, about the offer, and takes the copies it would have taken."""
+    from diffdraft.drafters.lookup_boost import LookupBoostedDrafter
+
+    target, drafter, requests, sampling, plain = boosted_case(0.0)
+    ceilings = []
+    ceiling = LookupBoostedDrafter.copy_ceiling
+    monkeypatch.setattr(LookupBoostedDrafter, "copy_ceiling", lambda *a: ceilings.append(1) or ceiling(*a))
+    planner = CountingPlan(copies)
+    engine = SpeculativeEngine(TargetModel(target), drafter, planner)
+    stats = [GenerationStats() for _ in requests]
+    assert [alone(engine, r, sampling, s) for r, s in zip(requests, stats, strict=True)] == plain
+    assert not ceilings
+    rounds = sum(s.rounds for s in stats)
+    assert 0 < len(planner.asked) <= rounds  # at most once a round: rounds without an offer ask nothing
+    assert all(curve is not None and curve[0] == 1.0 for [curve] in planner.asked)  # the offer's
+    assert (sum(len(s.copy_rounds) for s in stats) > 0) == copies
 
 
 def test_a_copy_plan_like_the_last_is_reused(monkeypatch):

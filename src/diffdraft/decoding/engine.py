@@ -122,11 +122,20 @@ class SpeculativeEngine:
     def _copies(
         self, sequences: Sequence[SequenceRun], budgets: list[int]
     ) -> tuple[list[CopyOffer | None], list[int]]:
-        """Each sequence's offered free copy and how much of it to verify (0: none, or none pays)."""
-        ceilings = [s.copy_ceiling() if b == 0 else None for s, b in zip(sequences, budgets, strict=True)]
-        if not any(ceilings) or not any(self.planner.copy_lengths(budgets, ceilings)):
-            return [None] * len(sequences), [0] * len(sequences)  # not even the likeliest copies would pay
-        offers = [s.copy_offer() if c else None for s, c in zip(sequences, ceilings, strict=True)]
+        """Each sequence's offered free copy and how much of it to verify (0: none, or none pays).
+        In a batch, first whether even the likeliest copies would pay, which spares every sequence's
+        lookup under load; alone, straight to the lookup, as cheap as that question and the same
+        answer whenever the ceiling pays (most lone rounds)."""
+        none = [None] * len(sequences), [0] * len(sequences)
+        if len(sequences) > 1:
+            ceilings = [s.copy_ceiling() if b == 0 else None for s, b in zip(sequences, budgets, strict=True)]
+            if not any(ceilings) or not any(self.planner.copy_lengths(budgets, ceilings)):
+                return none
+            offers = [s.copy_offer() if c else None for s, c in zip(sequences, ceilings, strict=True)]
+        else:
+            offers = [sequences[0].copy_offer() if budgets[0] == 0 else None]
+            if offers[0] is None:
+                return none
         return offers, self.planner.copy_lengths(budgets, [o and o.expected for o in offers])
 
 
