@@ -347,7 +347,7 @@ def test_ddtree_auto_budget_in_a_batch_learns_from_each_finished_request_alone(a
     planner = generator.engine.builder.planner
     each = BudgetPlanner(planner.curve)
     for result in results:
-        each.observe_rounds(rounds_of(result.stats), fixed_seconds=0.0)
+        each.observe_rounds(rounds_of(result.stats))
     for learned, expected in zip(planner.rank_gains(), each.rank_gains(), strict=True):
         assert learned.tolist() == expected.tolist()
 

@@ -321,11 +321,7 @@ class SpeculativeGenerator:
         """The last chunk of a request whose generation ended, with its result; the auto budget
         learns from what its rounds accepted and cost."""
         if self._auto_budget is not None:
-            stats = request.spec.stats
-            outside = sum(
-                seconds for stage, seconds in stats.timings.items() if stage not in ("prefill", "verify")
-            )
-            self._auto_budget.observe_generation(stats, outside / max(1, stats.rounds))
+            self._auto_budget.observe_generation(request.spec.stats)
         return request.finish()
 
     def _encode(self, prompt, messages, prompt_token_ids) -> list[int]:

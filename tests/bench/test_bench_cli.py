@@ -75,7 +75,9 @@ def test_the_bench_writes_results_report_and_plots(setup, tmp_path, capsys):
     report = (out / "report.md").read_text()
     assert "diffdraft bench --target" in report and "| ddtree:auto |" in report and "## Checks" in report
     assert "## ddtree:auto: the cost model's view" in report
-    assert results["auto_budget"]["ddtree:auto"]["budget"] >= 1
+    view = results["auto_budget"]["ddtree:auto"]  # the plan's budget is the best it shows (0: plain)
+    expected = {int(b): rate for b, rate in view["expected_tokens_per_second"].items()}
+    assert expected[view["budget"]] == max(expected.values())
     for plot in ("budget_sweep.png", "acceptance_histograms.png", "stage_times.png"):
         assert (out / plot).read_bytes()[:4] == b"\x89PNG"
     err = capsys.readouterr().err

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -41,9 +43,8 @@ def test_the_auto_builder_keeps_the_best_first_prefix_of_the_planned_size_and_ex
     assert tree.num_nodes == 6
     _verified(stats, tree.num_nodes, [2], context=304, seconds=0.01)
     assert builder.planner.rank_gains()[1].sum() == 0  # nothing learned while the sequence runs
-    builder.observe_generation(stats, fixed_seconds=0.001)
+    builder.observe_generation(stats)
     assert stats.budgets == [8, 8, 8]
-    assert builder.planner.fixed_seconds == 0.001
     assert builder.planner.surrogate() == pytest.approx(builder.planner.surrogate(stats))
     assert [r.context for r in rounds_of(stats)] == [300, 302, 304]
     observed, counts = builder.planner.rank_gains()
@@ -101,3 +102,55 @@ def test_the_drafter_is_asked_for_as_deep_as_the_rounds_tree_reaches():
     assert (
         builder.deepest(None, GenerationStats()) == 4 * 4
     )  # a first tree refreshes: initial budget 3, at least 4
+
+
+def saturating_tau(max_budget: int, scale: float = 16.0) -> list[float]:
+    return [1.0 + 3.0 * (1.0 - math.exp(-b / scale)) for b in range(max_budget + 1)]
+
+
+def promising(curve: VerifyCostCurve, draft: float = 0.0, commit: float = 0.0) -> AutoBudgetBuilder:
+    """An auto budget whose finished sequences promised :func:`saturating_tau` and drafted in ``draft``
+    seconds a round alone, each round committing in ``commit``."""
+    builder = AutoBudgetBuilder(BudgetPlanner(curve))
+    builder.planner.observe_proposal(saturating_tau(255))
+    builder.rounds._draft_seconds[True].append(draft)
+    builder.rounds._commit_seconds[True].append(commit)
+    return builder
+
+
+def test_the_report_shows_the_lone_plan_a_flat_then_steep_curve_filled_to_its_last_flat_budget():
+    # verifying up to 33 tokens costs the same; 34 costs double: with acceptance still growing, B = 32 wins
+    curve = VerifyCostCurve(sizes=[1, 33, 34, 256], contexts=[512], seconds=[[0.01, 0.01, 0.02, 1.0]])
+    view = promising(curve).describe(512)
+    assert view["budget"] == 32
+    assert view["expected_tokens_per_second"][32] == pytest.approx(saturating_tau(255)[32] / 0.01)
+
+
+def test_the_reported_budget_is_the_brute_force_optimum_costed_as_the_round_planner_costs_it():
+    """A drafting round pays the drafter's time and every round its commit, plain decoding (budget 0)
+    included: the report's view is the lone plan's, not one per-round cost for every budget."""
+    sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    curve = VerifyCostCurve(sizes=sizes, contexts=[512], seconds=[[0.02 * (1 + q / 48) for q in sizes]])
+    tau = saturating_tau(255)
+
+    def rate(b: int, draft: float, commit: float) -> float:
+        return tau[b] / (curve(b + 1, 512) + draft * (b > 0) + commit)
+
+    for draft, commit in ((0.0, 0.0), (0.002, 0.001), (0.2, 0.001)):
+        view = promising(curve, draft, commit).describe(512)
+        best = max(range(256), key=lambda b: rate(b, draft, commit))
+        assert view["budget"] == best
+        assert view["expected_tokens_per_second"][best] == pytest.approx(rate(best, draft, commit))
+        assert view["expected_tokens_per_second"][0] == pytest.approx(1.0 / (curve(1, 512) + commit))
+    # a slow drafter makes each drafting round worth filling; one slower still, not worth drafting
+    assert promising(curve, 0.02).describe(512)["budget"] > promising(curve).describe(512)["budget"]
+    assert promising(curve, 10.0).describe(512)["budget"] == 0
+
+
+def test_the_reported_budget_shrinks_where_long_contexts_make_big_trees_expensive():
+    # at 128 cached tokens 64 nodes cost what one does; at 1024 every node costs more
+    short, long = [0.01, 0.01, 0.04], [0.01, 0.03, 0.1]
+    curve = VerifyCostCurve(sizes=[1, 65, 256], contexts=[128, 1024], seconds=[short, long])
+    builder = promising(curve)
+    assert builder.describe(128)["budget"] == 64
+    assert 0 < builder.describe(1024)["budget"] < 64

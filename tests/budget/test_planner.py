@@ -1,8 +1,6 @@
-"""The planner: budget choice on synthetic cost curves, the DDTree surrogate, what observed rounds teach."""
+"""The planner: the DDTree surrogate, what observed rounds teach (acceptance and the cost curve's scale)."""
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 import pytest
@@ -15,7 +13,6 @@ from diffdraft.budget.planner import (
     PRIOR_ROUNDS,
     BudgetPlanner,
     ObservedRound,
-    choose_budget,
     latest_drafted,
     rounds_of,
     surrogate_acceptance,
@@ -24,39 +21,6 @@ from diffdraft.drafters.base import Proposal, vocab_columns
 from diffdraft.runtime.sampling import SamplingParams
 from diffdraft.runtime.stats import GenerationStats
 from diffdraft.trees import DDTreeBuilder, TreeRound
-
-
-def saturating_tau(max_budget: int, scale: float = 16.0) -> list[float]:
-    return [1.0 + 3.0 * (1.0 - math.exp(-b / scale)) for b in range(max_budget + 1)]
-
-
-def test_a_flat_then_steep_curve_picks_the_last_flat_budget():
-    # verifying up to 33 tokens costs the same; 34 costs double: with acceptance still growing, B = 32 wins
-    curve = VerifyCostCurve(sizes=[1, 33, 34, 256], contexts=[512], seconds=[[0.01, 0.01, 0.02, 1.0]])
-    assert choose_budget(curve, saturating_tau(255), 512).budget == 32
-
-
-def test_the_choice_is_the_brute_force_optimum_and_moves_with_the_per_round_costs():
-    sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256]
-    curve = VerifyCostCurve(sizes=sizes, contexts=[512], seconds=[[0.02 * (1 + q / 48) for q in sizes]])
-    tau = saturating_tau(255)
-    choice = choose_budget(curve, tau, 512)
-    brute = max(range(1, 256), key=lambda b: tau[b] / curve(b + 1, 512))
-    assert choice.budget == brute
-    assert choice.tokens_per_second == pytest.approx(tau[brute] / curve(brute + 1, 512))
-    # a big fixed cost per round (a slow drafter) makes each round worth filling: the budget grows
-    assert choose_budget(curve, tau, 512, fixed_seconds=0.2).budget > choice.budget
-
-
-def test_the_budget_shrinks_where_long_contexts_make_big_trees_expensive():
-    # at 128 cached tokens 64 nodes cost what one does; at 1024 every node costs more
-    sizes = [1, 65, 256]
-    short = [0.01, 0.01, 0.04]
-    long = [0.01, 0.03, 0.1]
-    curve = VerifyCostCurve(sizes=sizes, contexts=[128, 1024], seconds=[short, long])
-    tau = saturating_tau(255)
-    assert choose_budget(curve, tau, 128).budget == 64
-    assert choose_budget(curve, tau, 1024).budget < 64
 
 
 def test_the_surrogate_sums_the_best_prefix_probabilities():
@@ -107,7 +71,7 @@ def test_the_planner_measures_each_rank_from_the_rounds_that_verified_it():
     assert planner.max_budget == 32
     assert planner.expected_tau()[10] == pytest.approx(2.0)  # the surrogate alone before any round
     # 32 rounds at budget 10: half accepted node 3, half nothing
-    planner.observe_rounds(_rounds(16, 10, [3]) + _rounds(16, 10, []), fixed_seconds=0.0)
+    planner.observe_rounds(_rounds(16, 10, [3]) + _rounds(16, 10, []))
     tau = planner.expected_tau()
     # nodes 6..10 added nothing where the surrogate promised 0.1 each: its promise is worth nothing
     assert planner.growth_calibration() == pytest.approx(0.0)
@@ -118,9 +82,9 @@ def test_the_planner_measures_each_rank_from_the_rounds_that_verified_it():
 
 def test_rounds_that_verified_no_tree_push_no_drafted_round_out_of_the_record():
     planner = _linear_surrogate_planner()
-    planner.observe_rounds(_rounds(16, 10, [3]) + _rounds(16, 10, []), fixed_seconds=0.0)
+    planner.observe_rounds(_rounds(16, 10, [3]) + _rounds(16, 10, []))
     measured = planner.expected_tau()
-    planner.observe_rounds(_rounds(300, 0, []), fixed_seconds=0.0)  # under load: plain rounds only
+    planner.observe_rounds(_rounds(300, 0, []))  # under load: plain rounds only
     assert planner.rank_gains()[1][2] == 32
     assert planner.expected_tau() == measured
 
@@ -128,15 +92,15 @@ def test_rounds_that_verified_no_tree_push_no_drafted_round_out_of_the_record():
 def test_the_surrogate_covers_unmeasured_ranks_scaled_by_the_share_the_target_confirmed():
     planner = _linear_surrogate_planner()
     # accepted nodes 3 and 8, or 2: ranks 6..10 paid 0.5 of the 0.5 the surrogate promised
-    planner.observe_rounds(_rounds(16, 10, [3, 8]) + _rounds(16, 10, [2]), fixed_seconds=0.0)
+    planner.observe_rounds(_rounds(16, 10, [3, 8]) + _rounds(16, 10, [2]))
     assert planner.growth_calibration() == pytest.approx(1.0)
     tau = planner.expected_tau()
     assert tau[20] - tau[10] == pytest.approx(10 * 0.1)  # no round verified 11..20: the surrogate
     # a share above 1 (long copies inside the tree) is not stretched onto unmeasured ranks
-    planner.observe_rounds(_rounds(64, 10, [3, 7, 8, 9]), fixed_seconds=0.0)
+    planner.observe_rounds(_rounds(64, 10, [3, 7, 8, 9]))
     assert planner.growth_calibration() == 1.0
     # rounds that verified 15 nodes measure ranks 11..15 and outweigh the promise as they add up
-    planner.observe_rounds(_rounds(48, 15, [1, 12]), fixed_seconds=0.0)
+    planner.observe_rounds(_rounds(48, 15, [1, 12]))
     tau = planner.expected_tau()
     assert tau[12] - tau[11] == pytest.approx((48 + PRIOR_ROUNDS * 0.1) / (48 + PRIOR_ROUNDS))
     assert tau[13] - tau[12] == pytest.approx(PRIOR_ROUNDS * 0.1 / (48 + PRIOR_ROUNDS))
@@ -155,7 +119,7 @@ def test_a_running_sequence_is_planned_from_its_own_surrogates_and_rounds():
     assert gains[2:10] == pytest.approx([0.15] * 8)
     assert gains[10:] == pytest.approx([0.3] * 22)  # ranks its rounds never verified: its promise
     # finished rounds measured rank 3 at 1.0: the sequence's prior for it moves there first
-    planner.observe_rounds(_rounds(3 * PRIOR_ROUNDS, 3, [1, 2, 3]), fixed_seconds=0.0)
+    planner.observe_rounds(_rounds(3 * PRIOR_ROUNDS, 3, [1, 2, 3]))
     pooled = (3 * PRIOR_ROUNDS + PRIOR_ROUNDS * 0.3) / (4 * PRIOR_ROUNDS)
     assert np.diff(planner.expected_tau(sequence))[2] == pytest.approx(pooled / 2)
 
@@ -181,15 +145,15 @@ def test_the_rounds_own_verification_times_rescale_the_cached_curve():
     curve = VerifyCostCurve(sizes=sizes, contexts=[512], seconds=[[0.02, 0.02, 0.03, 0.1]])
     planner = BudgetPlanner(curve, max_budget=32)
     planner.observe_proposal([1.0 + 0.1 * b for b in range(40)])
-    planner.observe_rounds(_rounds(MIN_TIMED_ROUNDS - 1, 15, [], seconds=0.06), fixed_seconds=0.0)
+    planner.observe_rounds(_rounds(MIN_TIMED_ROUNDS - 1, 15, [], seconds=0.06))
     assert planner.cost()(16, 512) == pytest.approx(0.03)  # too few rounds to trust yet
-    planner.observe_rounds(_rounds(1, 15, [], seconds=0.06) + _rounds(8, 7, [], seconds=0.02), 0.0)
+    planner.observe_rounds(_rounds(1, 15, [], seconds=0.06) + _rounds(8, 7, [], seconds=0.02))
     assert planner.cost_scales() == ([8, 16], [pytest.approx(1.0), pytest.approx(2.0)], [8, MIN_TIMED_ROUNDS])
     assert planner.cost()(16, 512) == pytest.approx(0.06)
     assert planner.cost()(12, 512) == pytest.approx(curve(12, 512) * 1.5)  # linear between sizes
     assert planner.cost()(32, 512) == pytest.approx(curve(32, 512) * 2.0)  # constant beyond
     # a line through the sizes' scales, weighted by rounds: one odd size does not bend the curve
-    planner.observe_rounds(_rounds(4, 11, [], seconds=0.1 * curve(12, 512)), 0.0)
+    planner.observe_rounds(_rounds(4, 11, [], seconds=0.1 * curve(12, 512)))
     assert planner.cost()(12, 512) < curve(12, 512) * 1.5
 
 
@@ -204,13 +168,6 @@ def test_a_plain_round_is_timed_only_right_after_another_as_the_curve_times_one_
     )
     timed = [(r.budget, r.seconds) for r in rounds_of(stats)]
     assert timed == [(3, 0.03), (0, 0.0), (0, 0.02), (0, 0.0), (0, 0.02), (0, 0.02)]
-
-
-def test_the_choice_never_takes_a_dip_in_a_calibrated_cost_as_a_cheaper_tree():
-    costs = {2: 0.02, 3: 0.03, 4: 0.01}  # noise: 3 nodes measured cheaper than 2
-    choice = choose_budget(lambda q, n: costs[q], [1.0, 1.5, 1.6, 1.7], 512)
-    assert choice.expected[3] == pytest.approx(1.7 / 0.03)  # costed as 2 nodes were, not less
-    assert choice.budget == 1
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -241,10 +198,10 @@ def test_the_growth_calibration_weighs_rounds_against_what_was_promised_for_them
     planner = BudgetPlanner(curve, max_budget=32, rounds=20)
     easy, hard = ([1.0 + gain * b for b in range(33)] for gain in (0.5, 0.1))
     planner.observe_proposal(easy)
-    planner.observe_rounds(_rounds(20, 10, list(range(1, 11))), 0.0, np.diff(easy))
+    planner.observe_rounds(_rounds(20, 10, list(range(1, 11))), np.diff(easy))
     planner.observe_proposal(hard)
     # 2 of 20 rounds accept all 10 nodes: 0.1 per rank, as promised (the rounds window keeps these only)
-    planner.observe_rounds(_rounds(2, 10, list(range(1, 11))) + _rounds(18, 10, []), 0.0, np.diff(hard))
+    planner.observe_rounds(_rounds(2, 10, list(range(1, 11))) + _rounds(18, 10, []), np.diff(hard))
     assert planner.surrogate()[10] == pytest.approx(4.0)  # the proposals' mean promises 0.3 per node
     assert planner.growth_calibration() == pytest.approx(1.0)
     assert np.diff(planner.expected_tau())[20] == pytest.approx(0.3)  # unmeasured: the mean promise

@@ -215,7 +215,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "elapsed_seconds": time.time() - started,
         "environment": _environment(models, busy_before),
         "auto_budget": {
-            r.spec.label: r.auto.planner.describe(_median_context(run.records, r.spec.label))
+            r.spec.label: r.auto.describe(_median_context(run.records, r.spec.label))
             for r in runners
             if getattr(r, "auto", None)
         },

@@ -177,7 +177,8 @@ def markdown(
             "rounds that verified it, weighed against the surrogate's gain times "
             f"{plan['growth_calibration']:.2f} (the share of its promise the target confirmed); "
             f"the cost curve rescaled by the rounds' own verification times ({scales}); "
-            f"{plan['fixed_ms']:.1f} ms per round outside verification.",
+            f"a lone sequence's drafting {plan['draft_ms']:.2f} ms a drafting round and commit "
+            f"{plan['commit_ms']:.2f} ms a round (budget 0: plain decoding).",
             "",
             "| budget | " + " | ".join(str(b) for b in budgets) + " |",
             "|---" * (len(budgets) + 1) + "|",

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from diffdraft.budget.batch_cost import BatchCostCurve
 from diffdraft.budget.planner import BudgetPlanner, rounds_of, surrogate_acceptance
-from diffdraft.budget.round_budget import RoundBudgetPlanner
+from diffdraft.budget.round_budget import RoundBudgetPlanner, plan_budgets, running_max
 from diffdraft.runtime.stats import GenerationStats
 from diffdraft.trees import DDTreeBuilder, DraftTree, RoundSequence, TreeRound
 
@@ -114,12 +116,36 @@ class AutoBudgetBuilder:
             return budget, None
         return budget, min(self.planner.max_budget, self.lookahead * max(previous, budget, 4))
 
-    def observe_generation(self, stats: GenerationStats, fixed_seconds: float) -> None:
+    def observe_generation(self, stats: GenerationStats) -> None:
         """Teach the planners a finished sequence's own record (its surrogates, what each round
-        accepted over which context, how long its forwards and stages took) with the mean seconds per
-        round spent outside verification."""
+        accepted over which context, how long its forwards and stages took)."""
         for surrogate in stats.surrogates:
             self.planner.observe_proposal(surrogate)
         promised = self.planner.promised_gains(stats)
-        self.planner.observe_rounds(rounds_of(stats), fixed_seconds, promised)
+        self.planner.observe_rounds(rounds_of(stats), promised)
         self.rounds.observe_generation(stats)
+
+    def describe(self, context: int) -> dict:
+        """What the auto budget expects of a lone sequence over ``context`` cached tokens, for reports:
+        its plan's budget (0: plain decoding) and, at every power-of-two budget, the expected
+        acceptance and tokens per second, each costed as the round planner costs it (a drafting round
+        pays the drafter's time, every round its commit; the finished rounds' estimate, as a sequence
+        that has not drafted yet gets)."""
+        taus = self.planner.expected_tau()
+        verify = running_max(self.planner.cost()(np.arange(len(taus) + 1), context))  # by tokens
+        draft, commit = self.rounds.draft_seconds(alone=True), self.rounds.commit_seconds(alone=True)
+        [budget] = plan_budgets([taus], verify, draft, commit, [False])
+        shown = [b for b in range(len(taus)) if b & (b - 1) == 0 or b == budget]
+        sizes, scales, _ = self.planner.cost_scales()
+        return {
+            "context": context,
+            "budget": budget,
+            "growth_calibration": self.planner.growth_calibration(),
+            "cost_scales": dict(zip(sizes, scales, strict=True)),
+            "draft_ms": 1e3 * draft,
+            "commit_ms": 1e3 * commit,
+            "expected_tau": {b: taus[b] for b in shown},
+            "expected_tokens_per_second": {
+                b: taus[b] / (verify[b + 1] + draft * (b > 0) + commit) for b in shown
+            },
+        }

@@ -3,12 +3,10 @@
 The drafter's side is the DDTree surrogate: the optimal B-node tree's expected acceptance length is
 1 + the sum of its B prefix probabilities, which the best-first order gives for every B at once.
 Drafters are rarely calibrated, so what the target accepted in recent rounds replaces the surrogate
-wherever it can (:class:`BudgetPlanner`), and the chosen budget for a round over n cached tokens
-maximizes
-
-    expected tokens per second (B) = tau(B) / (t(B + 1, n) + per-round cost outside verification)
-
-with t the verification cost curve of :mod:`diffdraft.budget.cost`.
+wherever it can (:class:`BudgetPlanner`); with t, the verification cost curve of
+:mod:`diffdraft.budget.cost` rescaled by the rounds' own times (:meth:`BudgetPlanner.cost`), the
+round planner (:mod:`diffdraft.budget.round_budget`) picks the budgets that buy the most tokens per
+second.
 """
 
 from __future__ import annotations
@@ -16,7 +14,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import accumulate
 
 import numpy as np
@@ -35,40 +33,6 @@ def surrogate_acceptance(prefix_log_probs: Sequence[float]) -> list[float]:
     node list the optimal tree of that size.
     """
     return list(accumulate((math.exp(score) for score in prefix_log_probs[1:]), initial=1.0))
-
-
-@dataclass
-class BudgetChoice:
-    budget: int
-    tokens_per_second: float
-    """Expected tokens per second at the chosen budget."""
-    expected: dict[int, float] = field(default_factory=dict)
-    """Expected tokens per second for every candidate budget."""
-
-
-def choose_budget(
-    cost: Callable[[float, float], float],
-    expected_tau: Sequence[float],
-    context: int,
-    fixed_seconds: float = 0.0,
-    budgets: Sequence[int] | None = None,
-) -> BudgetChoice:
-    """The budget B maximizing ``expected_tau[B] / (t(B + 1, context) + fixed_seconds)``.
-
-    ``cost`` is t(q, n) (a :class:`VerifyCostCurve` or the planner's calibrated one);
-    ``expected_tau[B]`` is the expected acceptance length with B drafted nodes; candidates default
-    to every B it covers. ``context`` is the number of cached tokens the round verifies over.
-    ``fixed_seconds`` is the per-round cost outside verification (drafter forward, tree build,
-    commit, loop overhead), which barely depends on the budget. Costs are taken nondecreasing in B:
-    verifying more tokens never gets cheaper, whatever noise a calibration picked up.
-    """
-    candidates = sorted(b for b in (budgets or range(1, len(expected_tau))) if b < len(expected_tau))
-    if not candidates:
-        raise ValueError("no candidate budget has an expected acceptance length")
-    seconds = np.maximum.accumulate([cost(b + 1, context) for b in candidates])
-    expected = {b: expected_tau[b] / (t + fixed_seconds) for b, t in zip(candidates, seconds, strict=True)}
-    best = max(expected, key=lambda b: (expected[b], -b))
-    return BudgetChoice(best, expected[best], expected)
 
 
 @dataclass(frozen=True)
@@ -186,8 +150,6 @@ class BudgetPlanner:
         than the rounds', it read a well-calibrated drafter as overconfident; figures:
         benchmarks/README.md, 'Measurements behind the code')."""
         self._timed: deque[tuple[int, float]] = deque(maxlen=timed_rounds)  # (q, measured / curve)
-        self.fixed_seconds = 0.0
-        """Seconds per round outside verification (see choose_budget)."""
         self._mean_gains: np.ndarray | None = None
         """The finished proposals' mean gain per node rank, until one more comes (every sequence that
         has not drafted yet is estimated from it)."""
@@ -215,13 +177,13 @@ class BudgetPlanner:
         return padded
 
     def observe_rounds(
-        self, rounds: Sequence[ObservedRound], fixed_seconds: float, promised: Sequence[float] | None = None
+        self, rounds: Sequence[ObservedRound], promised: Sequence[float] | None = None
     ) -> None:
-        """Verified rounds, the mean seconds per round spent outside verification, and the gain per
-        node rank (1..max_budget) their drafter promised (None: the recent proposals' mean). Only
-        rounds verified alone rescale the curve: a shared forward's time is not its tree's. Only
-        rounds that verified a tree teach acceptance: under load most rounds verify none, and they
-        would push the few that did out of the record while adding nothing to any rank's count."""
+        """Verified rounds and the gain per node rank (1..max_budget) their drafter promised (None: the
+        recent proposals' mean). Only rounds verified alone rescale the curve: a shared forward's
+        time is not its tree's. Only rounds that verified a tree teach acceptance: under load most
+        rounds verify none, and they would push the few that did out of the record while adding
+        nothing to any rank's count."""
         drafted = [r for r in rounds if r.budget > 0]
         if drafted:
             gains = self.promised_gains() if promised is None else np.asarray(promised, dtype=float)
@@ -235,7 +197,6 @@ class BudgetPlanner:
             if r.seconds > 0 and r.forward is None
         )
         self._cost = None
-        self.fixed_seconds = fixed_seconds
 
     def surrogate(self, sequence: GenerationStats | None = None) -> list[float]:
         """Mean surrogate acceptance per budget over ``sequence``'s own proposals when it has any,
@@ -319,23 +280,6 @@ class BudgetPlanner:
             )
             gains = (observed + PRIOR_ROUNDS * gains) / (counts + PRIOR_ROUNDS)
         return [1.0, *(1.0 + np.cumsum(gains)).tolist()]
-
-    def describe(self, context: int) -> dict:
-        """The planner's current model, for reports: what it expects at each power-of-two budget
-        over ``context`` cached tokens."""
-        expected_tau = self.expected_tau()
-        choice = choose_budget(self.cost(), expected_tau, context, self.fixed_seconds)
-        shown = [b for b in choice.expected if b & (b - 1) == 0 or b == choice.budget]
-        sizes, scales, _ = self.cost_scales()
-        return {
-            "context": context,
-            "budget": choice.budget,
-            "growth_calibration": self.growth_calibration(),
-            "cost_scales": dict(zip(sizes, scales, strict=True)),
-            "fixed_ms": 1e3 * self.fixed_seconds,
-            "expected_tau": {b: expected_tau[b] for b in shown},
-            "expected_tokens_per_second": {b: choice.expected[b] for b in shown},
-        }
 
 
 def _rank_gains(
