@@ -124,8 +124,9 @@ class SpeculativeEngine:
     ) -> tuple[list[CopyOffer | None], list[int]]:
         """Each sequence's offered free copy and how much of it to verify (0: none, or none pays).
         In a batch, first whether even the likeliest copies would pay, which spares every sequence's
-        lookup under load; alone, straight to the lookup, as cheap as that question and the same
-        answer whenever the ceiling pays (most lone rounds)."""
+        lookup under load; alone, straight to the lookup: that question cost about what the lookup
+        does and was answered yes in most lone rounds. The same copies either way: no offer expects
+        more than the ceiling."""
         none = [None] * len(sequences), [0] * len(sequences)
         if len(sequences) > 1:
             ceilings = [s.copy_ceiling() if b == 0 else None for s, b in zip(sequences, budgets, strict=True)]
