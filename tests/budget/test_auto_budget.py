@@ -1,4 +1,5 @@
-"""The auto budget's builder: trees of the planned size, surrogates and exploration on refresh trees."""
+"""The auto budget's builder: trees of the planned size, surrogates and exploration on refresh trees, and
+the lone plan's view it reports."""
 
 from __future__ import annotations
 
