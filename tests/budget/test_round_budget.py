@@ -296,10 +296,10 @@ def test_a_finished_sequence_re_estimates_the_running_ones_only_when_it_drafted(
 def test_the_costs_are_read_anew_after_each_first_finished_sequence_then_after_every_few():
     rounds = losing_planner()
     taus = [[1.0, 1.5], [1.0, 1.5]]
-    last, refreshed = rounds._round_costs(taus, 100), []
+    last, refreshed = rounds.round_costs(taus, 100), []
     for _ in range(3 * rounds.cost_refresh):
         rounds.observe_generation(shared_pair([0, 0]))
-        costs = rounds._round_costs(taus, 100)
+        costs = rounds.round_costs(taus, 100)
         refreshed.append(costs is not last)
         last = costs
     every = [False] * (rounds.cost_refresh - 1) + [True]

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-import numpy as np
-
 from diffdraft.budget.batch_cost import BatchCostCurve
 from diffdraft.budget.planner import BudgetPlanner, rounds_of, surrogate_acceptance
-from diffdraft.budget.round_budget import RoundBudgetPlanner, plan_budgets, running_max
+from diffdraft.budget.round_budget import RoundBudgetPlanner, plan_budgets
 from diffdraft.runtime.stats import GenerationStats
 from diffdraft.trees import DDTreeBuilder, DraftTree, RoundSequence, TreeRound
 
@@ -132,8 +130,7 @@ class AutoBudgetBuilder:
         pays the drafter's time, every round its commit; the finished rounds' estimate, as a sequence
         that has not drafted yet gets)."""
         taus = self.planner.expected_tau()
-        verify = running_max(self.planner.cost()(np.arange(len(taus) + 1), context))  # by tokens
-        draft, commit = self.rounds.draft_seconds(alone=True), self.rounds.commit_seconds(alone=True)
+        verify, draft, commit = self.rounds.round_costs([taus], context)  # verify: by tokens
         [budget] = plan_budgets([taus], verify, draft, commit, [False])
         shown = [b for b in range(len(taus)) if b & (b - 1) == 0 or b == budget]
         sizes, scales, _ = self.planner.cost_scales()

@@ -297,7 +297,7 @@ class RoundBudgetPlanner:
         """Finished sequences observed."""
         self.cost_refresh = cost_refresh
         self._costs: dict[tuple[int, int, int], tuple[list[float], float, float]] = {}
-        """Each round shape's costs (:meth:`_round_costs`) since they were last refreshed: after each
+        """Each round shape's costs (:meth:`round_costs`) since they were last refreshed: after each
         of the first ``cost_refresh`` finished sequences (costs start from nothing), then after every
         ``cost_refresh``-th. One sequence moves windows of many rounds little, and reading them anew
         for every finished sequence cost a visible share of the plans under load (figures:
@@ -469,7 +469,7 @@ class RoundBudgetPlanner:
         ]
         context = sum(s.context for s in sequences) / len(sequences)  # numpy's mean costs more, every round
         self._round = (taus, context)
-        costs = self._round_costs(taus, context)
+        costs = self.round_costs(taus, context)
         objects = [*taus, costs]  # compared by identity: the same objects while they hold
         inputs = (explore, int(context) // self.context_step)
         if self._last_plan is not None:
@@ -489,7 +489,7 @@ class RoundBudgetPlanner:
         that left a batch plain stands (:meth:`plain_stands`): one that found no copy worth taking."""
         taus, context = self._round
         if any(copies):
-            costs = self._round_costs(taus, context)
+            costs = self.round_costs(taus, context)
             objects = [*taus, costs, *copies]  # compared by identity: the same objects while they hold
             inputs = (list(budgets), self.copy_seconds(len(taus) == 1))
             last = self._last_copies
@@ -502,7 +502,7 @@ class RoundBudgetPlanner:
         self._settle(len(taus) > 1 and not any(budgets) and not any(lengths))
         return lengths
 
-    def _round_costs(self, taus: list[list[float]], context: float) -> tuple[list[float], float, float]:
+    def round_costs(self, taus: list[list[float]], context: float) -> tuple[list[float], float, float]:
         """(forward seconds per total of tokens up to as many as the longest of the ``taus`` covers
         times the sequences, made nondecreasing once here rather than in every plan, seconds one
         drafting sequence adds, seconds the round adds outside both) for a round of ``len(taus)``
