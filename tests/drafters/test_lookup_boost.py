@@ -172,6 +172,20 @@ def test_a_copy_offer_expects_each_copied_token_kept_with_the_product_of_the_wei
     assert boosted.copy_offer(context, 3).expected == pytest.approx([1.0, *(1.0 + np.cumsum(kept))])
 
 
+def test_an_offers_expectation_is_the_same_list_until_a_copy_is_scored():
+    """A round plan reuses its answer for the very same expectation objects, asked every round."""
+    boosted = LookupBoostedDrafter(FixedDrafter(LOG_PROBS))
+    context = [1, 2, 3, 4, 0, 1]
+    offer = boosted.copy_offer(context, 3)
+    assert boosted.copy_offer(context, 3).expected is offer.expected
+    assert boosted.copy_offer(context, 2).expected == offer.expected[:3]  # a shorter copy, its own list
+    boosted.take_copy(offer, 2, context)
+    later = [*context, 2, 3, 5, 1]
+    boosted.take_copy(boosted.copy_offer(later, 3), 1, later)  # scores the first copy: depth 3 missed
+    again = boosted.copy_offer(context, 3)
+    assert again.expected is not offer.expected and again.expected != offer.expected
+
+
 def test_the_copy_ceiling_bounds_every_offer_and_holds_until_a_copy_is_scored():
     boosted = LookupBoostedDrafter(FixedDrafter(LOG_PROBS))
     ceiling = boosted.copy_ceiling(3)

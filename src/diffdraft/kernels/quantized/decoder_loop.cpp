@@ -17,6 +17,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <cstring>
 #include <tuple>
 #include <vector>
 
@@ -97,6 +98,20 @@ struct Layers {
   }
 };
 
+// A layer's output rows [n, H] into column `index` of the taps [n, taps, H], row by row: a one-token forward
+// copied nine taps through a strided copy_ (a view and a dispatch each) in about 55 us, 1.8% of its time on a
+// 2-core CPU, against a few hundred bytes (figures: benchmarks/README.md, 'Measurements behind the code').
+void copy_tap(const Tensor& tapped, int64_t index, const Tensor& hidden) {
+  const Tensor rows = hidden.contiguous();
+  const int64_t count = rows.size(0), taps = tapped.size(1);
+  const size_t bytes = static_cast<size_t>(rows.size(1)) * rows.element_size();
+  char* out = static_cast<char*>(tapped.data_ptr()) + index * bytes;
+  const char* in = static_cast<const char*>(rows.data_ptr());
+  for (int64_t row = 0; row < count; ++row) {
+    std::memcpy(out + row * taps * bytes, in + row * bytes, bytes);
+  }
+}
+
 // The forward's rows [n, H] (the embeddings) through every layer: returns the final norm's output and, when
 // `taps` (ascending layer indices) is not empty, those layers' outputs stacked [n, taps, H], as
 // FusedDecoderLayers.__call__ does with its cache writes (one tensor back, not one per tap).
@@ -134,7 +149,7 @@ std::vector<Tensor> decode_layers(const Tensor& hidden_in, const Tensor& cos, co
         attend_cached.call(query, key, value, buffers, cache_layers[layer], starts, counts, masks, scalings[layer]);
     stack.finish(layer, attended, hidden, normed);
     if (next_tap < taps.size() && taps[next_tap] == layer) {
-      tapped.select(1, static_cast<int64_t>(next_tap)).copy_(hidden);
+      copy_tap(tapped, static_cast<int64_t>(next_tap), hidden);
       ++next_tap;
     }
   }
