@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from diffdraft.budget.aftermath import aftermath_seconds
 from diffdraft.budget.batch_cost import BatchCostCurve
 from diffdraft.budget.planner import MIN_TIMED_ROUNDS, BudgetPlanner
 from diffdraft.runtime.stats import GenerationStats, TauEstimate
@@ -328,7 +329,9 @@ class RoundBudgetPlanner:
     def draft_seconds(self, alone: bool = True) -> float:
         """Seconds one drafting sequence adds to a round of one sequence (``alone``) or of several,
         as the finished sequences that ran so measured it (those that ran the other way stand in
-        before any did; 0 before any sequence finished)."""
+        before any did; 0 before any sequence finished): its drafter's forward, its tree and its share
+        of the plan, and what its drafted rounds slowed the plain forwards after them
+        (:func:`~diffdraft.budget.aftermath.aftermath_seconds`)."""
         return _median_of(self._draft_seconds, alone)
 
     def copy_seconds(self, alone: bool = True) -> float:
@@ -354,7 +357,7 @@ class RoundBudgetPlanner:
         if forwards > 0:
             drafting = (stats.timings["draft"] - (first or 0.0)) / forwards
             building = stats.draft_build_seconds + stats.draft_plan_seconds
-            self._draft_seconds[alone].append(drafting + building / drafted)
+            self._draft_seconds[alone].append(drafting + (building + aftermath_seconds(stats)) / drafted)
         if stats.copy_rounds:
             seconds = stats.copy_seconds + stats.copy_plan_seconds
             self._copy_seconds[alone].append(seconds / len(stats.copy_rounds))
