@@ -157,6 +157,20 @@ def test_the_rounds_own_verification_times_rescale_the_cached_curve():
     assert planner.cost()(12, 512) < curve(12, 512) * 1.5
 
 
+def test_until_plain_rounds_are_timed_a_plain_round_costs_the_curves_own_point():
+    """Drafting rounds run slower than the curve (their drafter pushes the target's weights out of a
+    CPU's cache); carried down to a plain round, their scale kept a plan drafting for good."""
+    curve = VerifyCostCurve(sizes=[1, 8, 16, 64], contexts=[512], seconds=[[0.02, 0.02, 0.03, 0.1]])
+    planner = BudgetPlanner(curve, max_budget=32)
+    planner.observe_proposal([1.0 + 0.1 * b for b in range(40)])
+    planner.observe_rounds(_rounds(MIN_TIMED_ROUNDS, 7, [], seconds=0.024))  # 1.2x the curve
+    assert planner.cost()(1, 512) == pytest.approx(0.02)
+    assert planner.cost()(2, 512) == pytest.approx(curve(2, 512) * 1.2)  # a copy's: as drafting's
+    assert np.allclose(planner.cost()(np.arange(1, 3), 512), [0.02, curve(2, 512) * 1.2])
+    planner.observe_rounds(_rounds(MIN_TIMED_ROUNDS, 0, [], seconds=0.022))  # plain rounds, timed
+    assert planner.cost()(1, 512) > 0.02
+
+
 def test_a_plain_round_is_timed_only_right_after_another_as_the_curve_times_one_token_rounds():
     stats = GenerationStats(
         tree_sizes=[3, 0, 0, 2, 0, 0, 0],
