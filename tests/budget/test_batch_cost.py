@@ -57,3 +57,21 @@ def test_measuring_is_monotone_in_every_axis_and_the_cache_is_reused(tmp_path, m
     monkeypatch.setattr(batch_cost, "still_valid", lambda curve, target: True)
     monkeypatch.setattr(batch_cost, "SIZES", (1, 2, 3))  # a newer grid: the cached curve is measured anew
     assert load_or_measure_batch_cost(target, cache_dir=tmp_path).sizes == [1, 2, 3]
+
+
+def test_one_token_a_sequence_is_timed_deep_in_a_run_as_plain_decoding_runs_it(monkeypatch):
+    """A stand-in machine whose one-token-a-sequence forward takes 4 ms right after a bigger one and
+    comes down 1 ms a round to 1 ms in a run: the curve's plain points are the run's."""
+    since_bigger = [0]
+
+    def time_batch(target, caches, tokens):
+        if tokens.shape[0] > 1:
+            since_bigger[0] = 0
+            return 0.01
+        since_bigger[0] += 1
+        return 0.001 * max(1, 5 - since_bigger[0])
+
+    monkeypatch.setattr(batch_cost, "_time_batch", time_batch)
+    target = TargetModel(tiny_target(dtype=torch.float32, max_positions=64))
+    curve = measure_batch_cost(target, batches=(2,), sizes=(1, 4), contexts=(8,), repeats=2)
+    assert curve.measured == [[[pytest.approx(0.001), pytest.approx(0.01)]]]

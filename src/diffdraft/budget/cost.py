@@ -16,7 +16,7 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -180,9 +180,14 @@ def _time_one(target: TargetModel, cache: DynamicCache, tokens: torch.Tensor) ->
 
 
 def _time_plain(target: TargetModel, cache: DynamicCache, token: torch.Tensor) -> float:
-    """Median seconds of the second half of :data:`PLAIN_RUN` one-token rounds run back to back (the
-    first half brings the weights back into the cache); the cache is left as it was."""
-    return float(np.median([_time_one(target, cache, token) for _ in range(PLAIN_RUN)][PLAIN_RUN // 2 :]))
+    """:func:`timed_in_a_run` one-token rounds; the cache is left as it was."""
+    return timed_in_a_run(lambda: _time_one(target, cache, token))
+
+
+def timed_in_a_run(time_round: Callable[[], float]) -> float:
+    """Median seconds of the second half of :data:`PLAIN_RUN` rounds run back to back, each timed by
+    ``time_round`` (the first half brings the weights back into the cache)."""
+    return float(np.median([time_round() for _ in range(PLAIN_RUN)][PLAIN_RUN // 2 :]))
 
 
 def synthetic_tree(tokens: torch.Tensor) -> DraftTree:

@@ -367,12 +367,18 @@ class RoundBudgetPlanner:
 
     def _keep_forwards(self, stats: GenerationStats) -> None:
         """Keep a finished sequence's shared forwards that no sequence that shared them kept yet,
-        each beside the batch curve's time for it (looked up together), in their windows."""
+        each beside the batch curve's time for it (looked up together), in their windows: a plain one
+        only right after another plain one, as :func:`~diffdraft.budget.planner.rounds_of` times a
+        lone sequence's."""
         new = {}
+        previous = None
         for forward, seconds in zip(stats.verify_forwards, stats.verify_seconds, strict=True):
             key = (tuple(forward), seconds)
-            if forward[0] > 1 and seconds > 0 and key not in self._batch_forwards[forward[1] > forward[0]]:
+            wide = forward[1] > forward[0]
+            in_run = previous is not None and previous[1] == previous[0]  # a plain one times as in a run
+            if forward[0] > 1 and seconds > 0 and (wide or in_run) and key not in self._batch_forwards[wide]:
                 new[key] = key[0]
+            previous = forward
         if not new or self.batch_cost is None:  # (the curve is loaded once a forward was shared)
             return
         sequences, tokens, context = np.asarray(list(new.values()), dtype=float).T
@@ -399,13 +405,16 @@ class RoundBudgetPlanner:
     def batch_scale(self, sequences: int) -> float:
         """Median measured / curve time of the plain forwards (one token a sequence) of finished
         sequences, shared by ``sequences`` sequences: of any number while too few of that one
-        finished, of any shared forward while too few plain ones did, 1 before any."""
+        finished, 1 while too few plain ones did (the curve's plain points are timed in a run, as
+        plain decoding runs). Not the trees' forwards: they run slower than the curve (their drafter
+        pushes the target's weights out of a CPU's cache), and a plain round read at their scale
+        kept a plan drafting that never timed a plain one (figures: benchmarks/README.md,
+        'Measurements behind the code')."""
         plain = list(self._batch_forwards[False].values())
         for kept in ([f for f in plain if f.sequences == sequences], plain):
             if len(kept) >= MIN_TIMED_ROUNDS:
                 return float(np.median([f.seconds / f.curve for f in kept]))
-        forwards = plain + list(self._batch_forwards[True].values())
-        return float(np.median([f.seconds / f.curve for f in forwards])) if forwards else 1.0
+        return 1.0
 
     def tree_scale(self, sequences: int) -> float:
         """What finished forwards shared by ``sequences`` sequences with trees took past their plain
