@@ -171,17 +171,22 @@ def test_until_plain_rounds_are_timed_a_plain_round_costs_the_curves_own_point()
     assert planner.cost()(1, 512) > 0.02
 
 
-def test_a_plain_round_is_timed_only_right_after_another_as_the_curve_times_one_token_rounds():
+def test_a_plain_round_is_timed_only_where_it_ran_steady_as_the_curve_times_one_token_rounds():
+    """Not within eight rounds of the prompt or of a drafted round (their forwards run slow); a free
+    copy's round is left out, and alone it does not count as drafting."""
+    sizes = [0] * 10 + [3] + [0] * 10 + [2] + [0] * 2
     stats = GenerationStats(
-        tree_sizes=[3, 0, 0, 2, 0, 0, 0],
-        accepted_nodes=[[1], [], [], [], [], [], []],
-        verify_contexts=[10, 12, 13, 14, 15, 16, 17],
-        verify_seconds=[0.03, 0.05, 0.02, 0.03, 0.05, 0.02, 0.02],
-        verify_forwards=[(1, 4, 10), (1, 1, 12), (1, 1, 13), (1, 3, 14), (1, 1, 15), (1, 1, 16), (1, 1, 17)],
-        copy_rounds=[3],  # a free copy's round: left out, and the plain round after it untimed too
+        tree_sizes=sizes,
+        accepted_nodes=[[] for _ in sizes],
+        verify_contexts=[10 + i for i in range(len(sizes))],
+        verify_seconds=[0.001 * (i + 1) for i in range(len(sizes))],
+        verify_forwards=[(1, size + 1, 10 + i) for i, size in enumerate(sizes)],
+        copy_rounds=[21],
     )
     timed = [(r.budget, r.seconds) for r in rounds_of(stats)]
-    assert timed == [(3, 0.03), (0, 0.0), (0, 0.02), (0, 0.0), (0, 0.02), (0, 0.02)]
+    steady = {8, 9, 10, 19, 20, 22, 23}  # the drafted round 10 is timed as drafting rounds are
+    expected = [(size, 0.001 * (i + 1) if i in steady else 0.0) for i, size in enumerate(sizes) if i != 21]
+    assert timed == pytest.approx(expected)
 
 
 @pytest.mark.parametrize("seed", range(3))

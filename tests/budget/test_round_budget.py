@@ -358,12 +358,12 @@ def test_the_trees_extra_time_is_scaled_apart_from_the_plain_forwards():
 
     batch = BatchCostCurve(batches=[2], sizes=[1, 8], contexts=[100], seconds=[[[0.01, 0.02]]])
     rounds = RoundBudgetPlanner(BudgetPlanner(VerifyCostCurve([1, 64], [100], [[0.01, 0.02]])), batch)
-    stats = GenerationStats(rounds=9, tree_sizes=[0] * 5 + [7] * 4, accepted_nodes=[[]] * 9)
-    stats.verify_contexts = [100] * 9
-    # plain 1.2x the curve (the first, after the prompt, untimed), a tree's extra 2x (times apart: a
-    # forward counts once by shape and time)
-    stats.verify_seconds = [0.03, 0.0119, 0.01195, 0.01205, 0.0121, 0.0319, 0.03195, 0.03205, 0.0321]
-    stats.verify_forwards = [(2, 2, 100)] * 5 + [(2, 16, 100)] * 4
+    stats = GenerationStats(rounds=16, tree_sizes=[0] * 12 + [7] * 4, accepted_nodes=[[]] * 16)
+    stats.verify_contexts = [100] * 16
+    # plain 1.2x the curve (the first eight, after the prompt, untimed), a tree's extra 2x (times
+    # apart: a forward counts once by shape and time)
+    stats.verify_seconds = [0.03] * 8 + [0.0119, 0.01195, 0.01205, 0.0121, 0.0319, 0.03195, 0.03205, 0.0321]
+    stats.verify_forwards = [(2, 2, 100)] * 12 + [(2, 16, 100)] * 4
     rounds.observe_generation(stats)
     assert rounds.batch_scale(2) == pytest.approx(1.2)
     assert rounds.tree_scale(2) == pytest.approx(2.0)
@@ -377,10 +377,10 @@ def test_trees_whose_forwards_read_no_dearer_than_plain_ones_are_not_taken_for_f
 
     batch = BatchCostCurve(batches=[2], sizes=[1, 8], contexts=[100], seconds=[[[0.01, 0.02]]])
     rounds = RoundBudgetPlanner(BudgetPlanner(VerifyCostCurve([1, 64], [100], [[0.01, 0.02]])), batch)
-    stats = GenerationStats(rounds=9, tree_sizes=[0] * 5 + [1] * 4, accepted_nodes=[[]] * 9)
-    stats.verify_contexts = [100] * 9
-    stats.verify_seconds = [0.03, 0.0119, 0.01195, 0.01205, 0.0121, 0.0110, 0.01105, 0.01095, 0.0111]
-    stats.verify_forwards = [(2, 2, 100)] * 5 + [(2, 4, 100)] * 4  # copies of one token: faster than plain
+    stats = GenerationStats(rounds=16, tree_sizes=[0] * 12 + [1] * 4, accepted_nodes=[[]] * 16)
+    stats.verify_contexts = [100] * 16
+    stats.verify_seconds = [0.03] * 8 + [0.0119, 0.01195, 0.01205, 0.0121, 0.0110, 0.01105, 0.01095, 0.0111]
+    stats.verify_forwards = [(2, 2, 100)] * 12 + [(2, 4, 100)] * 4  # copies of one token: faster than plain
     rounds.observe_generation(stats)
     assert rounds.batch_scale(2) == pytest.approx(1.2)
     assert rounds.tree_scale(2) == pytest.approx(TREE_SCALE_FLOOR * 1.2)
@@ -417,14 +417,14 @@ def test_a_shared_forward_counts_once_and_the_latest_forwards_are_kept():
         stats.verify_forwards = [(2, 2, 100)] * len(seconds)
         return stats
 
-    early = [0.01 * (1 + i / 100) for i in range(6)]
+    early = [0.01 * (1 + i / 100) for i in range(12)]
     for _ in range(2):  # both sequences of the pair finish: the forwards count once
         rounds.observe_generation(pair_member(early))
-    assert len(rounds._batch_forwards[False]) == 5  # each plain one after another: all but the first
-    late = [0.03 * (1 + i / 100) for i in range(5)]
+    assert len(rounds._batch_forwards[False]) == 4  # steady: all but the eight after the prompt
+    late = [0.03 * (1 + i / 100) for i in range(13)]
     rounds.observe_generation(pair_member(late))
     assert len(rounds._batch_forwards[False]) == 8  # the oldest forward makes room
-    assert rounds.batch_scale(2) == pytest.approx(np.median([s / 0.01 for s in early[2:] + late[1:]]))
+    assert rounds.batch_scale(2) == pytest.approx(np.median([s / 0.01 for s in early[9:] + late[8:]]))
 
 
 def test_the_batch_curve_is_measured_on_the_first_shared_round_only():

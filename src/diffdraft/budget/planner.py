@@ -19,6 +19,7 @@ from itertools import accumulate
 
 import numpy as np
 
+from diffdraft.budget.aftermath import plain_forwards
 from diffdraft.budget.cost import MAX_BUDGET, VerifyCostCurve
 from diffdraft.runtime.stats import GenerationStats
 
@@ -56,12 +57,18 @@ def rounds_of(stats: GenerationStats) -> list[ObservedRound]:
     """A sequence's verified rounds as the planner learns from them: every list is one entry per
     round, recorded by the round itself, so nothing from another sequence can be mixed in. Rounds
     that verified a free copy are left out: their nodes are no DDTree's best-first ranks. A plain
-    round (no tree) counts as timed only right after another: the cost curve's one-token rounds
-    are timed in a run, as plain decoding runs (:func:`~diffdraft.budget.cost.measure_verify_cost`),
-    and one between drafting rounds, whose drafter pushed the target's weights out of a CPU's cache,
-    took 1.4x as long (figures: benchmarks/README.md, 'Measurements behind the code')."""
+    round (no tree) counts as timed only where it ran steady (:attr:`PlainForwards.steady`): the
+    cost curve's one-token rounds are timed in a run, as plain decoding runs
+    (:func:`~diffdraft.budget.cost.measure_verify_cost`), and those within a few rounds after
+    drafting, whose drafter pushed the target's weights out of a CPU's cache, took up to 1.4x as
+    long (figures: benchmarks/README.md, 'Measurements behind the code')."""
     copies = set(stats.copy_rounds)
-    return [_observed(stats, index, copies) for index in range(len(stats.tree_sizes)) if index not in copies]
+    steady = plain_forwards(stats).steady
+    return [
+        _observed(stats, index, steady[index])
+        for index in range(len(stats.tree_sizes))
+        if index not in copies
+    ]
 
 
 def latest_drafted(stats: GenerationStats, count: int) -> list[int]:
@@ -78,15 +85,14 @@ def latest_drafted(stats: GenerationStats, count: int) -> list[int]:
     return latest[::-1]
 
 
-def _observed(stats: GenerationStats, index: int, copies: set[int]) -> ObservedRound:
+def _observed(stats: GenerationStats, index: int, steady: bool) -> ObservedRound:
     forward = stats.verify_forwards[index]
     plain = stats.tree_sizes[index] == 0
-    in_run = index > 0 and stats.tree_sizes[index - 1] == 0 and index - 1 not in copies
     return ObservedRound(
         stats.tree_sizes[index],
         stats.accepted_nodes[index],
         stats.verify_contexts[index],
-        stats.verify_seconds[index] if in_run or not plain else 0.0,
+        stats.verify_seconds[index] if steady or not plain else 0.0,
         None if forward[0] == 1 else tuple(forward),
     )
 

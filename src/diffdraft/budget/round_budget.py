@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from diffdraft.budget.aftermath import aftermath_seconds
+from diffdraft.budget.aftermath import aftermath_seconds, plain_forwards
 from diffdraft.budget.batch_cost import BatchCostCurve
 from diffdraft.budget.planner import MIN_TIMED_ROUNDS, BudgetPlanner
 from diffdraft.runtime.stats import GenerationStats, TauEstimate
@@ -368,17 +368,15 @@ class RoundBudgetPlanner:
     def _keep_forwards(self, stats: GenerationStats) -> None:
         """Keep a finished sequence's shared forwards that no sequence that shared them kept yet,
         each beside the batch curve's time for it (looked up together), in their windows: a plain one
-        only right after another plain one, as :func:`~diffdraft.budget.planner.rounds_of` times a
-        lone sequence's."""
+        only where it ran steady, as :func:`~diffdraft.budget.planner.rounds_of` times a lone
+        sequence's."""
         new = {}
-        previous = None
-        for forward, seconds in zip(stats.verify_forwards, stats.verify_seconds, strict=True):
+        steady = plain_forwards(stats).steady
+        for forward, seconds, timed in zip(stats.verify_forwards, stats.verify_seconds, steady, strict=True):
             key = (tuple(forward), seconds)
             wide = forward[1] > forward[0]
-            in_run = previous is not None and previous[1] == previous[0]  # a plain one times as in a run
-            if forward[0] > 1 and seconds > 0 and (wide or in_run) and key not in self._batch_forwards[wide]:
+            if forward[0] > 1 and seconds > 0 and (wide or timed) and key not in self._batch_forwards[wide]:
                 new[key] = key[0]
-            previous = forward
         if not new or self.batch_cost is None:  # (the curve is loaded once a forward was shared)
             return
         sequences, tokens, context = np.asarray(list(new.values()), dtype=float).T
