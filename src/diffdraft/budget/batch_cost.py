@@ -119,10 +119,10 @@ def measure_batch_cost(
 ) -> BatchCostCurve:
     """Median time of a batched verification stage per point, fitted nondecreasing in every axis
     (see :func:`diffdraft.budget.measure_verify_cost`: same passes, same fit, one token a sequence
-    timed in a run of such rounds). Timed between other sizes, one token a sequence took 6.2 ms at
-    batch 2 on a 2-core Xeon against 3.7 in plain decoding's rounds: a plan that read a plain round
-    that dear until it had timed its own drafted wherever it had not (figures: benchmarks/README.md,
-    'Measurements behind the code')."""
+    timed in a run of such rounds). Timed between other sizes, one token a sequence took 6.1 ms at
+    batch 2 on a 2-core Xeon against 3.7 in plain decoding's rounds, and a plan that read it so
+    before it had timed plain rounds of its own drafted where plain decoding was faster (figures:
+    benchmarks/README.md, 'Measurements behind the code')."""
     sizes = sorted({q for q in sizes if q <= target.max_context // 2})
     contexts = sorted({min(n, target.max_context - sizes[-1]) for n in contexts})
     generator = torch.Generator().manual_seed(0)

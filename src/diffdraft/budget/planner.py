@@ -227,11 +227,11 @@ class BudgetPlanner:
     def cost(self) -> Callable[[float, float], float]:
         """t(q, n): the cached curve rescaled by the recent rounds' own verification times (the same
         function until a finished sequence adds rounds: a lone sequence asks for it every time its
-        context grows by a planning step). Until plain rounds were timed, a plain round (q = 1) costs
-        the curve's own point, timed in a run of plain rounds as plain decoding runs: the scale of the
-        drafting rounds, carried down to it, put a plain round 20% above what plain decoding took
-        (their drafter pushes the target's weights out of a CPU's cache), and a plan that read it
-        kept drafting, never timing a plain round that would have told it otherwise (figures:
+        context grows by a planning step). Until steady plain rounds were timed (:func:`rounds_of`),
+        a plain round (q = 1) costs the curve's own point, timed in a run as plain decoding runs: the
+        drafting rounds' scale, carried down to it, put a plain round 20% above what plain decoding
+        took (their drafter pushes the target's weights out of a CPU's cache), and a plan that read
+        it kept drafting, never timing a plain round that would have told it otherwise (figures:
         benchmarks/README.md, 'Measurements behind the code')."""
         if self._cost is None:
             sizes, scales, counts = self.cost_scales()
@@ -242,11 +242,10 @@ class BudgetPlanner:
                     np.polyfit(sizes, scales, 1, w=np.sqrt(counts)) if len(sizes) > 1 else (0.0, scales[0])
                 )
                 low, high = sizes[0], sizes[-1]
-                floor = 1 if low == 1 else 2  # the fit's reach: plain rounds only where they were timed
 
                 def scaled(q: float | np.ndarray, context: float) -> float | np.ndarray:
                     fitted = intercept + slope * np.clip(q, low, high)
-                    scale = np.where(np.less(q, floor), 1.0, fitted) if floor > 1 else fitted
+                    scale = fitted if low == 1 else np.where(np.less(q, 2), 1.0, fitted)  # plain: untimed
                     return self.curve(q, context) * (float(scale) if np.ndim(scale) == 0 else scale)
 
                 self._cost = scaled

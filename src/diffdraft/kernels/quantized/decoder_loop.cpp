@@ -99,8 +99,8 @@ struct Layers {
 };
 
 // A layer's output rows [n, H] into column `index` of the taps [n, taps, H], row by row: a one-token forward
-// copied nine taps through a strided copy_ (a view and a dispatch each) in about 55 us, 1.8% of its time on a
-// 2-core CPU, against a few hundred bytes (figures: benchmarks/README.md, 'Measurements behind the code').
+// copied nine taps through a strided copy_ (a view and a dispatch each) in 30-50 us, 1-1.5% of its time on a
+// 2-core CPU, for a few kilobytes (figures: benchmarks/README.md, 'Measurements behind the code').
 void copy_tap(const Tensor& tapped, int64_t index, const Tensor& hidden) {
   const Tensor rows = hidden.contiguous();
   const int64_t count = rows.size(0), taps = tapped.size(1);
