@@ -10,7 +10,7 @@ from diffdraft.budget import batch_cost
 from diffdraft.budget.batch_cost import BatchCostCurve, load_or_measure_batch_cost, measure_batch_cost
 from diffdraft.target.model import TargetModel
 
-from conftest import tiny_target
+from conftest import slow_after_bigger_forwards, tiny_target
 
 
 def test_the_curve_shares_tokens_evenly_and_interpolates_every_axis():
@@ -60,18 +60,9 @@ def test_measuring_is_monotone_in_every_axis_and_the_cache_is_reused(tmp_path, m
 
 
 def test_one_token_a_sequence_is_timed_deep_in_a_run_as_plain_decoding_runs_it(monkeypatch):
-    """A stand-in machine whose one-token-a-sequence forward takes 4 ms right after a bigger one and
-    comes down 1 ms a round to 1 ms in a run: the curve's plain points are the run's."""
-    since_bigger = [0]
-
-    def time_batch(target, caches, tokens):
-        if tokens.shape[0] > 1:
-            since_bigger[0] = 0
-            return 0.01
-        since_bigger[0] += 1
-        return 0.001 * max(1, 5 - since_bigger[0])
-
-    monkeypatch.setattr(batch_cost, "_time_batch", time_batch)
+    """On a machine whose one-token forward runs slow right after a bigger one, the curve's plain
+    points are the run's."""
+    monkeypatch.setattr(batch_cost, "_time_batch", slow_after_bigger_forwards())
     target = TargetModel(tiny_target(dtype=torch.float32, max_positions=64))
     curve = measure_batch_cost(target, batches=(2,), sizes=(1, 4), contexts=(8,), repeats=2)
     assert curve.measured == [[[pytest.approx(0.001), pytest.approx(0.01)]]]

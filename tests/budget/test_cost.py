@@ -11,7 +11,7 @@ from diffdraft.budget import cost
 from diffdraft.budget.cost import VerifyCostCurve, load_or_measure, measure_verify_cost
 from diffdraft.target.model import TargetModel
 
-from conftest import needs_block_kernel, q4_1_target, tiny_target
+from conftest import needs_block_kernel, q4_1_target, slow_after_bigger_forwards, tiny_target
 
 
 def test_the_curve_interpolates_and_extrapolates_linearly_in_size_and_context():
@@ -60,18 +60,9 @@ def test_measuring_gives_every_size_and_the_cache_is_reused_until_it_stops_match
 
 
 def test_one_token_rounds_are_timed_deep_in_a_run_as_plain_decoding_runs_them(monkeypatch):
-    """A stand-in machine whose one-token forward takes 4 ms right after a bigger one and comes down
-    1 ms a round to 1 ms in a run: t(1) is the run's, the bigger sizes' as measured."""
-    since_bigger = [0]
-
-    def time_one(target, cache, tokens):
-        if tokens.shape[0] > 1:
-            since_bigger[0] = 0
-            return 0.01
-        since_bigger[0] += 1
-        return 0.001 * max(1, 5 - since_bigger[0])
-
-    monkeypatch.setattr(cost, "_time_one", time_one)
+    """On a machine whose one-token forward runs slow right after a bigger one, t(1) is the run's,
+    the bigger sizes' as measured."""
+    monkeypatch.setattr(cost, "_time_one", slow_after_bigger_forwards())
     target = TargetModel(tiny_target(dtype=torch.float32, max_positions=64))
     curve = measure_verify_cost(target, sizes=(1, 4), contexts=(8,), repeats=2)
     assert curve.measured == [[pytest.approx(0.001), pytest.approx(0.01)]]
