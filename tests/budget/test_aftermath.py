@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from diffdraft.budget.aftermath import AFTERMATH_ROUNDS, aftermath_seconds
+from diffdraft.budget.aftermath import AFTERMATH_ROUNDS, aftermath_seconds, plain_forwards
 from diffdraft.budget.cost import VerifyCostCurve
 from diffdraft.budget.planner import BudgetPlanner
 from diffdraft.budget.round_budget import RoundBudgetPlanner
@@ -30,6 +30,10 @@ def sequence(rounds: list[tuple[str, float]], sequences: int = 1) -> GenerationS
     return stats
 
 
+def aftermath(stats: GenerationStats) -> float:
+    return aftermath_seconds(stats, plain_forwards(stats))
+
+
 def plain(count: int, seconds: float = STEADY) -> list[tuple[str, float]]:
     return [("plain", seconds)] * count
 
@@ -39,35 +43,35 @@ SLOWED = [("plain", STEADY + 0.0012), ("plain", STEADY + 0.0006), ("plain", STEA
 
 def test_the_plain_forwards_after_a_drafted_round_count_past_the_steady_ones():
     stats = sequence([*plain(10), ("drafted", 0.006), *SLOWED, *plain(20)])
-    assert aftermath_seconds(stats) == pytest.approx(0.002)
+    assert aftermath(stats) == pytest.approx(0.002)
 
 
 def test_a_drafted_round_near_the_prompt_counts_nothing():
     """The forwards after the prefill run slow whatever the rounds do."""
     stats = sequence([("drafted", 0.006), *SLOWED, *plain(20)])
-    assert aftermath_seconds(stats) == 0.0
+    assert aftermath(stats) == 0.0
 
 
 def test_too_few_steady_forwards_tell_nothing():
     stats = sequence([*plain(10), ("drafted", 0.006), *SLOWED, *plain(AFTERMATH_ROUNDS)])
-    assert aftermath_seconds(stats) == 0.0  # the last plain rounds are within reach of the drafting
+    assert aftermath(stats) == 0.0  # the last plain rounds are within reach of the drafting
 
 
 def test_a_lone_copy_neither_ends_the_count_nor_is_timed_as_plain():
     stats = sequence([*plain(10), ("drafted", 0.006), SLOWED[0], ("copy", 0.005), *SLOWED[1:], *plain(20)])
-    assert aftermath_seconds(stats) == pytest.approx(0.002)
+    assert aftermath(stats) == pytest.approx(0.002)
 
 
 def test_another_sequences_tree_ends_the_count_and_each_batch_size_has_its_own_steady_time():
     """Shared forwards: a wide one this sequence did not draft may be another's drafting, whose
     aftermath that sequence counts; forwards of another number of sequences start afresh."""
     rounds = [*plain(10), ("drafted", 0.006), SLOWED[0], ("wide", 0.006), *SLOWED[1:], *plain(20)]
-    assert aftermath_seconds(sequence(rounds, sequences=2)) == pytest.approx(0.0012)
+    assert aftermath(sequence(rounds, sequences=2)) == pytest.approx(0.0012)
     lone = sequence(plain(12, 0.001))
     shared = sequence([*plain(10), ("drafted", 0.006), *SLOWED, *plain(20)], sequences=2)
     for name in ("tree_sizes", "verify_forwards", "verify_seconds", "accepted_nodes", "verify_contexts"):
         setattr(shared, name, getattr(lone, name) + getattr(shared, name))
-    assert aftermath_seconds(shared) == pytest.approx(0.002)
+    assert aftermath(shared) == pytest.approx(0.002)
 
 
 def test_drafting_costs_the_aftermath_of_its_rounds():

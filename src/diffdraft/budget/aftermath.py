@@ -36,11 +36,11 @@ class PlainForwards:
     with no other drafting between."""
 
 
-def plain_forwards(stats: GenerationStats, rounds: int = AFTERMATH_ROUNDS) -> PlainForwards:
+def plain_forwards(stats: GenerationStats) -> PlainForwards:
     """:class:`PlainForwards` of ``stats``. Drafting is a round of the sequence's own drafter or, in a
     shared forward, any tree or copy (another sequence may have drafted it); a lone copy is neither
     drafting nor a plain forward."""
-    forwards = stats.verify_forwards
+    forwards, rounds = stats.verify_forwards, AFTERMATH_ROUNDS
     drafted = stats.drafter_sizes()
     steady, slowed = [False] * len(forwards), []
     settled = quiet = 0  # rounds since the prompt or a change of the batch; since drafting, too
@@ -64,12 +64,11 @@ def plain_forwards(stats: GenerationStats, rounds: int = AFTERMATH_ROUNDS) -> Pl
     return PlainForwards(steady, slowed)
 
 
-def aftermath_seconds(stats: GenerationStats) -> float:
-    """What the sequence's slowed plain forwards (:attr:`PlainForwards.slowed`) took beyond its steady
-    ones of the same number of sequences, summed (0 where it had too few steady ones of a shape;
-    below 0 where noise says so: the planner takes a median over sequences, and clipping each at 0
-    would bias it up)."""
-    plain = plain_forwards(stats)
+def aftermath_seconds(stats: GenerationStats, plain: PlainForwards) -> float:
+    """What the sequence's slowed plain forwards (``plain``: its :func:`plain_forwards`) took beyond
+    its steady ones of the same number of sequences, summed (0 where it had too few steady ones of a
+    shape; below 0 where noise says so: the planner takes a median over sequences, and clipping each
+    at 0 would bias it up)."""
     shapes: dict[int, list[float]] = {}
     for index, steady in enumerate(plain.steady):
         if steady:

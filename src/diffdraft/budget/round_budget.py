@@ -350,6 +350,7 @@ class RoundBudgetPlanner:
         if self._learned <= self.cost_refresh or self._learned % self.cost_refresh == 0:
             self._costs.clear()
         alone = all(forward[0] == 1 for forward in stats.verify_forwards)
+        plain = plain_forwards(stats)  # read by the drafting cost and the shared forwards' window
         drafted = sum(size > 0 for size in stats.drafter_sizes())
         self._taught += bool(drafted or stats.surrogates)
         first = stats.first_draft_seconds
@@ -357,21 +358,21 @@ class RoundBudgetPlanner:
         if forwards > 0:
             drafting = (stats.timings["draft"] - (first or 0.0)) / forwards
             building = stats.draft_build_seconds + stats.draft_plan_seconds
-            self._draft_seconds[alone].append(drafting + (building + aftermath_seconds(stats)) / drafted)
+            aftermath = aftermath_seconds(stats, plain)
+            self._draft_seconds[alone].append(drafting + (building + aftermath) / drafted)
         if stats.copy_rounds:
             seconds = stats.copy_seconds + stats.copy_plan_seconds
             self._copy_seconds[alone].append(seconds / len(stats.copy_rounds))
         if stats.rounds:
             self._commit_seconds[alone].append(sum(stats.timings[s] for s in COMMIT_STAGES) / stats.rounds)
-        self._keep_forwards(stats)
+        self._keep_forwards(stats, plain.steady)
 
-    def _keep_forwards(self, stats: GenerationStats) -> None:
+    def _keep_forwards(self, stats: GenerationStats, steady: list[bool]) -> None:
         """Keep a finished sequence's shared forwards that no sequence that shared them kept yet,
         each beside the batch curve's time for it (looked up together), in their windows: a plain one
-        only where it ran steady, as :func:`~diffdraft.budget.planner.rounds_of` times a lone
-        sequence's."""
+        only where it ran ``steady`` (:attr:`~diffdraft.budget.aftermath.PlainForwards.steady`), as
+        :func:`~diffdraft.budget.planner.rounds_of` times a lone sequence's."""
         new = {}
-        steady = plain_forwards(stats).steady
         for forward, seconds, timed in zip(stats.verify_forwards, stats.verify_seconds, steady, strict=True):
             key = (tuple(forward), seconds)
             wide = forward[1] > forward[0]
