@@ -36,6 +36,7 @@ import numpy as np
 
 from diffdraft.budget.aftermath import aftermath_seconds, plain_forwards
 from diffdraft.budget.batch_cost import BatchCostCurve
+from diffdraft.budget.chosen_rounds import ChosenRounds, record_chosen
 from diffdraft.budget.planner import MIN_TIMED_ROUNDS, BudgetPlanner
 from diffdraft.runtime.stats import GenerationStats, TauEstimate
 from diffdraft.trees import RoundSequence
@@ -303,6 +304,9 @@ class RoundBudgetPlanner:
         ``cost_refresh``-th. One sequence moves windows of many rounds little, and reading them anew
         for every finished sequence cost a visible share of the plans under load (figures:
         benchmarks/README.md, 'Measurements behind the code')."""
+        self.chosen = ChosenRounds()
+        """How much of the gains it expected the rounds it chose to draft realized: scales every
+        estimate (:meth:`expected_tau`)."""
         self._taught = 0
         """Finished sequences that taught acceptance (drafted a tree or proposed a surrogate): a new
         one makes every estimate stale. Under load most finished sequences drafted nothing, and
@@ -352,6 +356,7 @@ class RoundBudgetPlanner:
         alone = all(forward[0] == 1 for forward in stats.verify_forwards)
         plain = plain_forwards(stats)  # read by the drafting cost and the shared forwards' window
         drafted = sum(size > 0 for size in stats.drafter_sizes())
+        self.chosen.observe(stats)  # before the estimates go stale: a chosen round drafted
         self._taught += bool(drafted or stats.surrogates)
         first = stats.first_draft_seconds
         forwards = drafted - (first is not None)  # the first took the prompt in: a one-off, left out
@@ -459,7 +464,7 @@ class RoundBudgetPlanner:
         if shared and self._plain is not None:  # a plain plan stood to its end
             self._stand = min(2 * self._stand, self.plain_rounds << self.plain_backoff)
         budgets, explore = self._plan(sequences)
-        _count_explorations(sequences, budgets, explore)
+        _record_round(sequences, budgets, explore)
         if any(budgets):
             self._stand = self.plain_rounds
         self._settle(shared and not any(budgets))  # alone, a sequence must notice soon
@@ -530,7 +535,8 @@ class RoundBudgetPlanner:
         return costs
 
     def expected_tau(self, stats: GenerationStats) -> list[float]:
-        """:meth:`BudgetPlanner.expected_tau` of the sequence, re-estimated when stale: after
+        """:meth:`BudgetPlanner.expected_tau` of the sequence, its gains scaled by the share the
+        rounds the plans chose to draft realized (:attr:`chosen`), re-estimated when stale: after
         ``refresh`` drafted rounds (a round at budget 0 adds nothing to its record), a new surrogate or
         a newly finished sequence that drafted, or after any drafted round once it skipped drafting.
         The same list object while fresh (:meth:`plan` compares by identity)."""
@@ -546,9 +552,10 @@ class RoundBudgetPlanner:
             fresh = estimate.drafted < (1 if estimate.skipped else self.refresh)
         if not fresh:
             start = len(stats.tree_sizes)
-            taus = self.planner.expected_tau(stats)
+            estimated = self.planner.expected_tau(stats)
+            taus = self.chosen.calibrated(estimated)
             checked = max(0, start - 1)
-            estimate = TauEstimate(taus, start, len(stats.surrogates), self._taught, checked)
+            estimate = TauEstimate(taus, start, len(stats.surrogates), self._taught, checked, estimated)
             stats.tau_estimate = estimate
         return estimate.taus
 
@@ -574,12 +581,15 @@ class TimedForward:
     """The curve's seconds for as many sequences with one token each."""
 
 
-def _count_explorations(sequences: Sequence[RoundSequence], budgets: list[int], explore: list[bool]) -> None:
-    """Count a round's explorations in each sequence's stats; a drafting round the plan chose freely
-    clears the count."""
+def _record_round(sequences: Sequence[RoundSequence], budgets: list[int], explore: list[bool]) -> None:
+    """Count a round's explorations in each sequence's stats (a drafting round the plan chose freely
+    clears the count) and record its chosen rounds (:func:`record_chosen`)."""
     for sequence, budget, forced in zip(sequences, budgets, explore, strict=True):
+        stats = sequence.stats
         if budget > 0:
-            sequence.stats.fruitless_explorations = sequence.stats.fruitless_explorations + 1 if forced else 0
+            stats.fruitless_explorations = stats.fruitless_explorations + 1 if forced else 0
+        estimate = stats.tau_estimate
+        record_chosen(stats, budget, forced, estimate.estimated if estimate is not None else None)
 
 
 def _shared_last(stats: GenerationStats) -> bool:

@@ -29,6 +29,9 @@ class TauEstimate:
     """The finished sequences that had taught the planner acceptance then."""
     checked: int
     """The first round not yet counted into :attr:`drafted` and :attr:`skipped` (from ``start - 1``)."""
+    estimated: list[float]
+    """The planner's estimate before the chosen rounds' calibration scaled it into :attr:`taus`
+    (:class:`~diffdraft.budget.chosen_rounds.ChosenRounds`: what those rounds are compared against)."""
     drafted: int = 0
     """Rounds from :attr:`start` on whose tree the drafter built."""
     skipped: bool = False
@@ -82,6 +85,10 @@ class GenerationStats:
     fruitless_explorations: int = 0
     """In a batch, the explorations since this sequence last drafted of its own accord: each doubles
     the round planner's interval to its next one (a planner input, so not in :meth:`to_dict`)."""
+    chosen_rounds: list[tuple[int, list[float]]] = field(default_factory=list)
+    """The rounds (indices) whose tree the round planner chose to draft, not to explore, each with the
+    acceptance length per budget it expected before calibration: what it learns the estimates' bias
+    from once the sequence finished (a planner input, so not in :meth:`to_dict`)."""
     tau_estimate: TauEstimate | None = None
     """The round planner's expected acceptance length per budget for this sequence (re-estimated
     every few drafted rounds: a planner input, so not in :meth:`to_dict`)."""

@@ -1,0 +1,62 @@
+"""What the rounds a plan chose to draft accepted, against what it expected of them.
+
+A plan drafts in the rounds whose estimated acceptance is highest, and an estimate that is high partly
+by noise realizes less (the winner's curse). At batch 1 on a 2-core Xeon the rounds the plan chose to
+draft accepted 1.96-2.02 tokens where it expected 2.04-2.09 (ddtree:auto) and 2.10-2.12 where it
+expected 2.30-2.39 (ddtree+pld:auto), while its explorations, drafted whatever the estimate said,
+accepted as much or more than expected (2.2-2.4 against 1.8-2.2), and the chosen rounds' tokens per
+second came out no better than plain decoding's (figures: benchmarks/README.md, 'Measurements behind
+the code'). So the gains the plan expects of drafting are scaled by the share of them the chosen rounds
+realized.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from diffdraft.runtime.stats import GenerationStats
+
+WINDOW = 256
+"""Chosen rounds of finished sequences the calibration reads, the latest."""
+MIN_ROUNDS = 16
+"""Chosen rounds it needs before it scales anything."""
+
+
+class ChosenRounds:
+    """The realized share of the expected gain (acceptance length past the bonus token) over the
+    latest chosen drafted rounds of finished sequences, at most 1 (:attr:`factor`)."""
+
+    def __init__(self, window: int = WINDOW) -> None:
+        self._gains: deque[tuple[float, float]] = deque(maxlen=window)
+        """(expected, realized) gain of each chosen round."""
+        self.factor = 1.0
+
+    def observe(self, stats: GenerationStats) -> None:
+        """Learn a finished sequence's chosen rounds (:attr:`~GenerationStats.chosen_rounds`), each
+        expected at the size of the tree its drafter built (a tree can come out smaller than its
+        budget); a round that verified a free copy or no tree taught nothing of its drafter."""
+        if not stats.chosen_rounds:
+            return
+        sizes, lengths = stats.drafter_sizes(), stats.acceptance_lengths
+        for index, taus in stats.chosen_rounds:
+            if index < min(len(sizes), len(lengths)) and sizes[index] > 0:
+                expected = taus[min(sizes[index], len(taus) - 1)] - 1.0
+                self._gains.append((expected, lengths[index] - 1.0))
+        expected = sum(e for e, _ in self._gains)
+        if len(self._gains) >= MIN_ROUNDS and expected > 0:
+            self.factor = min(1.0, sum(r for _, r in self._gains) / expected)
+
+    def calibrated(self, taus: list[float]) -> list[float]:
+        """``taus`` (expected acceptance length per budget, 1 at budget 0) with every gain scaled by
+        :attr:`factor`; the same list when it is 1."""
+        if self.factor == 1.0:
+            return taus
+        return [1.0, *(1.0 + self.factor * (tau - 1.0) for tau in taus[1:])]
+
+
+def record_chosen(stats: GenerationStats, budget: int, forced: bool, estimated: list[float] | None) -> None:
+    """Record the round about to be verified as chosen, with the ``estimated`` acceptance per budget
+    the plan read before calibration, when the plan gave it a tree of its own accord (``budget`` > 0,
+    not ``forced`` to explore)."""
+    if budget > 0 and not forced and estimated is not None:
+        stats.chosen_rounds.append((len(stats.tree_sizes), estimated))
