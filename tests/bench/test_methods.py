@@ -238,3 +238,21 @@ def test_deer_methods_take_only_a_deer_drafter_and_skip_a_shipped_one_not_instal
     monkeypatch.setattr(diffdraft.drafters.checkpoint, "DEFAULT_DEER_DIR", tmp_path / "not-shipped")
     with pytest.raises(MethodUnavailable, match="default-deer drafter is missing"):
         build_method(BenchModels(checkpoint, deer_drafter="default-deer"), MethodSpec.parse("deer"))
+
+
+def test_methods_that_share_one_drafter_model_leave_each_other_nothing(models):
+    """The bench builds every drafter method on one loaded draft model: what one runner drafts must
+    not depend on what another drafted on it before (its cached context lives in its own drafter)."""
+    first = models.tokenizer("hello world, the quick")["input_ids"]
+    other = models.tokenizer("the brown fox, hello")["input_ids"]
+    runner = build_method(models, MethodSpec.parse("ddtree:4"))
+    alone = runner.generate(Request(first, max_new_tokens=16))
+    neighbour = build_method(models, MethodSpec.parse("ddtree+pld:4"))
+    assert runner.generator.drafter.model is neighbour.generator.drafter.drafter.model  # shared weights
+    neighbour.generate(Request(other, max_new_tokens=16))
+    again = runner.generate(Request(first, max_new_tokens=16))
+    fresh = build_method(models, MethodSpec.parse("ddtree:4")).generate(Request(first, max_new_tokens=16))
+    for done in (again, fresh):
+        assert done.token_ids == alone.token_ids
+        assert done.acceptance_lengths == alone.acceptance_lengths
+        assert done.verify_sizes == alone.verify_sizes

@@ -10,12 +10,14 @@ expected committed tokens per second:
     sum_i tau_i(B_i) / (t(sum_i (B_i + 1), sequences, context) + d * #{B_i > 0} + c * sequences)
 
 with tau_i a sequence's expected acceptance length per budget (:meth:`BudgetPlanner.expected_tau`
-from its own record), t the verification forward (the single-sequence curve alone, the batch curve
-shared, both rescaled by the finished sequences' own forwards), d the drafting, tree and mask time
-of one drafting sequence and c each sequence's acceptance and commit, both learned from finished
-sequences: from those decoded alone for a round of one sequence, from those that shared forwards
-for a round of several (drafting in a batch costs a sequence another time than drafting alone, and
-a planner that carried batch-8 drafting times to a lone sequence stopped it drafting).
+from its own record, its gains scaled by what the rounds plans chose to draft realized of theirs:
+:mod:`~diffdraft.budget.chosen_rounds`), t the verification forward (the single-sequence curve
+alone, the batch curve shared, both rescaled by the finished sequences' own forwards), d the
+drafting, tree and mask time of one drafting sequence and c each sequence's acceptance and commit,
+both learned from finished sequences: from those decoded alone for a round of one sequence, from
+those that shared forwards for a round of several (drafting in a batch costs a sequence another time
+than drafting alone, and a planner that carried batch-8 drafting times to a lone sequence stopped it
+drafting).
 
 Under load most sequences end at B_i = 0: a drafter forward and its tree do not pay for themselves
 once a CPU's forward cost grows with every verified token. A copy does not need the drafter:
@@ -356,7 +358,7 @@ class RoundBudgetPlanner:
         alone = all(forward[0] == 1 for forward in stats.verify_forwards)
         plain = plain_forwards(stats)  # read by the drafting cost and the shared forwards' window
         drafted = sum(size > 0 for size in stats.drafter_sizes())
-        self.chosen.observe(stats)  # before the estimates go stale: a chosen round drafted
+        self.chosen.observe(stats)  # reaches the estimates as _taught's change does (it drafted)
         self._taught += bool(drafted or stats.surrogates)
         first = stats.first_draft_seconds
         forwards = drafted - (first is not None)  # the first took the prompt in: a one-off, left out
