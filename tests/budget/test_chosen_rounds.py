@@ -32,12 +32,25 @@ def test_the_factor_is_the_realized_share_of_the_expected_gain_once_enough_round
     calibration.observe(chosen([2]))
     assert calibration.factor == pytest.approx(0.5)
     assert calibration.calibrated(EXPECTED) == pytest.approx([1.0, 1.5, 2.0, 2.5])
-    calibration.observe(chosen([3] * (WINDOW - 1)))  # every gain realized: the oldest rounds pass out
-    assert calibration.factor == pytest.approx(1 - 1 / (2 * WINDOW))
-    modest = chosen([3] * WINDOW)
+    modest = chosen([3] * MIN_ROUNDS)
     modest.chosen_rounds = [(index, [1.0, 1.2, 1.4]) for index, _ in modest.chosen_rounds]
-    calibration.observe(modest)  # more than expected: at most 1
-    assert calibration.factor == 1.0
+    more = ChosenRounds()
+    more.observe(modest)  # more than expected: at most 1
+    assert more.factor == 1.0
+
+
+def test_a_factor_the_plans_stopped_drafting_on_ages_out_with_the_sequences_that_drafted_since():
+    calibration = ChosenRounds()
+    calibration.observe(chosen([1] * MIN_ROUNDS))  # none of the expected gain realized
+    assert calibration.factor == 0.0
+    explored = GenerationStats(tree_sizes=[3, 0, 0], acceptance_lengths=[2, 1, 1])  # no chosen round
+    never_drafted = GenerationStats(tree_sizes=[0, 0], acceptance_lengths=[1, 1])
+    for _ in range(WINDOW - 1):
+        calibration.observe(explored)
+        calibration.observe(never_drafted)  # teaches nothing, ages nothing
+    assert calibration.factor == 0.0
+    calibration.observe(explored)
+    assert calibration.factor == 1.0  # the plans may choose to draft again, and learn anew
 
 
 def test_a_round_is_expected_at_the_size_its_drafter_built_and_copies_teach_nothing():
