@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from diffdraft.budget.chosen_rounds import MIN_ROUNDS, WINDOW, ChosenRounds, record_chosen
+from diffdraft.budget.chosen_rounds import MIN_ROUNDS, WINDOW, ChosenRounds
 from diffdraft.budget.cost import VerifyCostCurve
 from diffdraft.budget.planner import BudgetPlanner
 from diffdraft.budget.round_budget import RoundBudgetPlanner
 from diffdraft.runtime.stats import GenerationStats
 from diffdraft.trees import RoundSequence
+
+from budget.test_round_budget import drafted_once, losing_planner
 
 EXPECTED = [1.0, 2.0, 3.0, 4.0]
 """A plan's estimated acceptance length per budget 0..3."""
@@ -65,12 +67,12 @@ def test_a_round_is_expected_at_the_size_its_drafter_built_and_copies_teach_noth
 
 
 def test_only_rounds_the_plan_gave_a_tree_of_its_own_accord_are_recorded():
-    stats = GenerationStats(tree_sizes=[0, 3])
-    record_chosen(stats, 2, forced=True, estimated=EXPECTED)  # an exploration
-    record_chosen(stats, 0, forced=False, estimated=EXPECTED)  # plain
-    assert stats.chosen_rounds == []
-    record_chosen(stats, 2, forced=False, estimated=EXPECTED)
-    assert stats.chosen_rounds == [(2, EXPECTED)]  # the round about to be verified
+    rounds = losing_planner(explore_alone=2)
+    explored = drafted_once(2)
+    assert rounds.plan([RoundSequence(explored, 100, True)]) == [1]  # an exploration
+    plain = drafted_once(1)
+    assert rounds.plan([RoundSequence(plain, 100, True)]) == [0]
+    assert explored.chosen_rounds == [] and plain.chosen_rounds == []
 
 
 def test_a_plan_whose_chosen_rounds_realized_nothing_stops_drafting():
@@ -89,6 +91,7 @@ def test_a_plan_whose_chosen_rounds_realized_nothing_stops_drafting():
         finished.verify_forwards.append((1, budget + 1, 100))
         finished.verify_seconds.append(0.01)
     assert [index for index, _ in finished.chosen_rounds] == list(range(MIN_ROUNDS))
+    assert finished.chosen_rounds[-1][1] is finished.tau_estimate.estimated  # before calibration
     fresh = GenerationStats(surrogates=surrogates)
     assert rounds.plan([RoundSequence(fresh, 100, can_draft=True)])[0] > 0
     rounds.observe_generation(finished)

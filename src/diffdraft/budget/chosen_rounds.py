@@ -61,11 +61,3 @@ class ChosenRounds:
         if self.factor == 1.0:
             return taus
         return [1.0, *(1.0 + self.factor * (tau - 1.0) for tau in taus[1:])]
-
-
-def record_chosen(stats: GenerationStats, budget: int, forced: bool, estimated: list[float] | None) -> None:
-    """Record the round about to be verified as chosen, with the ``estimated`` acceptance per budget
-    the plan read before calibration, when the plan gave it a tree of its own accord (``budget`` > 0,
-    not ``forced`` to explore)."""
-    if budget > 0 and not forced and estimated is not None:
-        stats.chosen_rounds.append((len(stats.tree_sizes), estimated))

@@ -38,7 +38,7 @@ import numpy as np
 
 from diffdraft.budget.aftermath import aftermath_seconds, plain_forwards
 from diffdraft.budget.batch_cost import BatchCostCurve
-from diffdraft.budget.chosen_rounds import ChosenRounds, record_chosen
+from diffdraft.budget.chosen_rounds import ChosenRounds
 from diffdraft.budget.planner import MIN_TIMED_ROUNDS, BudgetPlanner
 from diffdraft.runtime.stats import GenerationStats, TauEstimate
 from diffdraft.trees import RoundSequence
@@ -584,14 +584,15 @@ class TimedForward:
 
 
 def _record_round(sequences: Sequence[RoundSequence], budgets: list[int], explore: list[bool]) -> None:
-    """Count a round's explorations in each sequence's stats (a drafting round the plan chose freely
-    clears the count) and record its chosen rounds (:func:`record_chosen`)."""
+    """Count a round's explorations in each sequence's stats; a drafting round the plan chose freely
+    clears the count and is recorded, with the estimate it was chosen on before calibration
+    (:attr:`~diffdraft.runtime.stats.GenerationStats.chosen_rounds`)."""
     for sequence, budget, forced in zip(sequences, budgets, explore, strict=True):
         stats = sequence.stats
         if budget > 0:
             stats.fruitless_explorations = stats.fruitless_explorations + 1 if forced else 0
-        estimate = stats.tau_estimate
-        record_chosen(stats, budget, forced, estimate.estimated if estimate is not None else None)
+            if not forced:  # the plan read the sequence's estimate to give it a tree: it is current
+                stats.chosen_rounds.append((len(stats.tree_sizes), stats.tau_estimate.estimated))
 
 
 def _shared_last(stats: GenerationStats) -> bool:
