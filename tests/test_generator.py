@@ -352,6 +352,19 @@ def test_ddtree_auto_budget_in_a_batch_learns_from_each_finished_request_alone(a
         assert learned.tolist() == expected.tolist()
 
 
+def test_only_an_auto_budgets_lookup_boost_remembers_its_copies_across_requests(
+    checkpoint, drafter_dir, monkeypatch, tmp_path
+):
+    monkeypatch.setenv("DIFFDRAFT_CACHE", str(tmp_path))
+    monkeypatch.setattr(cost, "DEFAULT_SIZES", (1, 4, 8, 16))
+    monkeypatch.setattr(cost, "DEFAULT_CONTEXTS", (16, 32))
+    auto = diffdraft.load(checkpoint, drafter=drafter_dir, method="ddtree+pld", budget="auto")
+    fixed = diffdraft.SpeculativeGenerator(auto.loaded, "ddtree+pld", drafter_dir, budget=4)
+    assert fixed.drafter.record is None  # a seeded request's output never depends on earlier ones
+    assert auto.drafter.record is not None
+    assert auto.drafter.fork().record is auto.drafter.record  # a batch's sequences add to the one record
+
+
 def test_cli_accepts_an_auto_budget(checkpoint, drafter_dir, monkeypatch, tmp_path, capsys):
     from diffdraft.cli import main
 

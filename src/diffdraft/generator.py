@@ -144,9 +144,15 @@ class PreparedRequest:
 
 
 def _make_drafter(
-    method: Method, drafter: str | os.PathLike | DraftModel | None, target: TargetModel, tokenizer
+    method: Method,
+    drafter: str | os.PathLike | DraftModel | None,
+    target: TargetModel,
+    tokenizer,
+    plans_rounds: bool = False,
 ) -> Drafter | None:
-    """``tokenizer``: the target's, so a drafter that reads token ids only (DEER) is checked against it."""
+    """``tokenizer``: the target's, so a drafter that reads token ids only (DEER) is checked against it;
+    ``plans_rounds``: whether an auto budget plans its rounds (a lookup boost then remembers what its
+    copies earned across requests)."""
     if method.drafting is Drafting.NONE:
         return None
     if method.drafting is Drafting.LOOKUP:
@@ -166,7 +172,7 @@ def _make_drafter(
             f"method {method.name!r} needs a {required.name} drafter ({required.made_by}); "
             f"{_drafter_name(drafter)} is a {model.variant} drafter: use --method chain or ddtree for it"
         )
-    return LookupBoostedDrafter(made) if method.lookup_boost else made
+    return LookupBoostedDrafter(made, remember=plans_rounds) if method.lookup_boost else made
 
 
 def _drafter_name(drafter: str | os.PathLike | DraftModel) -> str:
@@ -220,7 +226,14 @@ class SpeculativeGenerator:
         self.tokenizer = target.tokenizer
         self.target = TargetModel(target.model, cuda_graphs=cuda_graphs)
         self.method = method
-        self.drafter: Drafter | None = _make_drafter(row, drafter, self.target, self.tokenizer)
+        if builder is None:  # the auto budget's, made below (after the drafter: it may measure a while)
+            plans_rounds = (
+                row.tree is TreeRule.DDTREE
+                and (budget if budget is not None else row.default_budget) == "auto"
+            )
+        else:
+            plans_rounds = isinstance(builder, AutoBudgetBuilder)
+        self.drafter: Drafter | None = _make_drafter(row, drafter, self.target, self.tokenizer, plans_rounds)
         if builder is None:
             builder = _make_builder(row, budget, self.target, ngram, self.tokenizer)
         self.engine = SpeculativeEngine(self.target, self.drafter, builder)

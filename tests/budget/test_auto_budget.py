@@ -114,8 +114,8 @@ def promising(curve: VerifyCostCurve, draft: float = 0.0, commit: float = 0.0) -
     seconds a round alone, each round committing in ``commit``."""
     builder = AutoBudgetBuilder(BudgetPlanner(curve))
     builder.planner.observe_proposal(saturating_tau(255))
-    builder.rounds._draft_seconds[True].append(draft)
-    builder.rounds._commit_seconds[True].append(commit)
+    builder.rounds._draft_seconds.add(True, draft)
+    builder.rounds._commit_seconds.add(True, commit)
     return builder
 
 

@@ -79,7 +79,7 @@ def test_a_plan_whose_chosen_rounds_realized_nothing_stops_drafting():
     # the forward costs 10 ms plus 1 ms per extra token, drafting 2 ms: the estimate makes drafting pay
     curve = VerifyCostCurve(sizes=[1, 64], contexts=[512], seconds=[[0.01, 0.073]])
     rounds = RoundBudgetPlanner(BudgetPlanner(curve), explore_alone=1000)
-    rounds._draft_seconds[True].append(0.002)
+    rounds._draft_seconds.add(True, 0.002)
     surrogates = [[1.0 + 0.3 * b for b in range(20)]]
     finished = GenerationStats(surrogates=surrogates)
     for _ in range(MIN_ROUNDS):

@@ -76,7 +76,7 @@ def test_a_sequence_alone_decodes_plainly_once_its_drafts_do_not_pay():
     # the forward costs 10 ms plus 10 ms per extra token, drafting 20 ms: no drafted node pays
     curve = VerifyCostCurve(sizes=[1, 64], contexts=[512], seconds=[[0.01, 0.64]])
     rounds = RoundBudgetPlanner(BudgetPlanner(curve), explore_alone=4)
-    rounds._draft_seconds[True].append(0.02)
+    rounds._draft_seconds.add(True, 0.02)
     stats = GenerationStats(surrogates=[[1.0 + 0.3 * b for b in range(20)]])
     assert rounds.plan([RoundSequence(stats, 100, can_draft=True)]) == [0]
     stats.tree_sizes = [3, 0, 0, 0, 0]  # nothing drafted for the last 4 rounds alone: it explores
@@ -93,7 +93,7 @@ def losing_planner(explore_every: int = 4, explore_alone: int = 4) -> RoundBudge
     rounds = RoundBudgetPlanner(
         BudgetPlanner(curve), explore_every=explore_every, explore_alone=explore_alone
     )
-    rounds._draft_seconds[True].append(0.02)
+    rounds._draft_seconds.add(True, 0.02)
     return rounds
 
 

@@ -22,6 +22,9 @@ class FixedDrafter:
     def reset(self) -> None:
         pass
 
+    def fork(self) -> FixedDrafter:
+        return self  # no state of its own
+
     def extend_context(self, hidden, start: int) -> None:
         pass
 
@@ -93,8 +96,41 @@ def test_calibrated_weights_follow_how_often_the_target_confirmed_earlier_copies
     # depth 1 and 2 confirmed once (2/3), depth 3 missed once (1/3); 2-gram matches untouched
     assert boosted.weights(1, 3).tolist() == pytest.approx([2 / 3, 2 / 3, 1 / 3])
     assert boosted.weights(2, 3).tolist() == [0.5, 0.5, 0.5]
-    boosted.reset()  # a new generation starts from no evidence
+    boosted.reset()  # a new generation starts from no evidence (the drafter does not remember)
     assert boosted.weights(1, 3).tolist() == [0.5, 0.5, 0.5]
+
+
+def test_a_generation_of_a_remembering_drafter_starts_from_what_every_fork_taught():
+    boosted = LookupBoostedDrafter(FixedDrafter(LOG_PROBS), remember=True)
+    first, second = boosted.fork(), boosted.fork()
+    context = [1, 2, 3, 4, 0, 1]  # a 1-gram match copies "2 3 4"
+    for _ in range(3):  # three generations of the first fork: the target kept "2 3", never "4"
+        first.reset()
+        first.propose(torch.tensor(context), 3)
+        first.propose(torch.tensor([*context, 2, 3, 5]), 3)
+    assert second.weights(1, 3).tolist() == [0.5, 0.5, 0.5]  # its generation began before any of them
+    second.reset()
+    assert second.weights(1, 3).tolist() == pytest.approx([4 / 5, 4 / 5, 1 / 5])  # (3 + 1) / (3 + 2)...
+    second.propose(torch.tensor(context), 3)
+    second.propose(torch.tensor([*context, 5]), 3)  # ...then its own copy missed at depth 1
+    prior = 2 * 4 / 5
+    assert second.weights(1, 1).tolist() == pytest.approx([prior / 3])  # two prior copies and its one
+    assert LookupBoostedDrafter(FixedDrafter(LOG_PROBS), weight=0.3).fork().weights(1, 2).tolist() == [
+        0.3,
+        0.3,
+    ]
+
+
+def test_the_copy_record_forgets_half_its_checks_once_a_window_is_full():
+    from diffdraft.drafters.lookup_boost import CopyRecord
+
+    record = CopyRecord((2, 1), window=4)
+    for _ in range(4):
+        record.add(1, 0, kept=True)
+    assert record.rates()[1, 0] == pytest.approx(5 / 6)
+    record.add(1, 0, kept=False)  # 4 of 4 halved to 2 of 2, then a miss: 2 kept of 3
+    assert (record.confirmed[1, 0], record.checked[1, 0]) == (2, 3)
+    assert record.rates()[0, 0] == 0.5  # nothing checked there
 
 
 def test_calibrated_boost_keeps_every_row_a_distribution():

@@ -270,16 +270,10 @@ class RoundBudgetPlanner:
         self.explore_alone = explore_alone
         self.explore_backoff = explore_backoff
         self.refresh = refresh
-        self._draft_seconds: dict[bool, deque[float]] = {
-            alone: deque(maxlen=window) for alone in (True, False)
-        }
-        """Seconds per drafting round of finished sequences, kept apart by whether they ran alone."""
-        self._commit_seconds: dict[bool, deque[float]] = {
-            alone: deque(maxlen=window) for alone in (True, False)
-        }
-        self._copy_seconds: dict[bool, deque[float]] = {
-            alone: deque(maxlen=window) for alone in (True, False)
-        }
+        self._draft_seconds = StageSeconds(window)
+        """Seconds per drafting round of finished sequences."""
+        self._commit_seconds = StageSeconds(window)
+        self._copy_seconds = StageSeconds(window)
         """Seconds per free copy of finished sequences: taking it, building its chain and mask, and its
         share of the plan (:attr:`~diffdraft.runtime.stats.GenerationStats.copy_plan_seconds`)."""
         self._batch_forwards: dict[bool, dict[tuple[tuple[int, int, int], float], TimedForward]] = {
@@ -290,6 +284,10 @@ class RoundBudgetPlanner:
         counts once. Kept apart because under load plain forwards would push every tree's out of
         one window, and a plan that forgot what trees cost drafted again where they did not pay."""
         self.timed_rounds = timed_rounds
+        self._scales: dict[tuple[bool, int], float] = {}
+        """:meth:`batch_scale` (False) and :meth:`tree_scale` (True) by sequences, until new forwards are
+        kept: every cost curve a plan reads asks both, and each reads up to ``timed_rounds`` forwards
+        (a plan that missed the costs' cache took ~0.5 ms at batch 2)."""
         self.context_step = context_step
         self.plain_rounds = plain_rounds
         self.plain_backoff = plain_backoff
@@ -338,17 +336,17 @@ class RoundBudgetPlanner:
         before any did; 0 before any sequence finished): its drafter's forward, its tree and its share
         of the plan, and what its drafted rounds slowed the plain forwards after them
         (:func:`~diffdraft.budget.aftermath.aftermath_seconds`)."""
-        return _median_of(self._draft_seconds, alone)
+        return self._draft_seconds.median(alone)
 
     def copy_seconds(self, alone: bool = True) -> float:
         """Seconds a free copy adds to a round besides its tokens' share of the forward (as
         :meth:`draft_seconds`; 0 before any copy was measured, so copies get tried)."""
-        return _median_of(self._copy_seconds, alone)
+        return self._copy_seconds.median(alone)
 
     def commit_seconds(self, alone: bool = True) -> float:
         """Seconds each sequence adds to a round outside the forward and drafting (as
         :meth:`draft_seconds`)."""
-        return _median_of(self._commit_seconds, alone)
+        return self._commit_seconds.median(alone)
 
     def observe_generation(self, stats: GenerationStats) -> None:
         """Learn a finished sequence's stage times and its shared forwards' times."""
@@ -366,12 +364,12 @@ class RoundBudgetPlanner:
             drafting = (stats.timings["draft"] - (first or 0.0)) / forwards
             building = stats.draft_build_seconds + stats.draft_plan_seconds
             aftermath = aftermath_seconds(stats, plain)
-            self._draft_seconds[alone].append(drafting + (building + aftermath) / drafted)
+            self._draft_seconds.add(alone, drafting + (building + aftermath) / drafted)
         if stats.copy_rounds:
             seconds = stats.copy_seconds + stats.copy_plan_seconds
-            self._copy_seconds[alone].append(seconds / len(stats.copy_rounds))
+            self._copy_seconds.add(alone, seconds / len(stats.copy_rounds))
         if stats.rounds:
-            self._commit_seconds[alone].append(sum(stats.timings[s] for s in COMMIT_STAGES) / stats.rounds)
+            self._commit_seconds.add(alone, sum(stats.timings[s] for s in COMMIT_STAGES) / stats.rounds)
         self._keep_forwards(stats, plain.steady)
 
     def _keep_forwards(self, stats: GenerationStats, steady: list[bool]) -> None:
@@ -395,6 +393,7 @@ class RoundBudgetPlanner:
         for kept in self._batch_forwards.values():
             while len(kept) > self.timed_rounds:
                 del kept[next(iter(kept))]  # the oldest: dicts keep order
+        self._scales.clear()
 
     def verify_seconds(self, tokens: np.ndarray, sequences: int, context: float) -> np.ndarray:
         """The forward's seconds for each total of ``tokens`` shared by ``sequences`` over ``context``
@@ -416,6 +415,12 @@ class RoundBudgetPlanner:
         pushes the target's weights out of a CPU's cache), and a plain round read at their scale
         kept a plan drafting that never timed a plain one (figures: benchmarks/README.md,
         'Measurements behind the code')."""
+        key = (False, sequences)
+        if key not in self._scales:
+            self._scales[key] = self._batch_scale(sequences)
+        return self._scales[key]
+
+    def _batch_scale(self, sequences: int) -> float:
         plain = list(self._batch_forwards[False].values())
         for kept in ([f for f in plain if f.sequences == sequences], plain):
             if len(kept) >= MIN_TIMED_ROUNDS:
@@ -431,12 +436,17 @@ class RoundBudgetPlanner:
         scaled as a whole to fit the plain forwards, which most are under load, the curve put a
         tree's extra well under what it took, and the plan drafted where it did not pay (figures:
         benchmarks/README.md, 'Measurements behind the code')."""
+        key = (True, sequences)
+        if key not in self._scales:
+            self._scales[key] = self._tree_scale(sequences)
+        return self._scales[key]
+
+    def _tree_scale(self, sequences: int) -> float:
         forwards = list(self._batch_forwards[True].values())
         for kept in ([f for f in forwards if f.sequences == sequences], forwards):
             extra = sum(f.curve - f.plain for f in kept)
             if len(kept) >= MIN_TIMED_ROUNDS and extra > 0:
-                scales = {n: self.batch_scale(n) for n in {f.sequences for f in kept}}
-                plain = sum(scales[f.sequences] * f.plain for f in kept)
+                plain = sum(self.batch_scale(f.sequences) * f.plain for f in kept)
                 floor = TREE_SCALE_FLOOR * self.batch_scale(sequences)
                 return max(floor, (sum(f.seconds for f in kept) - plain) / extra)
         return self.batch_scale(sequences)
@@ -605,12 +615,27 @@ def _identical(these: Sequence, those: Sequence) -> bool:
     return len(these) == len(those) and all(a is b for a, b in zip(these, those, strict=True))
 
 
-def _median_of(seconds: dict[bool, deque[float]], alone: bool) -> float:
-    """The median of ``seconds[alone]``, else of the other record, else 0. Not the mean: a few
-    sequences that ran through a stall of the machine would move it for as long as they stay in the
-    window (``window`` sequences: a minute of lone requests), and a lone sequence that read drafting
-    4x dearer so drafted far less (tau 1.33 against 2.05; figures: benchmarks/README.md,
-    'Measurements behind the code'). The standard library's: asked every round that offers a copy,
-    and numpy's median of a 64-entry deque took 9.4 us against 1.5."""
-    record = seconds[alone] or seconds[not alone]
-    return statistics.median(record) if record else 0.0
+class StageSeconds:
+    """A stage's seconds per round of the latest ``window`` finished sequences, kept apart by whether
+    they ran alone, and their medians. Not the mean: a few sequences that ran through a stall of the
+    machine would move it for as long as they stay in the window (``window`` sequences: a minute of
+    lone requests), and a lone sequence that read drafting 4x dearer so drafted far less (tau 1.33
+    against 2.05; figures: benchmarks/README.md, 'Measurements behind the code'). Each median is
+    taken once per new entry, not each time a plan asks (every round that offers a copy)."""
+
+    def __init__(self, window: int) -> None:
+        self._seconds: dict[bool, deque[float]] = {alone: deque(maxlen=window) for alone in (True, False)}
+        self._medians: dict[bool, float] = {}
+
+    def add(self, alone: bool, seconds: float) -> None:
+        self._seconds[alone].append(seconds)
+        self._medians.clear()
+
+    def median(self, alone: bool) -> float:
+        """The median of the record of sequences that ran ``alone`` (or not), else of the other
+        record, else 0."""
+        median = self._medians.get(alone)
+        if median is None:
+            record = self._seconds[alone] or self._seconds[not alone]
+            median = self._medians[alone] = statistics.median(record) if record else 0.0
+        return median

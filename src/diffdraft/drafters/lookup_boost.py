@@ -4,12 +4,13 @@ Code and chat answers repeat their context (identifiers, quoted text); prompt lo
 repeats for free, while a small drafter guesses everything else. Where lookup finds a match, depth
 d's marginal becomes ``(1 - w) * q_d + w * onehot(copy_d)``. By default w is calibrated on the
 current generation, per matched n-gram length n and depth d: the share of earlier such copies the
-target confirmed (given the shallower ones were), starting from 1/2. DDTree's tree is optimal for
-the marginals it is given, so marginals that say how often a copy really holds spend its budget
-better than a fixed w (1-gram matches are weak evidence, 3-gram ones strong); on the default drafter
-calibrated weights gained acceptance on code and held even on chat (figures: benchmarks/README.md,
-'Measurements behind the code'). Every row stays a probability distribution, so all verifiers stay
-exact whatever the weights.
+target confirmed (given the shallower ones were), starting from 1/2, or for a drafter that remembers
+(an auto budget's) from what the copies of its earlier generations taught (:class:`CopyRecord`).
+DDTree's tree is optimal for the marginals it is given, so marginals that say how often a copy
+really holds spend its budget better than a fixed w (1-gram matches are weak evidence, 3-gram ones
+strong); on the default drafter calibrated weights gained acceptance on code and held even on chat
+(figures: benchmarks/README.md, 'Measurements behind the code'). Every row stays a probability
+distribution, so all verifiers stay exact whatever the weights.
 
 A copy may run past the drafter's block (some rounds fill the block, while prompt lookup alone goes
 on copying past it): there the copied token gets w and the rest of the row is spread evenly over the
@@ -28,13 +29,50 @@ from diffdraft.drafters.prompt_lookup import PromptLookupDrafter
 
 COPY_DEPTH = 10
 """How far a copied continuation may reach by default (prompt lookup's own default depth)."""
+PRIOR_COPIES = 2
+"""How many copies a generation's calibration counts its starting rate as, before its own evidence."""
+
+
+class CopyRecord:
+    """What the target kept of the copies of every generation a drafter and its forks drafted, per
+    matched n-gram length and depth: where a generation's calibration starts. A fixed 1/2 misjudged
+    both ends: on the bench's prompts the default target kept the first token of a 3-gram match's
+    copy 72% of the time and of a 1-gram match's 20%, and an auto budget that starts each generation
+    from the record copies more and drafts less at batch 1 (figures: benchmarks/README.md,
+    'Measurements behind the code'). Each (n, d) keeps about its latest ``window`` checks: half of
+    them are forgotten once the window is full, so the record follows what the drafter is now asked
+    to continue."""
+
+    def __init__(self, shape: tuple[int, int], window: int = 256) -> None:
+        self.confirmed = np.zeros(shape, dtype=np.float32)
+        self.checked = np.zeros(shape, dtype=np.float32)
+        self.window = window
+
+    def add(self, ngram: int, depth: int, kept: bool) -> None:
+        """One copied token checked against what the target emitted (depth from 0)."""
+        if self.checked[ngram, depth] >= self.window:
+            self.checked[ngram, depth] /= 2
+            self.confirmed[ngram, depth] /= 2
+        self.checked[ngram, depth] += 1
+        self.confirmed[ngram, depth] += kept
+
+    def rates(self) -> np.ndarray:
+        """The share kept per (n, d), 1/2 where nothing was checked: (confirmed + 1) / (checked + 2)."""
+        return ((self.confirmed + 1) / (self.checked + 2)).astype(np.float64)
 
 
 class LookupBoostedDrafter:
     def __init__(
-        self, drafter: Drafter, lookup: PromptLookupDrafter | None = None, weight: float | None = None
+        self,
+        drafter: Drafter,
+        lookup: PromptLookupDrafter | None = None,
+        weight: float | None = None,
+        remember: bool = False,
     ) -> None:
-        """``weight``: a fixed w for every depth, or None to calibrate w_d on each generation."""
+        """``weight``: a fixed w for every depth, or None to calibrate w_d on each generation, from 1/2
+        or, if it should ``remember``, from the record of its and its forks' earlier generations. An
+        auto budget's drafter remembers: its round plan takes a copy only where the copy's weights say
+        it pays. Others do not, so a seeded request's output never depends on the requests before it."""
         if weight is not None and not 0.0 < weight < 1.0:
             raise ValueError(f"lookup weight must be in (0, 1), got {weight}")
         self.drafter = drafter
@@ -42,10 +80,15 @@ class LookupBoostedDrafter:
         self.weight = weight
         self.target_layer_ids = drafter.target_layer_ids
         self.max_depth = max(drafter.max_depth, self.lookup.max_depth)
+        shape = (self.lookup.max_ngram + 1, self.max_depth)
+        self.record = CopyRecord(shape) if remember else None
         self.reset()
 
     def fork(self) -> LookupBoostedDrafter:
-        return LookupBoostedDrafter(self.drafter.fork(), self.lookup.fork(), self.weight)
+        clone = LookupBoostedDrafter(self.drafter.fork(), self.lookup.fork(), self.weight)
+        clone.record = self.record  # every fork adds to the one record, and starts from it
+        clone.reset()
+        return clone
 
     def reset(self) -> None:
         self.drafter.reset()
@@ -54,6 +97,9 @@ class LookupBoostedDrafter:
         # [n, d]: copies after an n-gram match the target emitted, and those whose position it has
         self._confirmed = np.zeros(shape, dtype=np.float32)
         self._checked = np.zeros(shape, dtype=np.float32)
+        self._prior = self.record.rates() if self.record is not None else np.full(shape, 0.5)
+        """Where this generation's calibration starts: read once, so its weights move only with its own
+        copies (the expectations cached below stay valid until one of those is scored)."""
         self._last_copy: tuple[int, int, list[int]] = (0, 0, [])  # root index, n, copied tokens
         self._scorings = 0
         """Copies scored so far: the calibration's version."""
@@ -62,12 +108,14 @@ class LookupBoostedDrafter:
         """The calibration's version and each offer's expectation under it, by (n-gram, copied length)."""
 
     def weights(self, ngram: int | slice, depth: int) -> np.ndarray:
-        """w_d for depths 1..depth after an ``ngram`` match: fixed, or (confirmed + 1) / (checked + 2);
-        [depth], or [n-gram lengths, depth] for a slice of them."""
+        """w_d for depths 1..depth after an ``ngram`` match: fixed, or (confirmed + 2 p) / (checked + 2)
+        with p the record's rate when the generation began (:data:`PRIOR_COPIES`); [depth], or
+        [n-gram lengths, depth] for a slice of them."""
         confirmed, checked = self._confirmed[ngram, :depth], self._checked[ngram, :depth]
         if self.weight is not None:
             return np.full(confirmed.shape, self.weight)
-        return ((confirmed + 1) / (checked + 2)).astype(np.float64)
+        prior = self._prior[ngram, :depth]
+        return (confirmed + PRIOR_COPIES * prior) / (checked + PRIOR_COPIES)
 
     def _score_last_copy(self, token_ids: list[int]) -> None:
         """Compare last round's copy with what the target emitted since, up to its first miss."""
@@ -75,8 +123,11 @@ class LookupBoostedDrafter:
         emitted = token_ids[root + 1 :]
         self._scorings += bool(copied and emitted)
         for d, (guess, actual) in enumerate(zip(copied, emitted, strict=False)):
+            kept = guess == actual
+            if self.record is not None:
+                self.record.add(ngram, d, kept)
             self._checked[ngram, d] += 1
-            if guess != actual:
+            if not kept:
                 return
             self._confirmed[ngram, d] += 1
 

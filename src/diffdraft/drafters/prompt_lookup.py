@@ -19,9 +19,14 @@ class PromptLookupDrafter(ForksByCopy):
         self.max_depth = max_depth
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
+        self.reset()
 
     def reset(self) -> None:
-        pass
+        self._seen: list[int] = []
+        """The tokens :meth:`match` indexed: a generation's context only grows, anything else starts
+        the index over."""
+        self._latest: dict[tuple[int, ...], int] = {}
+        """Every n-gram of :attr:`_seen` but its last token's: where its latest occurrence ends."""
 
     def extend_context(self, hidden: torch.Tensor | None, start: int) -> None:
         pass
@@ -32,15 +37,20 @@ class PromptLookupDrafter(ForksByCopy):
 
     def match(self, ids: list[int], depth: int) -> tuple[int, list[int]]:
         """(n, up to ``depth`` tokens that followed the latest earlier occurrence of the last n-gram),
-        longest n first; (0, []) without a match."""
-        last = ids[-1]
-        # every earlier occurrence ends on the last token, so one pass finds all candidates, latest
-        # first (recent text predicts best): far cheaper than comparing a window at every position
-        # (figures: benchmarks/README.md, 'Measurements behind the code')
-        ends = [i for i in range(len(ids) - 2, -1, -1) if ids[i] == last]
+        longest n first; (0, []) without a match. Each n-gram is indexed once, as the context grows
+        past it: a lone sequence's round plan asks for its copy every round, and a scan of the whole
+        context each time took ~8.5 us at 400 tokens (figures: benchmarks/README.md, 'Measurements
+        behind the code')."""
+        seen = self._seen
+        if len(ids) < len(seen) or ids[: len(seen)] != seen:
+            seen, self._latest = [], {}
+        latest = self._latest
+        for end in range(max(0, len(seen) - 1), len(ids) - 1):  # n-grams ending before the last token
+            for n in range(self.min_ngram, min(self.max_ngram, end + 1) + 1):
+                latest[tuple(ids[end - n + 1 : end + 1])] = end
+        self._seen = list(ids)
         for n in range(min(self.max_ngram, len(ids) - 1), self.min_ngram - 1, -1):
-            suffix = ids[-n:]
-            for end in ends:
-                if end >= n - 1 and ids[end - n + 1 : end + 1] == suffix:
-                    return n, ids[end + 1 : end + 1 + depth]
+            end = latest.get(tuple(ids[-n:]))
+            if end is not None:
+                return n, ids[end + 1 : end + 1 + depth]
         return 0, []
