@@ -287,7 +287,7 @@ class RoundBudgetPlanner:
         self._scales: dict[tuple[bool, int], float] = {}
         """:meth:`batch_scale` (False) and :meth:`tree_scale` (True) by sequences, until new forwards are
         kept: every cost curve a plan reads asks both, and each reads up to ``timed_rounds`` forwards
-        (a plan that missed the costs' cache took ~0.5 ms at batch 2)."""
+        (under a profiler a cost curve made anew took 0.77 ms at batch 2, nearly all of it there)."""
         self.context_step = context_step
         self.plain_rounds = plain_rounds
         self.plain_backoff = plain_backoff
