@@ -43,12 +43,13 @@ class PromptLookupDrafter(ForksByCopy):
         behind the code')."""
         seen = self._seen
         if len(ids) < len(seen) or ids[: len(seen)] != seen:
-            seen, self._latest = [], {}
+            seen = self._seen = []
+            self._latest = {}
         latest = self._latest
         for end in range(max(0, len(seen) - 1), len(ids) - 1):  # n-grams ending before the last token
             for n in range(self.min_ngram, min(self.max_ngram, end + 1) + 1):
                 latest[tuple(ids[end - n + 1 : end + 1])] = end
-        self._seen = list(ids)
+        seen.extend(ids[len(seen) :])
         for n in range(min(self.max_ngram, len(ids) - 1), self.min_ngram - 1, -1):
             end = latest.get(tuple(ids[-n:]))
             if end is not None:
