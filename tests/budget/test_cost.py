@@ -59,6 +59,28 @@ def test_measuring_gives_every_size_and_the_cache_is_reused_until_it_stops_match
     assert load_or_measure(target, cache_dir=tmp_path).seconds != stale["seconds"]
 
 
+def test_a_cached_curve_survives_a_cold_first_probe_but_not_one_that_stays_off(monkeypatch):
+    """A process's first forwards pay its cold start: one probe off by more than the tolerance keeps
+    the curve when the next one agrees; a curve every probe disagrees with is measured anew."""
+    target = TargetModel(tiny_target(dtype=torch.float32, max_positions=64))
+    curve = measure_verify_cost(target, sizes=(1, 4), contexts=(8,), repeats=1)
+    slowdowns = []
+
+    def probe(target, sizes, contexts, repeats):
+        factor = slowdowns.pop(0)
+        return VerifyCostCurve(
+            sizes=list(sizes),
+            contexts=list(contexts),
+            seconds=[[factor * curve(q, contexts[0]) for q in sizes]],
+        )
+
+    monkeypatch.setattr(cost, "measure_verify_cost", probe)
+    slowdowns[:] = [1.5, 1.1]
+    assert cost.still_valid(curve, target) and not slowdowns
+    slowdowns[:] = [1.5, 1.5, 1.0]
+    assert not cost.still_valid(curve, target) and slowdowns == [1.0]  # stale after two probes
+
+
 def test_one_token_rounds_are_timed_deep_in_a_run_as_plain_decoding_runs_them(monkeypatch):
     """On a machine whose one-token forward runs slow right after a bigger one, t(1) is the run's,
     the bigger sizes' as measured."""

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from diffdraft.budget.cost import curve_key, monotone_fit, synthetic_tree, timed_in_a_run
+from diffdraft.budget.cost import curve_key, monotone_fit, passes_a_spot_check, synthetic_tree, timed_in_a_run
 from diffdraft.decoding.verify import accept
 from diffdraft.runtime.sampling import SamplingParams
 from diffdraft.target.model import TargetModel, VerifyInput
@@ -193,9 +193,13 @@ def still_valid(curve: BatchCostCurve, target: TargetModel, tolerance: float = 0
     other hardware, would mislead every round's plan)."""
     batch, size = curve.batches[len(curve.batches) // 2], curve.sizes[len(curve.sizes) // 2]
     context = curve.contexts[len(curve.contexts) // 2]
-    probe = measure_batch_cost(target, [batch], [size], [context], repeats=3)
-    expected = curve(batch * size, batch, probe.contexts[0])
-    return abs(probe.seconds[0][0][0] - expected) <= tolerance * expected
+
+    def probe() -> bool:
+        measured = measure_batch_cost(target, [batch], [size], [context], repeats=3)
+        expected = curve(batch * size, batch, measured.contexts[0])
+        return abs(measured.seconds[0][0][0] - expected) <= tolerance * expected
+
+    return passes_a_spot_check(probe)
 
 
 def load_or_measure_batch_cost(
