@@ -2,7 +2,8 @@
 median pass (of an even count, the mean of the middle two) and the requests' mean tau; beside it,
 ddtree+pld:auto over `ar` pass by pass (the two ran back to back), median [lowest-highest], and their
 mean with a 95% bootstrap interval (resampling the passes): whether a shortfall is more than the
-machine's noise."""
+machine's noise. Where the run has a fixed budget's server (ddtree+pld-<budget> files), also
+ddtree+pld:auto over the better of `ar` and it by the median passes: issue 32's bar."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from collections import defaultdict
 from pathlib import Path
 
 METHODS = ("ar", "ddtree-auto", "ddtree+pld-auto")
+FIXED = re.compile(r"ddtree\+pld-\d+")
+"""A fixed budget's server, as run.sh names it."""
 
 
 def main(folder: Path) -> None:
@@ -29,20 +32,23 @@ def main(folder: Path) -> None:
         tau[method, int(clients)].append(summary["mean_tau"])
         failed += summary["failed"]
     counts = sorted({clients for _, clients in speed})
-    print("| clients | " + " | ".join(METHODS) + " | ddtree+pld:auto / ar | pass by pass | mean [95%] |")
-    print("|---|" + "---|" * (len(METHODS) + 3))
+    fixed = sorted({method for method, _ in speed if FIXED.fullmatch(method)})
+    methods = [*METHODS, *fixed]
+    bar = " | over the better of ar and " + ", ".join(fixed) + " |" if fixed else " |"
+    print("| clients | " + " | ".join(methods) + " | ddtree+pld:auto / ar | pass by pass | mean [95%]" + bar)
+    print("|---|" + "---|" * (len(methods) + 3 + bool(fixed)))
     for clients in counts:
-        cells = [
-            f"{statistics.median(speed[m, clients].values()):.1f}"
-            f" (tau {statistics.mean(tau[m, clients]):.2f})"
-            for m in METHODS
-        ]
+        median = {m: statistics.median(speed[m, clients].values()) for m in methods if (m, clients) in speed}
+        mean_tau = {m: statistics.mean(tau[m, clients]) for m in median}
+        cells = [f"{median[m]:.1f} (tau {mean_tau[m]:.2f})" if m in median else "-" for m in methods]
         reference, auto = speed["ar", clients], speed["ddtree+pld-auto", clients]
-        ratio = statistics.median(auto.values()) / statistics.median(reference.values())
+        ratio = median["ddtree+pld-auto"] / median["ar"]
         paired = [auto[run] / reference[run] for run in sorted(reference.keys() & auto.keys())]
         spread = f"{statistics.median(paired):.2f}x [{min(paired):.2f}-{max(paired):.2f}]" if paired else "-"
         interval = _mean_interval(paired)
-        print(f"| {clients} | " + " | ".join(cells) + f" | {ratio:.2f}x | {spread} | {interval} |")
+        better = max(median.get(m, 0.0) for m in ("ar", *fixed))
+        against = f" {median['ddtree+pld-auto'] / better:.3f}x |" if fixed else ""
+        print(f"| {clients} | " + " | ".join(cells) + f" | {ratio:.2f}x | {spread} | {interval} |" + against)
     runs = sum(len(v) for v in speed.values())
     passes = sorted({len(v) for v in speed.values()})
     print(f"\n{runs} runs, passes per point {passes}, failed requests {failed}")
