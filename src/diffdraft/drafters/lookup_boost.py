@@ -19,6 +19,7 @@ tokens the drafter scores, so the tree can follow a long copy while the drafter 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 import numpy as np
@@ -85,9 +86,11 @@ class LookupBoostedDrafter:
         self.reset()
 
     def fork(self) -> LookupBoostedDrafter:
-        clone = LookupBoostedDrafter(self.drafter.fork(), self.lookup.fork(), self.weight)
-        clone.record = self.record  # every fork adds to the one record, and starts from it
-        clone.reset()
+        """A drafter of its own over forks of this one's drafter and lookup, sharing its weight and its
+        record (every fork adds to the one record, and starts from it)."""
+        clone = copy.copy(self)
+        clone.drafter, clone.lookup = self.drafter.fork(), self.lookup.fork()
+        clone.reset()  # the generation's own state, none of it shared
         return clone
 
     def reset(self) -> None:
