@@ -60,8 +60,8 @@ def test_measuring_gives_every_size_and_the_cache_is_reused_until_it_stops_match
 
 
 def test_a_cached_curve_survives_a_cold_first_probe_but_not_one_that_stays_off(monkeypatch):
-    """A process's first forwards pay its cold start: one probe off by more than the tolerance keeps
-    the curve when the next one agrees; a curve every probe disagrees with is measured anew."""
+    """One probe wanders (a fresh process's first most): one off by more than the tolerance keeps the
+    curve when the next one agrees; a curve every probe disagrees with is measured anew."""
     target = TargetModel(tiny_target(dtype=torch.float32, max_positions=64))
     curve = measure_verify_cost(target, sizes=(1, 4), contexts=(8,), repeats=1)
     slowdowns = []
