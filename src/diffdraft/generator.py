@@ -179,13 +179,18 @@ def _drafter_name(drafter: str | os.PathLike | DraftModel) -> str:
     return str(drafter) if isinstance(drafter, (str, os.PathLike)) else "the given drafter"
 
 
+def _budget_or_default(method: Method, budget: int | str | None) -> int | str | None:
+    """``budget``, or for None the method's default (for the DDTree methods "auto": the best fixed
+    budget depends on the machine, 8 nodes ran fastest on a 2-core CPU where 32 ran slower than plain
+    AR)."""
+    return method.default_budget if budget is None else budget
+
+
 def _make_builder(
     method: Method, budget: int | str | None, target: TargetModel, ngram, tokenizer
 ) -> TreeBuilder:
-    """``budget`` None: the method's default (for the DDTree methods "auto": the best fixed budget
-    depends on the machine, 8 nodes ran fastest on a 2-core CPU where 32 ran slower than plain AR)."""
-    if budget is None:
-        budget = method.default_budget
+    """``budget`` None: the method's default (:func:`_budget_or_default`)."""
+    budget = _budget_or_default(method, budget)
     if method.tree is TreeRule.DART:
         if budget == "auto":
             raise InvalidRequestError(
@@ -227,10 +232,7 @@ class SpeculativeGenerator:
         self.target = TargetModel(target.model, cuda_graphs=cuda_graphs)
         self.method = method
         if builder is None:  # the auto budget's, made below (after the drafter: it may measure a while)
-            plans_rounds = (
-                row.tree is TreeRule.DDTREE
-                and (budget if budget is not None else row.default_budget) == "auto"
-            )
+            plans_rounds = row.tree is TreeRule.DDTREE and _budget_or_default(row, budget) == "auto"
         else:
             plans_rounds = isinstance(builder, AutoBudgetBuilder)
         self.drafter: Drafter | None = _make_drafter(row, drafter, self.target, self.tokenizer, plans_rounds)

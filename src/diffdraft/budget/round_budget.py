@@ -415,10 +415,7 @@ class RoundBudgetPlanner:
         pushes the target's weights out of a CPU's cache), and a plain round read at their scale
         kept a plan drafting that never timed a plain one (figures: benchmarks/README.md,
         'Measurements behind the code')."""
-        key = (False, sequences)
-        if key not in self._scales:
-            self._scales[key] = self._batch_scale(sequences)
-        return self._scales[key]
+        return self._scale(False, sequences)
 
     def _batch_scale(self, sequences: int) -> float:
         plain = list(self._batch_forwards[False].values())
@@ -436,9 +433,14 @@ class RoundBudgetPlanner:
         scaled as a whole to fit the plain forwards, which most are under load, the curve put a
         tree's extra well under what it took, and the plan drafted where it did not pay (figures:
         benchmarks/README.md, 'Measurements behind the code')."""
-        key = (True, sequences)
+        return self._scale(True, sequences)
+
+    def _scale(self, trees: bool, sequences: int) -> float:
+        """:meth:`tree_scale` (``trees``) or :meth:`batch_scale`, computed once until new forwards
+        are kept (:attr:`_scales`)."""
+        key = (trees, sequences)
         if key not in self._scales:
-            self._scales[key] = self._tree_scale(sequences)
+            self._scales[key] = (self._tree_scale if trees else self._batch_scale)(sequences)
         return self._scales[key]
 
     def _tree_scale(self, sequences: int) -> float:
