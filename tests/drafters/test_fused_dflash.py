@@ -11,7 +11,7 @@ import torch
 from diffdraft.drafters.dflash import DFlashDrafter
 from diffdraft.drafters.dflash_model import DFLARE, DFLASH
 from diffdraft.kernels.fused_projections import fuse_projections
-from diffdraft.kernels.quantized.block_linear import BlockQuantizedLinear, q8_linear
+from diffdraft.kernels.quantized.block_linear import BlockQuantizedLinear, Q8Weight
 from diffdraft.target.model import TargetModel
 
 from conftest import needs_block_kernel, q4_1_target, tiny_drafter
@@ -27,7 +27,7 @@ def _drafters(
     model, _ = q4_1_target("llama", seed=seed, vocab=96)
     fuse_projections(model)
     if q8_head:
-        model.lm_head = q8_linear(model.lm_head)
+        model.lm_head = BlockQuantizedLinear(Q8Weight.quantize(model.lm_head.weight))
     target = TargetModel(model)
     fused, eager = (
         DFlashDrafter(tiny_drafter(model, seed, 2, 6, variant, draft_vocab=draft_vocab), target) for _ in "ab"

@@ -17,7 +17,7 @@ from diffdraft.kernels.quantized.block_linear import (
     BlockWeight,
     Q8Weight,
     kernel_rows_only,
-    q8_linear,
+    q4_1_linear,
 )
 
 from conftest import needs_block_kernel, q4_1_blocks, q4_1_target
@@ -236,6 +236,22 @@ def test_a_dense_weight_rounds_to_q8_0_within_half_a_step_of_each_block():
         Q8Weight.quantize(_weight(4, 48))
 
 
+def test_a_dense_weight_rounds_to_q4_1_within_half_a_step_of_each_block():
+    weight = _weight(40, 96)
+    weight[3, 32:64] = 0.25  # a constant block keeps scale 0, codes 0 and its value as the offset
+    q4 = BlockWeight.quantize(weight)
+    assert q4.codes.dtype == torch.uint8 and q4.codes.shape == (40, 48)
+    for values in (q4.scales, q4.offsets):  # float16 values, as GGUF and the int8 kernel keep them
+        assert torch.equal(values.half().float(), values)
+    step = q4.scales.repeat_interleave(32, dim=1)
+    blocks = weight.reshape(40, 3, 32)
+    slack = 1e-3 * (blocks.amax(-1) - blocks.amin(-1) + blocks.amin(-1).abs()).repeat_interleave(32, dim=1)
+    assert ((q4.dequantize() - weight).abs() <= step / 2 + slack).all()  # float16 rounding of both halves
+    assert q4.scales[3, 1] == 0 and (q4.dequantize()[3, 32:64] == 0.25).all()
+    with pytest.raises(ValueError, match="whole blocks of 32"):
+        BlockWeight.quantize(_weight(4, 48))
+
+
 @needs_block_kernel
 def test_q8_layers_stack_and_restrict_to_rows_with_each_output_its_own():
     x = torch.randn(3, 64).to(torch.bfloat16)
@@ -247,11 +263,20 @@ def test_q8_layers_stack_and_restrict_to_rows_with_each_output_its_own():
 
 
 @needs_block_kernel
-def test_q8_linear_lays_out_plain_bf16_layers_and_leaves_the_rest():
-    dense = nn.Linear(64, 24, bias=True).to(torch.bfloat16)
-    q8 = q8_linear(dense)
-    assert isinstance(q8, BlockQuantizedLinear) and q8.blocks.format == "Q8_0"
+def test_q4_1_linear_lays_out_plain_bf16_layers_and_q8_0_heads_and_leaves_the_rest():
     x = torch.randn(2, 64).to(torch.bfloat16)
-    assert torch.allclose(q8(x).float(), dense(x).float(), atol=0.05)
-    for kept in (nn.Linear(48, 8).to(torch.bfloat16), nn.Linear(64, 8), q8):  # 48 inputs; float32; done
-        assert q8_linear(kept) is kept
+    dense = nn.Linear(64, 24, bias=True).to(torch.bfloat16)
+    head = BlockQuantizedLinear(Q8Weight.quantize(_weight(40, 64)))
+    for layer in (dense, head):
+        q4 = q4_1_linear(layer)
+        assert isinstance(q4, BlockQuantizedLinear) and (q4.blocks.format, q4.activations) == ("Q4_1", "int8")
+        values = layer.blocks.dequantize() if layer is head else layer.weight  # the Q8_0 values, unrounded
+        rounded = BlockWeight.quantize(values)
+        assert torch.equal(q4.blocks.codes, rounded.codes) and torch.equal(q4.blocks.scales, rounded.scales)
+        bias = None if layer.bias is None else layer.bias.float()
+        exact = nn.functional.linear(x.float(), q4.weight.float(), bias)  # int8 inputs aside
+        assert torch.allclose(q4(x).float(), exact, atol=0.05)
+    assert torch.equal(q4_1_linear(dense).bias, dense.bias)
+    q4 = q4_1_linear(dense)
+    for kept in (nn.Linear(48, 8).to(torch.bfloat16), nn.Linear(64, 8), q4):  # 48 inputs; float32; done
+        assert q4_1_linear(kept) is kept

@@ -14,7 +14,7 @@ from diffdraft.drafters.dflash import DFlashDrafter
 from diffdraft.drafters.dflash_model import DFLARE
 from diffdraft.drafters.lookup_boost import LookupBoostedDrafter
 from diffdraft.kernels.fused_projections import fuse_projections
-from diffdraft.kernels.quantized.block_linear import BlockQuantizedLinear, Q8Weight
+from diffdraft.kernels.quantized.block_linear import BlockQuantizedLinear, BlockWeight, Q8Weight
 from diffdraft.runtime.stopping import StopConditions
 from diffdraft.target.model import TargetModel
 from diffdraft.trees import ChainBuilder, DDTreeBuilder
@@ -65,7 +65,7 @@ def _q8_head(model: torch.nn.Module, dense: torch.nn.Module) -> None:
 
 
 @needs_block_kernel
-def test_a_drafter_beside_an_int8_target_drafts_on_q8_0_blocks_and_the_targets_head_rows():
+def test_a_drafter_beside_an_int8_target_drafts_on_q4_1_blocks_and_the_targets_head_rows_rounded_to_them():
     model, dense = q4_1_target("llama", vocab=96)
     _q8_head(model, dense)
     fuse_projections(model)
@@ -73,8 +73,12 @@ def test_a_drafter_beside_an_int8_target_drafts_on_q8_0_blocks_and_the_targets_h
     vocab = [1, 7, 30, 95]
     drafter = DFlashDrafter(tiny_drafter(model, variant=DFLARE, draft_vocab=vocab), target)
     linears = [m for m in drafter.model.layers.modules() if isinstance(m, BlockQuantizedLinear)]
-    assert linears and all(layer.blocks.format == "Q8_0" for layer in linears)
+    assert linears and all(layer.blocks.format == "Q4_1" for layer in linears)
     assert not any(isinstance(m, torch.nn.Linear) for m in drafter.model.layers.modules())
     assert isinstance(drafter.model.fusion, torch.nn.Linear)  # a weight, never called: stays as it is
+    head_rows = model.lm_head.blocks.rows(torch.tensor(vocab))
+    assert drafter.head.blocks.format == "Q4_1" and model.lm_head.blocks.format == "Q8_0"  # the target's kept
+    assert torch.equal(drafter.head.blocks.codes, BlockWeight.quantize(head_rows.dequantize()).codes)
     x = torch.randn(2, model.config.hidden_size).to(torch.bfloat16)
-    assert torch.equal(drafter.head(x), model.lm_head(x)[:, vocab])
+    rounded = torch.nn.functional.linear(x.float(), drafter.head.blocks.dequantize())  # int8 inputs aside
+    torch.testing.assert_close(drafter.head(x).float(), rounded, rtol=0, atol=0.05)

@@ -85,6 +85,23 @@ class BlockWeight:
             torch.from_numpy(np.ascontiguousarray(halves[..., 1])),
         )
 
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> BlockWeight:
+        """Round a dense weight [out, in] (in a multiple of 32) to Q4_1: each block's offset is its
+        least value and its scale its range over 15 (both float16, as GGUF stores them), each code the
+        nearest to (w - offset) / scale under those stored values. For layers that have no GGUF Q4_1
+        blocks, such as a drafter's own (:func:`q4_1_linear`)."""
+        out, inputs = weight.shape
+        if inputs % BLOCK:
+            raise ValueError(f"Q4_1 needs inputs in whole blocks of {BLOCK}; this weight has {inputs}")
+        blocks = weight.detach().float().reshape(out, -1, BLOCK)
+        offsets = blocks.amin(-1).half().float()
+        scales = ((blocks.amax(-1) - offsets) / 15).half().float()
+        steps = (blocks - offsets[..., None]) / scales.clamp_min(torch.finfo(torch.float16).tiny)[..., None]
+        codes = steps.round().clamp(0, 15).to(torch.uint8)
+        packed = codes[..., : BLOCK // 2] | codes[..., BLOCK // 2 :] << 4  # element j low, j + 16 high
+        return cls(packed.reshape(out, inputs // 2).contiguous(), scales.contiguous(), offsets.contiguous())
+
     @property
     def out_features(self) -> int:
         return self.scales.shape[0]
@@ -278,21 +295,23 @@ def int8_operands(linear: torch.nn.Module) -> tuple[torch.Tensor, int, int, torc
     return linear.int8_operands() if isinstance(linear, BlockQuantizedLinear) else None
 
 
-def q8_linear(linear: torch.nn.Module) -> torch.nn.Module:
-    """``linear`` on the int8 kernel over its weight rounded to Q8_0, when it is a plain bfloat16
-    ``nn.Linear`` on a CPU with the kernel and its inputs come in whole blocks; else itself. For a
-    drafter beside an int8 block target: its proposals only steer what the target verifies, so
-    rounding its weights (by under 0.4% of each block's largest) costs no losslessness, and it drafts
-    at the kernel's speed, reading half the bytes."""
-    weight = getattr(linear, "weight", None)
-    usable = (
-        type(linear) is torch.nn.Linear
-        and weight.dtype == torch.bfloat16
-        and weight.device.type == "cpu"
-        and linear.in_features % BLOCK == 0
-        and block_kernel() is not None
-    )
-    return BlockQuantizedLinear(Q8Weight.quantize(weight), linear.bias, "int8") if usable else linear
+def q4_1_linear(linear: torch.nn.Module) -> torch.nn.Module:
+    """``linear`` on the int8 kernel over its weight rounded to Q4_1, when it is a plain bfloat16
+    ``nn.Linear`` on a CPU with the kernel, or an int8-kernel layer of Q8_0 blocks (a target's LM head
+    cut to a draft vocabulary), and its inputs come in whole blocks; else itself. For a drafter beside
+    an int8 block target: its proposals only steer what the target verifies, so rounding its weights
+    costs no losslessness, and a drafting round streams 5 bits a weight: on Q8_0's 8.5 the default
+    drafter's rounds took a fifth longer for proposals barely better, a loss at small budgets (figures:
+    benchmarks/README.md, 'Measurements behind the code')."""
+    if isinstance(linear, BlockQuantizedLinear):
+        dense = linear.blocks.dequantize() if linear.blocks.format == "Q8_0" else None
+    elif type(linear) is torch.nn.Linear and linear.weight.dtype == torch.bfloat16:
+        dense = linear.weight if linear.weight.device.type == "cpu" else None
+    else:
+        dense = None
+    if dense is None or linear.in_features % BLOCK or block_kernel() is None:
+        return linear
+    return BlockQuantizedLinear(BlockWeight.quantize(dense), linear.bias, "int8")
 
 
 def runs_int8_kernel(model: torch.nn.Module) -> bool:
