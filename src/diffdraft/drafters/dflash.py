@@ -43,8 +43,8 @@ class DFlashDrafter(ForksByCopy):
         if laid_out:  # an inference-only target: its drafter is laid out alike
             int8 = runs_int8_kernel(target.model)
             lay_out = q4_1_linear if int8 else pack_linear
-            if int8:  # the head's draft rows too: the biggest weight a drafting round streams
-                self.head = q4_1_linear(self.head)
+            if int8 and model.draft_vocab is not None:  # its own rows of the target's head: the most
+                self.head = q4_1_linear(self.head)  # bytes a round streams (the whole head stays shared)
             pack_linear_layers(self.model.layers, lay_out)  # not DFlare's fusion: a weight, never called
             fuse_projections(self.model.layers)
             if self.model.variant == DFLASH:
@@ -207,8 +207,8 @@ class DFlashDrafter(ForksByCopy):
 
 def _drafting_head(lm_head: nn.Module, draft_vocab: torch.Tensor | None, laid_out: bool) -> nn.Module:
     """The target's LM head over the draft vocabulary. A block-quantized head keeps its own blocks
-    (its rows, never dequantized here: beside an int8 target the drafter rounds them to Q4_1 after);
-    any other is cut to the rows, and packed beside an inference-only target."""
+    (its rows, never dequantized here: beside an int8 target the drafter rounds a draft vocabulary's
+    rows to Q4_1 after); any other is cut to the rows, and packed beside an inference-only target."""
     if isinstance(lm_head, BlockQuantizedLinear):
         return lm_head if draft_vocab is None else lm_head.rows(draft_vocab)
     head = draft_head(lm_head, draft_vocab)

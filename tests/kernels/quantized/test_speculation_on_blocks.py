@@ -82,3 +82,5 @@ def test_a_drafter_beside_an_int8_target_drafts_on_q4_1_blocks_and_the_targets_h
     x = torch.randn(2, model.config.hidden_size).to(torch.bfloat16)
     rounded = torch.nn.functional.linear(x.float(), drafter.head.blocks.dequantize())  # int8 inputs aside
     torch.testing.assert_close(drafter.head(x).float(), rounded, rtol=0, atol=0.05)
+    whole = DFlashDrafter(tiny_drafter(model, variant=DFLARE), target)  # no draft vocabulary
+    assert whole.head is model.lm_head  # the target's own head, shared as it is
