@@ -159,7 +159,8 @@ class Q8Weight:
     def quantize(cls, weight: torch.Tensor) -> Q8Weight:
         """Round a dense weight [out, in] (in a multiple of 32) to Q8_0 as GGUF converters do: each
         block's scale is its largest magnitude over 127 (in float16), each code its weight over the
-        scale, rounded. For layers that have no GGUF blocks, such as a drafter's own."""
+        scale, rounded. For a layer that has no GGUF blocks (drafters round theirs to Q4_1 instead:
+        :func:`q4_1_linear`)."""
         out, inputs = weight.shape
         if inputs % BLOCK:
             raise ValueError(f"Q8_0 needs inputs in whole blocks of {BLOCK}; this weight has {inputs}")
