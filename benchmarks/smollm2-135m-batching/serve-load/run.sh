@@ -6,7 +6,7 @@
 # after another, so drift of this shared machine hits every method alike, the one to go first
 # rotating from pass to pass (no method always runs right after another's load).
 # CLIENTS picks the client counts (default: 1-8). Writes <method>-c<clients>-p<pass>.json to $OUT
-# (default: here); summarize with summary.py $OUT.
+# (default: here); summarize with summary.py $OUT (--plot PNG also draws it).
 # PER_CLIENT requests a client a load (default 18): loads of 2-3 s (8 a client) swung +-15% on a
 # shared 2-core machine, so more passes of shorter loads measured worse than fewer long ones.
 set -euo pipefail

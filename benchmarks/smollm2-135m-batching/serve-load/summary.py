@@ -3,26 +3,73 @@ median pass (of an even count, the mean of the middle two) and the requests' mea
 ddtree+pld:auto over `ar` pass by pass (the two ran back to back), median [lowest-highest], and their
 mean with a 95% bootstrap interval (resampling the passes): whether a shortfall is more than the
 machine's noise. Where the run has a fixed budget's server (ddtree+pld-<budget> files), also
-ddtree+pld:auto over the better of `ar` and it by the median passes: issue 32's bar."""
+ddtree+pld:auto over the better of `ar` and it by the median passes: issue 32's bar.
+
+``python summary.py [FOLDER] [--plot PNG]``: ``--plot`` also draws the medians against the client
+count, and ddtree+pld:auto's ratio to `ar` (pass-by-pass range) and to the better of `ar` and the
+fixed budget beside the 0.97 bar."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import re
 import statistics
-import sys
 from collections import defaultdict
 from pathlib import Path
 
 METHODS = ("ar", "ddtree-auto", "ddtree+pld-auto")
 FIXED = re.compile(r"ddtree\+pld-\d+")
 """A fixed budget's server, as run.sh names it."""
+BAR = 0.97
+"""Issue 32's bar: ddtree+pld:auto over the better of `ar` and the fixed budget."""
+Speeds = dict[tuple[str, int], dict[int, float]]
+"""Output tokens/s by (method, clients), then by pass."""
 
 
-def main(folder: Path) -> None:
-    speed: dict[tuple[str, int], dict[int, float]] = defaultdict(dict)
-    """Output tokens/s by (method, clients), then by pass."""
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("folder", nargs="?", type=Path, default=Path(__file__).parent)
+    parser.add_argument("--plot", type=Path, help="also draw the medians and ratios to this PNG")
+    args = parser.parse_args()
+    speed, tau, failed = _read(args.folder)
+    counts = sorted({clients for _, clients in speed})
+    fixed = sorted({method for method, _ in speed if FIXED.fullmatch(method)})
+    methods = [*METHODS, *fixed]
+    median = {key: statistics.median(passes.values()) for key, passes in speed.items()}
+    bar = " | over the better of ar and " + ", ".join(fixed) + " |" if fixed else " |"
+    print("| clients | " + " | ".join(methods) + " | ddtree+pld:auto / ar | pass by pass | mean [95%]" + bar)
+    print("|---|" + "---|" * (len(methods) + 3 + bool(fixed)))
+    for clients in counts:
+        cells = [
+            f"{median[m, clients]:.1f} (tau {statistics.mean(tau[m, clients]):.2f})"
+            if (m, clients) in median
+            else "-"
+            for m in methods
+        ]
+        ratio = median["ddtree+pld-auto", clients] / median["ar", clients]
+        paired = _paired(speed, clients)
+        spread = f"{statistics.median(paired):.2f}x [{min(paired):.2f}-{max(paired):.2f}]" if paired else "-"
+        against = f" {_over_better(median, fixed, clients):.3f}x |" if fixed else ""
+        print(
+            f"| {clients} | "
+            + " | ".join(cells)
+            + f" | {ratio:.2f}x | {spread} | {_mean_interval(paired)} |"
+            + against
+        )
+    runs = sum(len(v) for v in speed.values())
+    passes = sorted({len(v) for v in speed.values()})
+    print(f"\n{runs} runs, passes per point {passes}, failed requests {failed}")
+    if args.plot is not None:
+        _plot(speed, median, methods, fixed, counts, args.plot)
+        print(f"wrote {args.plot}")
+
+
+def _read(folder: Path) -> tuple[Speeds, dict[tuple[str, int], list[float]], int]:
+    """Output tokens/s; the requests' mean tau by (method, clients), a list over the passes; the
+    failed requests in all."""
+    speed: Speeds = defaultdict(dict)
     tau: dict[tuple[str, int], list[float]] = defaultdict(list)
     failed = 0
     for file in sorted(folder.glob("*-c*-p*.json")):
@@ -31,27 +78,19 @@ def main(folder: Path) -> None:
         speed[method, int(clients)][int(run)] = summary["output_tokens_per_second"]
         tau[method, int(clients)].append(summary["mean_tau"])
         failed += summary["failed"]
-    counts = sorted({clients for _, clients in speed})
-    fixed = sorted({method for method, _ in speed if FIXED.fullmatch(method)})
-    methods = [*METHODS, *fixed]
-    bar = " | over the better of ar and " + ", ".join(fixed) + " |" if fixed else " |"
-    print("| clients | " + " | ".join(methods) + " | ddtree+pld:auto / ar | pass by pass | mean [95%]" + bar)
-    print("|---|" + "---|" * (len(methods) + 3 + bool(fixed)))
-    for clients in counts:
-        median = {m: statistics.median(speed[m, clients].values()) for m in methods if (m, clients) in speed}
-        mean_tau = {m: statistics.mean(tau[m, clients]) for m in median}
-        cells = [f"{median[m]:.1f} (tau {mean_tau[m]:.2f})" if m in median else "-" for m in methods]
-        reference, auto = speed["ar", clients], speed["ddtree+pld-auto", clients]
-        ratio = median["ddtree+pld-auto"] / median["ar"]
-        paired = [auto[run] / reference[run] for run in sorted(reference.keys() & auto.keys())]
-        spread = f"{statistics.median(paired):.2f}x [{min(paired):.2f}-{max(paired):.2f}]" if paired else "-"
-        interval = _mean_interval(paired)
-        better = max(median.get(m, 0.0) for m in ("ar", *fixed))
-        against = f" {median['ddtree+pld-auto'] / better:.3f}x |" if fixed else ""
-        print(f"| {clients} | " + " | ".join(cells) + f" | {ratio:.2f}x | {spread} | {interval} |" + against)
-    runs = sum(len(v) for v in speed.values())
-    passes = sorted({len(v) for v in speed.values()})
-    print(f"\n{runs} runs, passes per point {passes}, failed requests {failed}")
+    return speed, tau, failed
+
+
+def _paired(speed: Speeds, clients: int) -> list[float]:
+    """ddtree+pld:auto over `ar` in each pass both ran."""
+    reference, auto = speed["ar", clients], speed["ddtree+pld-auto", clients]
+    return [auto[run] / reference[run] for run in sorted(reference.keys() & auto.keys())]
+
+
+def _over_better(median: dict[tuple[str, int], float], fixed: list[str], clients: int) -> float:
+    """ddtree+pld:auto over the better of `ar` and the fixed budgets, by the median passes."""
+    better = max(median.get((m, clients), 0.0) for m in ("ar", *fixed))
+    return median["ddtree+pld-auto", clients] / better
 
 
 def _mean_interval(paired: list[float], resamples: int = 4000) -> str:
@@ -64,5 +103,47 @@ def _mean_interval(paired: list[float], resamples: int = 4000) -> str:
     return f"{statistics.fmean(paired):.3f}x [{low:.3f}-{high:.3f}]"
 
 
+def _plot(
+    speed: Speeds,
+    median: dict[tuple[str, int], float],
+    methods: list[str],
+    fixed: list[str],
+    counts: list[int],
+    path: Path,
+) -> None:
+    """Left: each server's median output tokens/s per client count. Right: ddtree+pld:auto over `ar`
+    (median pass, bars from its lowest to highest paired pass) and over the better of `ar` and the
+    fixed budget, against the 0.97 bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # a file only: no display where benchmarks run
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for method in methods:
+        shown = [c for c in counts if (method, c) in median]
+        left.plot(shown, [median[method, c] for c in shown], marker="o", label=method.replace("-", ":", 1))
+    left.set(xlabel="concurrent clients", ylabel="output tokens/s (median pass)", title="Server throughput")
+    left.legend()
+    ratios = [median["ddtree+pld-auto", c] / median["ar", c] for c in counts]
+    paired = [_paired(speed, c) for c in counts]
+    below = [r - min(p) for r, p in zip(ratios, paired, strict=True)]
+    above = [max(p) - r for r, p in zip(ratios, paired, strict=True)]
+    right.errorbar(counts, ratios, yerr=[below, above], marker="o", capsize=3, label="over ar (pass range)")
+    if fixed:
+        right.plot(
+            counts,
+            [_over_better(median, fixed, c) for c in counts],
+            marker="s",
+            label="over the better of ar and " + ", ".join(fixed),
+        )
+    right.axhline(BAR, color="grey", linestyle="--", label=f"{BAR} bar")
+    right.set(xlabel="concurrent clients", ylabel="ratio", title="ddtree+pld:auto")
+    right.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
 if __name__ == "__main__":
-    main(Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent)
+    main()
