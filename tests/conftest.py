@@ -242,6 +242,70 @@ def q4_1_blocks(weight: torch.Tensor):
     return BlockWeight.from_gguf(raw)
 
 
+def int8_rounded_inputs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 kernel's rounding of inputs ``x`` [..., in]: each row's blocks of 32 as codes
+    round(x * 127 / max|x|) in float32 (the kernel's codes exactly) [rows, blocks, 32], and their scales
+    max|x| / 127 [rows, blocks], both as float64."""
+    x = x.float().reshape(-1, x.shape[-1] // 32, 32)
+    amax = x.abs().amax(-1, keepdim=True)
+    inverse = torch.where(amax > 0, torch.tensor(127.0) / amax, 0)  # (127 / amax would be amax^-1 * 127)
+    return torch.round(x * inverse).double(), (amax / 127).double()[..., 0]
+
+
+GGUF_FLOAT16_FIELDS = {
+    "Q4_0": [0],
+    "Q4_1": [0, 2],
+    "Q5_0": [0],
+    "Q5_1": [0, 2],
+    "Q8_0": [0],
+    "Q4_K": [0, 2],
+    "Q5_K": [0, 2],
+    "Q6_K": [208],
+}
+"""Byte offsets of each format's float16 scales (d, and dmin or m) within a GGUF block."""
+
+
+def random_gguf_bytes(format: str, out: int, inputs: int, seed: int = 0, scale: float = 0.01) -> np.ndarray:
+    """A GGUF tensor [out, bytes per row] of random bytes (every code, sub-scale and min a file may
+    hold) whose float16 fields are normal values of std ``scale``."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    rng = np.random.default_rng(seed)
+    block_inputs, size = GGML_QUANT_SIZES[GGMLQuantizationType[format]]
+    raw = rng.integers(0, 256, (out, inputs // block_inputs, size), dtype=np.uint8)
+    for offset in GGUF_FLOAT16_FIELDS[format]:
+        values = (rng.standard_normal((out, inputs // block_inputs)) * scale).astype(np.float16)
+        raw[..., offset : offset + 2] = values[..., None].view(np.uint8)
+    return raw.reshape(out, -1)
+
+
+def write_random_gguf(path: Path, model: torch.nn.Module, formats: dict[str, str], seed: int = 0) -> None:
+    """``model`` (a Qwen2) as a GGUF whose decoder-layer tensors ``blk.N.<key>`` are random blocks of
+    ``formats[key]`` (a key missing there keeps its layer dense: an F32 tensor), the model's own weights
+    set to what the file holds; its LM head and embedding stay dense."""
+    from gguf import GGMLQuantizationType, GGUFWriter, quants
+
+    from diffdraft.kernels.quantized.gguf_weights import LAYER_TENSORS
+
+    writer = GGUFWriter(str(path), "qwen2")
+    for i, layer in enumerate(model.model.layers):
+        for key, name in LAYER_TENSORS.items():
+            linear = layer.get_submodule(name)
+            if key not in formats:
+                writer.add_tensor(f"blk.{i}.{key}.weight", linear.weight.detach().float().numpy())
+                continue
+            kind = GGMLQuantizationType[formats[key]]
+            raw = random_gguf_bytes(
+                formats[key], *linear.weight.shape, seed=seed * 1000 + 10 * i + len(key), scale=2e-3
+            )
+            linear.weight.data = torch.from_numpy(quants.dequantize(raw, kind)).to(linear.weight.dtype)
+            writer.add_tensor(f"blk.{i}.{key}.weight", raw, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def q4_1_target(family: str = "llama", seed: int = 0, **kwargs) -> tuple[torch.nn.Module, torch.nn.Module]:
     """A tiny target whose decoder-layer weights are Q4_1 blocks: (bf16 model on
     :class:`BlockQuantizedLinear` layers, float32 dense model of the same weights)."""

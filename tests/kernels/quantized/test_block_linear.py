@@ -20,7 +20,7 @@ from diffdraft.kernels.quantized.block_linear import (
     q4_1_linear,
 )
 
-from conftest import needs_block_kernel, q4_1_blocks, q4_1_target
+from conftest import int8_rounded_inputs, needs_block_kernel, q4_1_blocks, q4_1_target
 
 
 def _weight(rows: int, inputs: int, seed: int = 0) -> torch.Tensor:
@@ -41,11 +41,7 @@ def _int8_reference(x: torch.Tensor, blocks: BlockWeight | Q8Weight) -> torch.Te
     """The int8 kernel's math, simply, in float64: each row's blocks of 32 quantized to int8 by
     round(x * 127 / max|x|) in float32 (the kernel's codes exactly), then per block
     d_w * d_x * sum(code_w * code_x), plus m_w * d_x * sum(code_x) for Q4_1's offsets."""
-    x = x.float().reshape(-1, blocks.in_features // 32, 32)
-    amax = x.abs().amax(-1, keepdim=True)
-    inverse = torch.where(amax > 0, torch.tensor(127.0) / amax, 0)  # (127 / amax would be amax^-1 * 127)
-    codes_x = torch.round(x * inverse).double()
-    scale_x = (amax / 127).double()[..., 0]  # [rows, blocks]
+    codes_x, scale_x = int8_rounded_inputs(x)
     if isinstance(blocks, Q8Weight):
         codes_w = blocks.codes.view(blocks.out_features, -1, 32).double()
     else:

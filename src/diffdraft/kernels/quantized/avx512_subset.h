@@ -184,6 +184,8 @@ AVX2_INLINE __m128i cvtepi32_epi8(i32x16 a) {
   const __m256i words = _mm256_and_si256(low_words(a), _mm256_set1_epi16(0xFF));
   return _mm_packus_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
 }
+AVX2_INLINE i32x16 cvtepu8_epi32(__m128i a) { return {_mm256_cvtepu8_epi32(a), _mm256_cvtepu8_epi32(_mm_srli_si128(a, 8))}; }
+AVX2_INLINE i32x16 cvtepi8_epi32(__m128i a) { return {_mm256_cvtepi8_epi32(a), _mm256_cvtepi8_epi32(_mm_srli_si128(a, 8))}; }
 AVX2_INLINE i32x16 cvtepu16_epi32(__m256i a) {
   return {_mm256_cvtepu16_epi32(_mm256_castsi256_si128(a)), _mm256_cvtepu16_epi32(_mm256_extracti128_si256(a, 1))};
 }
@@ -216,6 +218,7 @@ AVX2_PER_HALF(i32x16, or_si512, _mm256_or_si256)
 AVX2_SHIFT(slli_epi32, _mm256_slli_epi32)
 AVX2_SHIFT(srli_epi32, _mm256_srli_epi32)
 AVX2_SHIFT(srli_epi16, _mm256_srli_epi16)
+AVX2_SHIFT(slli_epi16, _mm256_slli_epi16)
 AVX2_INLINE int32_t reduce_add_epi32(i32x16 a) {
   const __m256i eight = _mm256_add_epi32(a.lo, a.hi);
   const __m128i four = _mm_add_epi32(_mm256_castsi256_si128(eight), _mm256_extracti128_si256(eight, 1));
@@ -457,6 +460,10 @@ using avx512_on_avx2::dpbusd_offset128_start;
 #define _mm512_cvtepi32_epi8 AVX512_ON_AVX2(cvtepi32_epi8)
 #undef _mm512_cvtepi32_epi16
 #define _mm512_cvtepi32_epi16 AVX512_ON_AVX2(cvtepi32_epi16)
+#undef _mm512_cvtepu8_epi32
+#define _mm512_cvtepu8_epi32 AVX512_ON_AVX2(cvtepu8_epi32)
+#undef _mm512_cvtepi8_epi32
+#define _mm512_cvtepi8_epi32 AVX512_ON_AVX2(cvtepi8_epi32)
 #undef _mm512_cvtepu16_epi32
 #define _mm512_cvtepu16_epi32 AVX512_ON_AVX2(cvtepu16_epi32)
 #undef _mm512_cvtneps_pbh
@@ -479,6 +486,8 @@ using avx512_on_avx2::dpbusd_offset128_start;
 #define _mm512_srli_epi32 AVX512_ON_AVX2(srli_epi32)
 #undef _mm512_srli_epi16
 #define _mm512_srli_epi16 AVX512_ON_AVX2(srli_epi16)
+#undef _mm512_slli_epi16
+#define _mm512_slli_epi16 AVX512_ON_AVX2(slli_epi16)
 #undef _mm512_reduce_add_epi32
 #define _mm512_reduce_add_epi32 AVX512_ON_AVX2(reduce_add_epi32)
 #undef _mm512_mask_mov_epi32

@@ -1,4 +1,5 @@
-"""A linear layer whose weight stays in GGUF blocks: Q4_1 layers stream 5 bits a weight instead of 16.
+"""A linear layer whose weight stays in GGUF blocks: Q4_1 layers stream 5 bits a weight instead of 16,
+and every format of :data:`INT8_FORMATS` about the bits its file holds.
 
 A decode step on a CPU streams every weight once; SmolLM2-135M's layers hold 212 MB of bf16 weights
 and 66 MB of Q4_1 blocks (its LM head 57 MB of bf16, 30 MB of Q8_0). Two kernels run these layers
@@ -7,7 +8,8 @@ all compute alike:
 
 - ``"int8"`` (the default, ``int8_matmul.cpp``): llama.cpp's arithmetic. Each input row is quantized
   per block of 32 to int8 with a float scale; a block's codes times the weight's codes sum exactly in
-  int32 (AVX-512 VNNI, or its AVX2 emulation), then take both blocks' scales in float32. On a 2-core
+  int32 (AVX-512 VNNI, or its AVX2 emulation), then take both blocks' scales in float32 (every
+  format's arithmetic: ``int8_matmul.cpp``). On a 2-core
   Zen 4 it runs SmolLM2's Q4_1 layers 1.5 to 3 times as fast as ``"bf16"`` at 1 to 16 rows, and its
   Q8_0 head (the embedding's blocks) 2.5 times as fast as the dense bf16 head at 1 row. Rounding the
   inputs costs accuracy: SmolLM2's logits differ from its float32 model's by 0.2 (median) and 0.8
@@ -35,13 +37,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 import torch
 
 from diffdraft.kernels.packed_linear import InferenceLinear, dense_linear
 from diffdraft.kernels.quantized.kernel_build import block_kernel
+
+if TYPE_CHECKING:
+    from diffdraft.kernels.quantized.gguf_blocks import GGUFBlocks
 
 FORMAT = "Q4_1"
 BLOCK = 32
@@ -55,8 +60,9 @@ ACTIVATIONS = ("int8", "bf16")
 """The layer's kernels (see the module docstring); the first is the default."""
 TILE = 16
 """Output columns per tile of the int8 kernel's weight layout: one int32 lane each."""
-INT8_FORMATS = (FORMAT, "Q8_0")
-"""The formats the int8 kernel runs, numbered as ``decoder_loop.cpp`` takes them."""
+INT8_FORMATS = (FORMAT, "Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K")
+"""The formats the int8 kernel runs, numbered as ``decoder_loop.cpp`` takes them (the last five are
+``gguf_blocks.GGUFBlocks``)."""
 
 
 @dataclass
@@ -203,18 +209,23 @@ def tiled(codes: torch.Tensor, *halves: torch.Tensor) -> torch.Tensor:
     four code bytes of each output in turn (an int32 lane each), then each of ``halves`` as 16 float16.
     The outputs are padded with zero blocks to whole tiles. The weight is streamed once per forward,
     so it streams whole and in order; float16 holds GGUF's scales exactly, in half of float32's bytes."""
-    parts = [_tile_bytes(codes, 4)]
-    for values in halves:
-        half = values.half()
-        if not torch.equal(half.float(), values):
-            raise ValueError("the int8 kernel keeps scales as float16, and these are not float16 values")
-        bits = half.view(torch.int16)
-        parts.append(_tile_bytes(torch.stack([bits & 255, bits >> 8 & 255], dim=-1).to(torch.uint8), 2))
+    parts = [tile_bytes(codes, 4), *(tile_bytes(float16_bytes(values), 2) for values in halves)]
     return torch.cat(parts, dim=-1).contiguous()
 
 
-def _tile_bytes(part: torch.Tensor, group: int) -> torch.Tensor:
-    """[out, blocks, width] bytes -> [tiles, blocks, TILE * width]: ``group`` bytes of each output in turn."""
+def float16_bytes(values: torch.Tensor) -> torch.Tensor:
+    """Float16-valued ``values`` [out, n] as their float16 bytes [out, n, 2] (low byte first); refuses
+    values float16 does not hold, which the kernel could not compute with."""
+    half = values.half()
+    if not torch.equal(half.float(), values):
+        raise ValueError("the int8 kernel keeps scales as float16, and these are not float16 values")
+    bits = half.view(torch.int16)
+    return torch.stack([bits & 255, bits >> 8 & 255], dim=-1).to(torch.uint8)
+
+
+def tile_bytes(part: torch.Tensor, group: int) -> torch.Tensor:
+    """[out, blocks, width] bytes -> [tiles, blocks, TILE * width]: ``group`` bytes of each output in
+    turn, the outputs padded with zero bytes to whole tiles."""
     out, blocks, width = part.shape
     part = torch.nn.functional.pad(part, (0, 0, 0, 0, 0, -out % TILE))
     grouped = part.view(-1, TILE, blocks, width // group, group).permute(0, 2, 3, 1, 4)
@@ -222,13 +233,13 @@ def _tile_bytes(part: torch.Tensor, group: int) -> torch.Tensor:
 
 
 class BlockQuantizedLinear(InferenceLinear):
-    """``nn.Linear`` over a :class:`BlockWeight` (or a :class:`Q8Weight`), computed by the
-    ``activations`` kernel (one of :data:`ACTIVATIONS`); :attr:`weight` rebuilds the dense bf16 weight
-    on demand."""
+    """``nn.Linear`` over a :class:`BlockWeight`, a :class:`Q8Weight` or a ``GGUFBlocks`` (any of
+    :data:`INT8_FORMATS`), computed by the ``activations`` kernel (one of :data:`ACTIVATIONS`; the bf16
+    one takes Q4_1 only); :attr:`weight` rebuilds the dense bf16 weight on demand."""
 
     def __init__(
         self,
-        weight: BlockWeight | Q8Weight,
+        weight: BlockWeight | Q8Weight | GGUFBlocks,
         bias: torch.Tensor | None = None,
         activations: str = ACTIVATIONS[0],
     ) -> None:
@@ -298,14 +309,14 @@ def int8_operands(linear: torch.nn.Module) -> tuple[torch.Tensor, int, int, torc
 
 def q4_1_linear(linear: torch.nn.Module) -> torch.nn.Module:
     """``linear`` on the int8 kernel over its weight rounded to Q4_1, when it is a plain bfloat16
-    ``nn.Linear`` on a CPU with the kernel, or an int8-kernel layer of Q8_0 blocks (a target's LM head
-    cut to a draft vocabulary), and its inputs come in whole blocks; else itself. For a drafter beside
+    ``nn.Linear`` on a CPU with the kernel, or an int8-kernel layer of another block format (a target's
+    LM head cut to a draft vocabulary), and its inputs come in whole blocks; else itself. For a drafter beside
     an int8 block target: its proposals only steer what the target verifies, so rounding its weights
     costs no losslessness, and a drafting round streams 5 bits a weight: on Q8_0's 8.5 the default
     drafter's rounds took a fifth longer for proposals barely better, a loss at small budgets (figures:
     benchmarks/README.md, 'Measurements behind the code')."""
     if isinstance(linear, BlockQuantizedLinear):
-        dense = linear.blocks.dequantize() if linear.blocks.format == "Q8_0" else None
+        dense = linear.blocks.dequantize() if linear.blocks.format != FORMAT else None
     elif type(linear) is torch.nn.Linear and linear.weight.dtype == torch.bfloat16:
         dense = linear.weight if linear.weight.device.type == "cpu" else None
     else:

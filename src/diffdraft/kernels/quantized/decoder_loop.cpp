@@ -27,7 +27,13 @@ using at::Tensor;
 using OptionalTensor = c10::optional<Tensor>;
 
 constexpr int64_t kLinears = 4;  // per layer, in order: q|k|v, output, gate|up, down
-const char* const kFormats[] = {"diffdraft_blocks::q4_1_int8_matmul", "diffdraft_blocks::q8_0_int8_matmul"};
+// The int8 kernel's ops by format number (INT8_FORMATS in block_linear.py, the order int8_matmul.cpp
+// defines them in).
+constexpr const char* kFormats[] = {
+    "diffdraft_blocks::q4_1_int8_matmul", "diffdraft_blocks::q8_0_int8_matmul", "diffdraft_blocks::q4_0_int8_matmul",
+    "diffdraft_blocks::q5_0_int8_matmul", "diffdraft_blocks::q4_k_int8_matmul", "diffdraft_blocks::q5_k_int8_matmul",
+    "diffdraft_blocks::q6_k_int8_matmul"};
+constexpr int64_t kFormatCount = sizeof(kFormats) / sizeof(kFormats[0]);
 
 template <class Signature>
 c10::TypedOperatorHandle<Signature> op(const char* name) {
@@ -43,7 +49,11 @@ using Gate = Tensor(const Tensor&);
 
 // The ops both loops call, looked up once.
 struct Ops {
-  c10::TypedOperatorHandle<Matmul> matmuls[2] = {op<Matmul>(kFormats[0]), op<Matmul>(kFormats[1])};
+  std::vector<c10::TypedOperatorHandle<Matmul>> matmuls = [] {
+    std::vector<c10::TypedOperatorHandle<Matmul>> handles;
+    for (const char* name : kFormats) handles.push_back(op<Matmul>(name));
+    return handles;
+  }();
   c10::TypedOperatorHandle<Norm> rms_norm = op<Norm>("diffdraft_decoder::rms_norm");
   c10::TypedOperatorHandle<ResidualNorm> residual_rms_norm = op<ResidualNorm>("diffdraft_decoder::residual_rms_norm");
   c10::TypedOperatorHandle<RotarySplit> rotary_split = op<RotarySplit>("diffdraft_decoder::rotary_split");
@@ -55,13 +65,13 @@ struct Ops {
   }
 };
 
-// A linear on the int8 kernel: format 0 (Q4_1) or 1 (Q8_0), the weight as its tiles.
+// A linear on the int8 kernel: its format's number in kFormats, the weight as its tiles.
 Tensor matmul(const Tensor& x, const Tensor& weight, int64_t out_features, int64_t format, const OptionalTensor& bias) {
-  TORCH_CHECK(format == 0 || format == 1, "a format is 0 (Q4_1) or 1 (Q8_0)");
+  TORCH_CHECK(format >= 0 && format < kFormatCount, "a format is a number in 0..", kFormatCount - 1, ", got ", format);
   return Ops::get().matmuls[format].call(x, weight, out_features, bias);
 }
 
-// The layers' linears (kLinears a layer: weights, output widths, formats 0 (Q4_1) or 1 (Q8_0), biases) and
+// The layers' linears (kLinears a layer: weights, output widths, format numbers, biases) and
 // norms with their epsilons (the first layer's input norm, then each layer's post-attention norm and the
 // norm after it: the next layer's input norm, the final norm after the last layer).
 struct Layers {

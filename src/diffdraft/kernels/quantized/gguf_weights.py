@@ -5,10 +5,12 @@ GGUF tensor is found by name, its rows reordered the way transformers reorders t
 q and k with the rotary halves interleaved), and its blocks kept only when they dequantize to exactly
 the weight the model holds: a wrong name or order can never change the model, only leave it dense.
 
-By default the layers run the int8 kernel (inputs quantized per block to int8, llama.cpp's arithmetic)
-and the LM head joins them on the GGUF's Q8_0 blocks (the tied embedding's, usually): the model then
-computes what llama.cpp computes, close to but not exactly the dense bf16 model. ``activations="bf16"``
-keeps exactly the dense bf16 model's weights and bf16 inputs instead, with a dense head.
+By default the layers run the int8 kernel (inputs quantized per block to int8, llama.cpp's arithmetic),
+each tensor on its own format's kernel (a Q4_K_M file mixes Q4_K, Q6_K and, on widths that are no
+multiple of 256, Q5_0 and Q8_0), and the LM head joins them on its file's blocks (the tied embedding's,
+usually): the model then computes what llama.cpp computes, close to but not exactly the dense bf16
+model. ``activations="bf16"`` keeps exactly the dense bf16 model's weights and bf16 inputs instead: Q4_1
+layers only, the rest and the head dense.
 """
 
 from __future__ import annotations
@@ -24,10 +26,12 @@ from torch import nn
 from diffdraft.kernels.quantized.block_linear import (
     ACTIVATIONS,
     FORMAT,
+    INT8_FORMATS,
     BlockQuantizedLinear,
     BlockWeight,
     Q8Weight,
 )
+from diffdraft.kernels.quantized.gguf_blocks import GGUFBlocks
 from diffdraft.kernels.quantized.kernel_build import block_kernel
 
 LAYER_TENSORS = {
@@ -42,8 +46,6 @@ LAYER_TENSORS = {
 """GGUF tensor ``blk.N.<key>`` -> module ``model.layers.N.<value>`` (Llama, Qwen2, Qwen3)."""
 HEAD_TENSORS = ("output.weight", "token_embd.weight")
 """The LM head's GGUF tensor: its own, else the embedding it is tied to."""
-HEAD_FORMATS = {FORMAT: BlockWeight, "Q8_0": Q8Weight}
-"""Block formats kept for the LM head (GGUFs store heads and embeddings as Q8_0 or better)."""
 
 
 def block_weights_supported(model: nn.Module) -> bool:
@@ -52,12 +54,22 @@ def block_weights_supported(model: nn.Module) -> bool:
     return parameter.device.type == "cpu" and parameter.dtype == torch.bfloat16 and block_kernel() is not None
 
 
+def block_weight(raw: np.ndarray, format: str) -> BlockWeight | Q8Weight | GGUFBlocks:
+    """A GGUF tensor's raw bytes [out, bytes per row] of ``format`` (one of :data:`INT8_FORMATS`) as the
+    weight class that holds that format."""
+    if format == FORMAT:
+        return BlockWeight.from_gguf(raw)
+    if format == "Q8_0":
+        return Q8Weight.from_gguf(raw)
+    return GGUFBlocks.from_gguf(raw, format)
+
+
 def use_gguf_blocks(model: nn.Module, gguf: Path, activations: str = ACTIVATIONS[0]) -> int:
     """Replace ``model``'s linear layers by :class:`BlockQuantizedLinear` layers on ``gguf``'s blocks
-    where the GGUF stores them as Q4_1, and its LM head where the GGUF stores it as Q8_0; returns how
-    many were replaced. ``activations`` picks the layers' kernel: by default int8 inputs (llama.cpp's
-    arithmetic, the fastest), or "bf16" for exactly the dense bf16 model's weights, which keeps the
-    head dense (the bf16 kernel takes Q4_1 only). A tied embedding keeps its dense weight for lookups."""
+    where the GGUF stores them in a format of :data:`INT8_FORMATS` (Q4_1 only for ``activations="bf16"``),
+    its LM head included (int8 only); returns how many were replaced. Tensors of other formats (F16,
+    Q5_1, Q3_K, ...) leave their layers dense, which one stderr line names. A tied embedding keeps its
+    dense weight for lookups."""
     reader = GGUFReader(gguf)
     architecture = _field(reader, "general.architecture")
     tensors = {tensor.name: tensor for tensor in reader.tensors}
@@ -65,16 +77,20 @@ def use_gguf_blocks(model: nn.Module, gguf: Path, activations: str = ACTIVATIONS
     names = _linear_names(tensors, config.num_hidden_layers)
     if activations == "int8":
         names += [(name, "lm_head") for name in HEAD_TENSORS if name in tensors][:1]
+    formats = INT8_FORMATS if activations == "int8" else (FORMAT,)
     replaced = mismatched = 0
+    dense: dict[str, list[str]] = {}
     for gguf_name, module_name in names:
         tensor = tensors[gguf_name]
         parent_name, _, attribute = module_name.rpartition(".")
         parent = model.get_submodule(parent_name)
         linear = getattr(parent, attribute)
-        formats = HEAD_FORMATS if module_name == "lm_head" else {FORMAT: BlockWeight}
-        if tensor.tensor_type.name not in formats or type(linear) is not nn.Linear:
+        if type(linear) is not nn.Linear:
             continue
-        weight = formats[tensor.tensor_type.name].from_gguf(np.asarray(tensor.data))
+        if tensor.tensor_type.name not in formats:
+            dense.setdefault(tensor.tensor_type.name, []).append(gguf_name)
+            continue
+        weight = block_weight(np.asarray(tensor.data), tensor.tensor_type.name)
         if architecture == "llama" and gguf_name.endswith((".attn_q.weight", ".attn_k.weight")):
             heads = config.num_attention_heads if "attn_q" in gguf_name else config.num_key_value_heads
             weight = weight.rows(_unpermuted_rows(weight.out_features, heads))
@@ -89,7 +105,20 @@ def use_gguf_blocks(model: nn.Module, gguf: Path, activations: str = ACTIVATIONS
             "layers stay dense (same outputs, slower).",
             file=sys.stderr,
         )
+    if dense:
+        kinds = "; ".join(f"{kind}: {_names(found)}" for kind, found in sorted(dense.items()))
+        print(
+            f"diffdraft: {sum(map(len, dense.values()))} linear layers of {gguf.name} stay dense (same "
+            f"outputs, slower): the {activations} kernel runs {', '.join(formats)}, not {kinds}.",
+            file=sys.stderr,
+        )
     return replaced
+
+
+def _names(tensors: list[str]) -> str:
+    """A few tensor names, then how many more."""
+    shown = ", ".join(tensors[:3])
+    return shown if len(tensors) <= 3 else f"{shown} and {len(tensors) - 3} more"
 
 
 def _linear_names(tensors: dict, layers: int) -> list[tuple[str, str]]:
