@@ -97,7 +97,7 @@ def fuse_projections(model: nn.Module) -> int:
             siblings = [getattr(module, name, None) for name in names]
             if not all(isinstance(s, InferenceLinear) for s in siblings):
                 continue
-            if len({s.stack_key() for s in siblings}) > 1:
+            if not type(siblings[0]).can_stack(siblings):
                 continue
             projection = StackedProjection(siblings)
             for index, name in enumerate(names):

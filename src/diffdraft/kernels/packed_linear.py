@@ -32,15 +32,20 @@ def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
 
 class InferenceLinear(nn.Module):
     """A linear layer whose weight is laid out for one kernel: inference only. Siblings of one kind
-    (same :meth:`stack_key`) can be stacked into one layer (:mod:`diffdraft.kernels.fused_projections`)."""
+    (:meth:`can_stack`) can be stacked into one layer (:mod:`diffdraft.kernels.fused_projections`)."""
 
     in_features: int
     out_features: int
     bias: nn.Parameter | None
 
     def stack_key(self) -> tuple:
-        """Layers with equal keys can be stacked by :meth:`stacked`."""
+        """Layers with equal keys can be stacked by :meth:`stacked` (see :meth:`can_stack`)."""
         return type(self), self.in_features, self.bias is None
+
+    @classmethod
+    def can_stack(cls, siblings: list[InferenceLinear]) -> bool:
+        """Whether :meth:`stacked` takes ``siblings``: by default, when their keys are equal."""
+        return len({sibling.stack_key() for sibling in siblings}) == 1
 
     @classmethod
     def stacked(cls, siblings: list[InferenceLinear]) -> InferenceLinear:

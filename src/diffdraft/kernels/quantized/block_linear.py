@@ -47,6 +47,7 @@ from diffdraft.kernels.quantized.kernel_build import block_kernel
 
 if TYPE_CHECKING:
     from diffdraft.kernels.quantized.gguf_blocks import GGUFBlocks
+    from diffdraft.kernels.quantized.stacked_blocks import StackedBlocks
 
 FORMAT = "Q4_1"
 BLOCK = 32
@@ -61,8 +62,11 @@ ACTIVATIONS = ("int8", "bf16")
 TILE = 16
 """Output columns per tile of the int8 kernel's weight layout: one int32 lane each."""
 INT8_FORMATS = (FORMAT, "Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K")
-"""The formats the int8 kernel runs, numbered as ``decoder_loop.cpp`` takes them (the last five are
-``gguf_blocks.GGUFBlocks``)."""
+"""The formats the int8 kernel runs (the last five are ``gguf_blocks.GGUFBlocks``)."""
+STACKED = "stacked"
+"""The format name of siblings stacked across formats (``stacked_blocks.StackedBlocks``)."""
+INT8_OPS = (*INT8_FORMATS, STACKED)
+"""The int8 kernel's ops by format, numbered as ``decoder_loop.cpp`` takes them."""
 
 
 @dataclass
@@ -233,13 +237,14 @@ def tile_bytes(part: torch.Tensor, group: int) -> torch.Tensor:
 
 
 class BlockQuantizedLinear(InferenceLinear):
-    """``nn.Linear`` over a :class:`BlockWeight`, a :class:`Q8Weight` or a ``GGUFBlocks`` (any of
-    :data:`INT8_FORMATS`), computed by the ``activations`` kernel (one of :data:`ACTIVATIONS`; the bf16
-    one takes Q4_1 only); :attr:`weight` rebuilds the dense bf16 weight on demand."""
+    """``nn.Linear`` over a :class:`BlockWeight`, a :class:`Q8Weight`, a ``GGUFBlocks`` (any of
+    :data:`INT8_FORMATS`) or siblings of several stacked (``StackedBlocks``), computed by the
+    ``activations`` kernel (one of :data:`ACTIVATIONS`; the bf16 one takes Q4_1 only); :attr:`weight`
+    rebuilds the dense bf16 weight on demand."""
 
     def __init__(
         self,
-        weight: BlockWeight | Q8Weight | GGUFBlocks,
+        weight: BlockWeight | Q8Weight | GGUFBlocks | StackedBlocks,
         bias: torch.Tensor | None = None,
         activations: str = ACTIVATIONS[0],
     ) -> None:
@@ -276,18 +281,35 @@ class BlockQuantizedLinear(InferenceLinear):
         return self._matmul(x, *self._operands, self.bias)
 
     def int8_operands(self) -> tuple[torch.Tensor, int, int, torch.Tensor | None] | None:
-        """(weight tiles, output width, format number in :data:`INT8_FORMATS`, bias): what a C++ caller
-        passes the int8 kernel for this layer (``decoder_loop.cpp``); None on the bf16 kernel."""
+        """(weight tiles, output width, op number in :data:`INT8_OPS`, bias): what a C++ caller passes
+        the int8 kernel for this layer (``decoder_loop.cpp``); None on the bf16 kernel."""
         if self.activations != "int8":
             return None
-        return *self._operands, INT8_FORMATS.index(self.blocks.format), self.bias
+        return *self._operands, INT8_OPS.index(self.blocks.format), self.bias
 
     def stack_key(self) -> tuple:
-        return *super().stack_key(), self.blocks.format, self.activations
+        return *super().stack_key(), self.activations
+
+    @classmethod
+    def can_stack(cls, siblings: list[InferenceLinear]) -> bool:
+        """Siblings of one format stack into one weight of it; on the int8 kernel, siblings of several
+        formats (a Q4_K_M layer's v in Q6_K beside q and k in Q4_K) stack as a :class:`StackedBlocks`
+        when all but the last fill whole tiles of outputs."""
+        if not super().can_stack(siblings):
+            return False
+        if len({sibling.blocks.format for sibling in siblings}) == 1:
+            return True
+        return siblings[0].activations == "int8" and all(s.out_features % TILE == 0 for s in siblings[:-1])
 
     @classmethod
     def stacked(cls, siblings: list[BlockQuantizedLinear]) -> BlockQuantizedLinear:
-        weight = type(siblings[0].blocks).stack([sibling.blocks for sibling in siblings])
+        weights = [sibling.blocks for sibling in siblings]
+        if len({weight.format for weight in weights}) == 1:
+            weight = type(weights[0]).stack(weights)
+        else:
+            from diffdraft.kernels.quantized.stacked_blocks import StackedBlocks
+
+            weight = StackedBlocks.of(weights)
         return cls(weight, cls.stacked_bias(siblings), siblings[0].activations)
 
     def rows(self, index: torch.Tensor) -> BlockQuantizedLinear:
@@ -348,8 +370,9 @@ def has_block_layers(model: torch.nn.Module) -> bool:
 def block_kernels(model: torch.nn.Module) -> list[str]:
     """The model's block formats and kernels, such as ``["Q4_1/int8", "Q8_0/int8"]`` (none: dense)."""
     kinds = {
-        f"{module.blocks.format}/{module.activations}"
+        f"{weight.format}/{module.activations}"
         for module in model.modules()
         if isinstance(module, BlockQuantizedLinear)
+        for weight in getattr(module.blocks, "parts", [module.blocks])
     }
     return sorted(kinds)

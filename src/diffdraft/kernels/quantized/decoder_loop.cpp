@@ -27,12 +27,12 @@ using at::Tensor;
 using OptionalTensor = c10::optional<Tensor>;
 
 constexpr int64_t kLinears = 4;  // per layer, in order: q|k|v, output, gate|up, down
-// The int8 kernel's ops by format number (INT8_FORMATS in block_linear.py, the order int8_matmul.cpp
-// defines them in).
+// The int8 kernel's ops by format number (INT8_OPS in block_linear.py, the order int8_matmul.cpp
+// defines them in; the last takes siblings stacked across formats).
 constexpr const char* kFormats[] = {
     "diffdraft_blocks::q4_1_int8_matmul", "diffdraft_blocks::q8_0_int8_matmul", "diffdraft_blocks::q4_0_int8_matmul",
     "diffdraft_blocks::q5_0_int8_matmul", "diffdraft_blocks::q4_k_int8_matmul", "diffdraft_blocks::q5_k_int8_matmul",
-    "diffdraft_blocks::q6_k_int8_matmul"};
+    "diffdraft_blocks::q6_k_int8_matmul", "diffdraft_blocks::stacked_int8_matmul"};
 constexpr int64_t kFormatCount = sizeof(kFormats) / sizeof(kFormats[0]);
 
 template <class Signature>

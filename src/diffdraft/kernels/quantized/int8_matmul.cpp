@@ -46,6 +46,7 @@
 #include <torch/library.h>
 
 #include <cstring>
+#include <tuple>
 #include <type_traits>
 
 namespace {
@@ -255,8 +256,8 @@ struct Job {
   const uint8_t* weight;  // [tiles, groups, group_bytes<F>()]
   const float* bias;      // [tiles * 16] or null
   const Activations* x;
-  at::BFloat16* out;      // [rows, out_features]
-  int64_t blocks, out_features;
+  at::BFloat16* out;      // [rows, stride], this weight's outputs from column 0
+  int64_t blocks, out_features, stride;
 };
 
 inline __m512i four_codes(const int8_t* codes) {
@@ -328,7 +329,7 @@ void tile_rows(const Job& job, int64_t row0, int64_t t) {
   for (int r = 0; r < kRows; ++r) {
     __m512 y = acc[r];
     if (job.bias != nullptr) y = _mm512_add_ps(y, _mm512_loadu_ps(job.bias + column));
-    _mm256_mask_storeu_epi16(job.out + (row0 + r) * job.out_features + column, valid,
+    _mm256_mask_storeu_epi16(job.out + (row0 + r) * job.stride + column, valid,
                              reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(y)));
   }
 }
@@ -342,45 +343,161 @@ void row_tile(int rows, const Job& job, int64_t row0, int64_t begin, int64_t end
   for (int64_t t = begin; t < end; ++t) tile_rows<F, kRows>(job, row0, t);
 }
 
+// Rows split into even row tiles of at most row_tile<F>() (9 rows: one tile; 16: two of 8).
 template <class F>
-at::Tensor int8_matmul(const at::Tensor& input, const at::Tensor& packed, int64_t out_features,
-                       const c10::optional<at::Tensor>& bias) {
+int64_t row_step(int64_t rows) {
+  const int64_t row_tiles = (rows + row_tile<F>() - 1) / row_tile<F>();
+  return (rows + row_tiles - 1) / row_tiles;
+}
+
+// Column tiles [begin, end) of ``job`` for all rows, kChunk tiles at a time.
+template <class F>
+void run_tiles(const Job& job, int64_t rows, int64_t begin, int64_t end) {
+  const int64_t step = row_step<F>(rows);
+  for (int64_t chunk = begin; chunk < end; chunk += kChunk) {
+    const int64_t chunk_end = std::min(end, chunk + kChunk);
+    for (int64_t r = 0; r < rows; r += step) {
+      row_tile<F>(static_cast<int>(std::min(step, rows - r)), job, r, chunk, chunk_end);
+    }
+  }
+}
+
+// The checks every op makes, and its input as [rows, in] with the bias as float32 over whole tiles.
+struct Call {
+  at::Tensor x, bias;
+  int64_t rows, in_features;
+};
+
+Call prepare(const at::Tensor& input, int64_t out_features, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(input.scalar_type() == at::kBFloat16, "int8 block matmuls take bfloat16 inputs, got ",
               input.scalar_type());
+  const int64_t in_features = input.size(-1);
+  const at::Tensor x = input.reshape({-1, in_features}).contiguous();
+  at::Tensor bias_float;
+  if (bias.has_value()) {
+    bias_float = at::zeros({(out_features + kTile - 1) / kTile * kTile}, input.options().dtype(at::kFloat));
+    bias_float.narrow(0, 0, out_features).copy_(*bias);
+  }
+  return {x, bias_float, x.size(0), in_features};
+}
+
+at::Tensor shaped(const at::Tensor& out, const at::Tensor& input, int64_t out_features) {
+  std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
+  shape.back() = out_features;
+  return out.view(shape);
+}
+
+template <class F>
+void check_packed(const at::Tensor& packed, int64_t in_features, int64_t out_features) {
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 3 &&
                   packed.size(2) == group_bytes<F>(),
               "packed weights must be contiguous uint8 [tiles, groups of ", F::kGroup, " blocks, ",
               group_bytes<F>(), "]");
-  const int64_t in_features = input.size(-1), tiles = packed.size(0), blocks = packed.size(1) * F::kGroup;
+  const int64_t blocks = packed.size(1) * F::kGroup;
   TORCH_CHECK(in_features == blocks * kBlock, "input width ", in_features, " does not match the weight's ",
               blocks, " blocks of ", kBlock);
-  TORCH_CHECK(tiles == (out_features + kTile - 1) / kTile, "packed weights hold ", tiles,
+  TORCH_CHECK(packed.size(0) == (out_features + kTile - 1) / kTile, "packed weights hold ", packed.size(0),
               " tiles, not those of ", out_features, " outputs");
-  const at::Tensor x = input.reshape({-1, in_features}).contiguous();
-  const int64_t rows = x.size(0);
-  at::Tensor bias_float;
-  if (bias.has_value()) {
-    bias_float = at::zeros({tiles * kTile}, input.options().dtype(at::kFloat));
-    bias_float.narrow(0, 0, out_features).copy_(*bias);
+}
+
+template <class F>
+at::Tensor int8_matmul(const at::Tensor& input, const at::Tensor& packed, int64_t out_features,
+                       const c10::optional<at::Tensor>& bias) {
+  const Call call = prepare(input, out_features, bias);
+  check_packed<F>(packed, call.in_features, out_features);
+  const Activations activations = quantize(call.x.data_ptr<at::BFloat16>(), call.rows * call.in_features);
+  at::Tensor out = at::empty({call.rows, out_features}, input.options());
+  const Job job{packed.data_ptr<uint8_t>(), bias.has_value() ? call.bias.data_ptr<float>() : nullptr,
+                &activations, out.data_ptr<at::BFloat16>(), call.in_features / kBlock, out_features,
+                out_features};
+  at::parallel_for(0, packed.size(0), 1,
+                   [&](int64_t begin, int64_t end) { run_tiles<F>(job, call.rows, begin, end); });
+  return shaped(out, input, out_features);
+}
+
+// Sibling projections stacked across formats (a Q4_K_M layer's q and k in Q4_K, its v in Q6_K): each
+// sibling's tiles in its own format, their outputs side by side, every sibling a whole number of tiles.
+// The input is quantized once, as for a single format (the rounding is the same for all), and each
+// output column is the bits its sibling's own op gives.
+using Formats = std::tuple<Q4_1, Q8_0, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K>;  // as decoder_loop.cpp numbers them
+
+template <int kIndex = 0>
+void run_format(int64_t format, const Job& job, int64_t rows, int64_t begin, int64_t end) {
+  if constexpr (kIndex < std::tuple_size_v<Formats>) {
+    if (format != kIndex) return run_format<kIndex + 1>(format, job, rows, begin, end);
+    run_tiles<std::tuple_element_t<kIndex, Formats>>(job, rows, begin, end);
   }
-  const Activations activations = quantize(x.data_ptr<at::BFloat16>(), rows * in_features);
-  at::Tensor out = at::empty({rows, out_features}, input.options());
-  const Job job{packed.data_ptr<uint8_t>(), bias.has_value() ? bias_float.data_ptr<float>() : nullptr,
-                &activations, out.data_ptr<at::BFloat16>(), blocks, out_features};
-  // Rows split into even row tiles of at most row_tile<F>() (9 rows: one tile; 16: two of 8).
-  const int64_t row_tiles = (rows + row_tile<F>() - 1) / row_tile<F>();
-  const int64_t row_step = (rows + row_tiles - 1) / row_tiles;
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t chunk = begin; chunk < end; chunk += kChunk) {
-      const int64_t chunk_end = std::min(end, chunk + kChunk);
-      for (int64_t r = 0; r < rows; r += row_step) {
-        row_tile<F>(static_cast<int>(std::min(row_step, rows - r)), job, r, chunk, chunk_end);
-      }
+}
+
+template <int kIndex = 0>
+int64_t format_group_bytes(int64_t format) {
+  if constexpr (kIndex < std::tuple_size_v<Formats>) {
+    if (format == kIndex) return group_bytes<std::tuple_element_t<kIndex, Formats>>();
+    return format_group_bytes<kIndex + 1>(format);
+  }
+  TORCH_CHECK(false, "a format is a number in 0..", std::tuple_size_v<Formats> - 1, ", got ", format);
+  return 0;
+}
+
+template <int kIndex = 0>
+int64_t format_group(int64_t format) {
+  if constexpr (kIndex < std::tuple_size_v<Formats>) {
+    if (format == kIndex) return std::tuple_element_t<kIndex, Formats>::kGroup;
+    return format_group<kIndex + 1>(format);
+  }
+  return 1;
+}
+
+// ``packed``: uint8 [bytes], a header of int64 values (the siblings' count, then each one's format
+// number and output width; every width a multiple of 16 but the last), then each sibling's tiles in
+// turn. The op takes the arguments every format's op takes, so the fused loops call it by its number.
+at::Tensor stacked_int8_matmul(const at::Tensor& input, const at::Tensor& packed, int64_t out_features,
+                               const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 1 &&
+                  packed.numel() >= 8,
+              "stacked weights must be contiguous uint8 [bytes] behind their header");
+  const uint8_t* data = packed.data_ptr<uint8_t>();
+  int64_t siblings;
+  std::memcpy(&siblings, data, sizeof(siblings));
+  const int64_t header = 8 * (1 + 2 * siblings);
+  TORCH_CHECK(siblings > 0 && packed.numel() >= header, "stacked weights' header is cut short");
+  std::vector<int64_t> formats(siblings), widths(siblings);
+  for (int64_t i = 0; i < siblings; ++i) {
+    std::memcpy(&formats[i], data + 8 * (1 + 2 * i), sizeof(int64_t));
+    std::memcpy(&widths[i], data + 8 * (2 + 2 * i), sizeof(int64_t));
+  }
+  int64_t total = 0;
+  for (const int64_t width : widths) total += width;
+  TORCH_CHECK(total == out_features, "stacked weights hold ", total, " outputs, not ", out_features);
+  const Call call = prepare(input, out_features, bias);
+  const int64_t blocks = call.in_features / kBlock;
+  TORCH_CHECK(call.in_features == blocks * kBlock, "input width ", call.in_features, " is no whole number of blocks");
+  std::vector<int64_t> first_tile(siblings + 1, 0), first_byte(siblings + 1, header);
+  for (int64_t i = 0; i < siblings; ++i) {
+    TORCH_CHECK(i + 1 == siblings || widths[i] % kTile == 0, "every sibling but the last has whole tiles");
+    const int64_t bytes = format_group_bytes(formats[i]), group = format_group(formats[i]);
+    TORCH_CHECK(blocks % group == 0, "input width ", call.in_features, " is no whole number of groups of ",
+                group * kBlock);
+    const int64_t tiles = (widths[i] + kTile - 1) / kTile;
+    first_tile[i + 1] = first_tile[i] + tiles;
+    first_byte[i + 1] = first_byte[i] + tiles * (blocks / group) * bytes;
+  }
+  TORCH_CHECK(packed.numel() == first_byte[siblings], "stacked weights hold ", packed.numel(), " bytes, not the ",
+              first_byte[siblings], " of these siblings");
+  const Activations activations = quantize(call.x.data_ptr<at::BFloat16>(), call.rows * call.in_features);
+  at::Tensor out = at::empty({call.rows, out_features}, input.options());
+  const float* bias_data = bias.has_value() ? call.bias.data_ptr<float>() : nullptr;
+  at::parallel_for(0, first_tile[siblings], 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = 0; i < siblings; ++i) {
+      const int64_t lo = std::max(begin, first_tile[i]), hi = std::min(end, first_tile[i + 1]);
+      if (lo >= hi) continue;
+      const int64_t column = first_tile[i] * kTile;
+      const Job job{packed.data_ptr<uint8_t>() + first_byte[i], bias_data ? bias_data + column : nullptr,
+                    &activations, out.data_ptr<at::BFloat16>() + column, blocks, widths[i], out_features};
+      run_format(formats[i], job, call.rows, lo - first_tile[i], hi - first_tile[i]);
     }
   });
-  std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
-  shape.back() = out_features;
-  return out.view(shape);
+  return shaped(out, input, out_features);
 }
 
 }  // namespace
@@ -394,6 +511,7 @@ TORCH_LIBRARY_FRAGMENT(diffdraft_blocks, m) {
   m.def("q4_k_int8_matmul(Tensor input, Tensor packed, int out_features, Tensor? bias) -> Tensor");
   m.def("q5_k_int8_matmul(Tensor input, Tensor packed, int out_features, Tensor? bias) -> Tensor");
   m.def("q6_k_int8_matmul(Tensor input, Tensor packed, int out_features, Tensor? bias) -> Tensor");
+  m.def("stacked_int8_matmul(Tensor input, Tensor packed, int out_features, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(diffdraft_blocks, CPU, m) {
@@ -404,4 +522,5 @@ TORCH_LIBRARY_IMPL(diffdraft_blocks, CPU, m) {
   m.impl("q4_k_int8_matmul", &int8_matmul<Q4_K>);
   m.impl("q5_k_int8_matmul", &int8_matmul<Q5_K>);
   m.impl("q6_k_int8_matmul", &int8_matmul<Q6_K>);
+  m.impl("stacked_int8_matmul", &stacked_int8_matmul);
 }
