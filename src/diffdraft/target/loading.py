@@ -30,8 +30,9 @@ from diffdraft.kernels.fused_projections import fuse_projections
 from diffdraft.kernels.grouped_attention import use_grouped_attention
 from diffdraft.kernels.packed_linear import pack_linear_layers
 from diffdraft.kernels.quantized.gguf_weights import block_weights_supported, use_gguf_blocks
-from diffdraft.kernels.quantized.kernel_build import cpu_supported
+from diffdraft.kernels.quantized.kernel_build import block_kernel, cpu_supported
 from diffdraft.target.default_model import MODEL_NAME, default_cache_dir, default_gguf_path
+from diffdraft.target.gguf_cache import entry_dir, load_entry, save_entry
 from diffdraft.util.staging import temp_dir_beside
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -75,24 +76,55 @@ def load_target(
     :mod:`diffdraft.kernels.fused_projections`, :mod:`diffdraft.kernels.grouped_attention`): identical
     logits in float32 (bfloat16: equal up to rounding), faster forwards, inference only. With ``optimize`` and
     ``gguf_blocks``, a bfloat16 target read from a GGUF (the default included) also keeps the GGUF's
-    Q4_1 blocks for its linear layers (and its Q8_0 LM head) where this CPU runs
-    :mod:`diffdraft.kernels.quantized`'s kernels: the same weights, a third of the bytes per forward.
-    ``block_activations`` picks those layers' kernel: "int8" (inputs quantized to int8 per block, as
-    llama.cpp computes; the fastest) or "bf16" (exactly the dense bf16 model's weights and bf16
-    inputs; the head stays dense).
+    blocks for its linear layers and LM head where this CPU runs :mod:`diffdraft.kernels.quantized`'s
+    kernels (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K: every tensor on its own format's kernel): the
+    same weights, a third of the bytes per forward or less. ``block_activations`` picks those layers'
+    kernel: "int8" (inputs quantized to int8 per block, as llama.cpp computes; the fastest) or "bf16"
+    (exactly the dense bf16 model's weights and bf16 inputs; Q4_1 layers only, the head dense). A
+    user's GGUF file on the block kernels is laid out once into the diffdraft cache
+    (:mod:`diffdraft.target.gguf_cache`), so a later load of it reads the layout instead of
+    dequantizing the file again.
     """
-    loaded = _load(spec, dtype, device)
+    gguf = _gguf_file(spec) if optimize and gguf_blocks else None
+    entry = _cache_entry(spec, gguf, dtype, device, block_activations)
+    cached = None if entry is None else load_entry(entry, gguf, torch.bfloat16)
+    if cached is not None:
+        model, tokenizer, replaced = cached
+        loaded = LoadedModel(model, tokenizer, f"GGUF file {gguf} (laid out from the cache at {entry})")
+        loaded.source += f", {replaced} linear layers on its GGUF blocks ({block_activations} activations)"
+    else:
+        loaded = _load(spec, dtype, device)
     if optimize:
-        gguf = _gguf_file(spec)
-        usable = gguf_blocks and gguf is not None and block_weights_supported(loaded.model)
-        if usable and (replaced := use_gguf_blocks(loaded.model, gguf, block_activations)):
+        usable = cached is None and gguf is not None and block_weights_supported(loaded.model)
+        if usable and (placed := use_gguf_blocks(loaded.model, gguf, block_activations)):
             loaded.source += (
-                f", {replaced} linear layers on its GGUF blocks ({block_activations} activations)"
+                f", {len(placed)} linear layers on its GGUF blocks ({block_activations} activations)"
             )
+            if entry is not None:
+                save_entry(entry, loaded.model, loaded.tokenizer, placed, block_activations)
         pack_linear_layers(loaded.model)
         fuse_projections(loaded.model)
         use_grouped_attention(loaded.model)
     return loaded
+
+
+def _cache_entry(
+    spec: str | os.PathLike,
+    gguf: Path | None,
+    dtype: str,
+    device: str | torch.device | None,
+    activations: str,
+) -> Path | None:
+    """Where the layout of a GGUF file's target is cached (:mod:`diffdraft.target.gguf_cache`): a
+    user's file (the default target has a cache of its own) loading in bfloat16 on this CPU's block
+    kernels; None for any other load."""
+    if gguf is None or str(spec) == "default" or not gguf.is_file():
+        return None
+    device = default_device(device)
+    resolved = gguf_dtype(device) if dtype == "auto" else dtype
+    if device.type != "cpu" or resolved != "bfloat16" or block_kernel() is None:
+        return None
+    return entry_dir(gguf, torch.bfloat16, activations)
 
 
 def _gguf_file(spec: str | os.PathLike) -> Path | None:

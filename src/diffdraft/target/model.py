@@ -62,7 +62,9 @@ class TargetModel:
         self.config = config
         self.num_layers: int = config.num_hidden_layers
         self.hidden_size: int = config.hidden_size
-        self.vocab_size: int = model.get_output_embeddings().weight.shape[0]
+        head = model.get_output_embeddings()
+        self.vocab_size: int = head.out_features if hasattr(head, "out_features") else head.weight.shape[0]
+        """(A head on GGUF blocks rebuilds its dense weight on every read of ``weight``.)"""
         self.max_context: int = int(getattr(config, "max_position_embeddings", 1 << 30))
         layers = self.new_cache().layers
         self.sliding_window_layers: list[int] = [i for i, layer in enumerate(layers) if layer.is_sliding]

@@ -247,7 +247,10 @@ class BlockQuantizedLinear(InferenceLinear):
         weight: BlockWeight | Q8Weight | GGUFBlocks | StackedBlocks,
         bias: torch.Tensor | None = None,
         activations: str = ACTIVATIONS[0],
+        tiles: torch.Tensor | None = None,
     ) -> None:
+        """``tiles``: the int8 kernel's layout of ``weight`` when already made (``weight.tiles()``, the
+        slow part of putting a big model's layers on blocks), else made here."""
         super().__init__()
         kernel = block_kernel()
         if kernel is None:
@@ -261,7 +264,7 @@ class BlockQuantizedLinear(InferenceLinear):
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
         if activations == "int8":
             self._matmul = getattr(kernel, f"{weight.format.lower()}_int8_matmul")
-            self._operands = (weight.tiles(), self.out_features)
+            self._operands = (weight.tiles() if tiles is None else tiles, self.out_features)
         else:
             self._matmul = kernel.q4_1_matmul
             self._operands = (weight.codes, weight.scales, weight.offsets)
@@ -303,14 +306,22 @@ class BlockQuantizedLinear(InferenceLinear):
 
     @classmethod
     def stacked(cls, siblings: list[BlockQuantizedLinear]) -> BlockQuantizedLinear:
+        """The siblings' weights stacked; on the int8 kernel their tiles are reused where each sibling
+        but the last fills whole tiles (the tiles of a stack are then its siblings' in turn)."""
         weights = [sibling.blocks for sibling in siblings]
-        if len({weight.format for weight in weights}) == 1:
-            weight = type(weights[0]).stack(weights)
-        else:
+        bias, activations = cls.stacked_bias(siblings), siblings[0].activations
+        whole_tiles = all(sibling.out_features % TILE == 0 for sibling in siblings[:-1])
+        if len({weight.format for weight in weights}) > 1:
             from diffdraft.kernels.quantized.stacked_blocks import StackedBlocks
 
             weight = StackedBlocks.of(weights)
-        return cls(weight, cls.stacked_bias(siblings), siblings[0].activations)
+            nested = any(isinstance(w, StackedBlocks) for w in weights)  # its tiles carry a header
+            tiles = None if nested else weight.tiles([s._operands[0] for s in siblings])
+            return cls(weight, bias, activations, tiles=tiles)
+        weight = type(weights[0]).stack(weights)
+        if activations == "int8" and whole_tiles:
+            return cls(weight, bias, activations, tiles=torch.cat([s._operands[0] for s in siblings]))
+        return cls(weight, bias, activations)
 
     def rows(self, index: torch.Tensor) -> BlockQuantizedLinear:
         """This layer restricted to outputs ``index`` (an LM head's draft vocabulary), on the same kernel."""

@@ -27,17 +27,24 @@ SUPER_BLOCK = 256
 
 @dataclass
 class GGUFBlocks:
-    """A weight [out, in] as the GGUF tensor's bytes, ``raw`` uint8 [out, bytes per row] (each row its
-    own run of blocks, as GGUF stores them), in ``format`` (one of :data:`GGUF_FORMATS`)."""
+    """A weight [out, in] as the GGUF tensor's bytes, uint8 [out, bytes per row] (each row its own run
+    of blocks, as GGUF stores them), in ``format`` (one of :data:`GGUF_FORMATS`). The bytes stay where
+    they were given, usually the file's read-only memory map, and a stack keeps its pieces apart (``raws``):
+    only the kernel's tiles are copied, so a big model's layers take no second copy of the file."""
 
-    raw: torch.Tensor
+    raws: tuple[np.ndarray, ...]
     format: str
 
     @classmethod
     def from_gguf(cls, raw: np.ndarray, format: str) -> GGUFBlocks:
         if format not in GGUF_FORMATS:
             raise ValueError(f"GGUFBlocks holds {GGUF_FORMATS}; got {format}")
-        return cls(torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True)), format)  # off a read-only map
+        return cls((np.asarray(raw, dtype=np.uint8),), format)
+
+    @property
+    def raw(self) -> np.ndarray:
+        """The bytes of every row, one array."""
+        return self.raws[0] if len(self.raws) == 1 else np.concatenate(self.raws)
 
     @property
     def _sizes(self) -> tuple[int, int]:
@@ -46,25 +53,25 @@ class GGUFBlocks:
 
     @property
     def out_features(self) -> int:
-        return self.raw.shape[0]
+        return sum(raw.shape[0] for raw in self.raws)
 
     @property
     def in_features(self) -> int:
         inputs, size = self._sizes
-        return self.raw.shape[1] // size * inputs
+        return self.raws[0].shape[1] // size * inputs
 
     def rows(self, index: torch.Tensor) -> GGUFBlocks:
-        """The weight's rows ``index``, in that order."""
-        return GGUFBlocks(self.raw[index].contiguous(), self.format)
+        """The weight's rows ``index``, in that order (a copy)."""
+        return GGUFBlocks((np.ascontiguousarray(self.raw[index.numpy()]),), self.format)
 
     @staticmethod
     def stack(weights: list[GGUFBlocks]) -> GGUFBlocks:
         """The weights' rows one after another (they share a format and input width)."""
-        return GGUFBlocks(torch.cat([w.raw for w in weights]), weights[0].format)
+        return GGUFBlocks(tuple(raw for w in weights for raw in w.raws), weights[0].format)
 
     def dequantize(self) -> torch.Tensor:
         """The dense float32 weight, by the ``gguf`` package (as transformers reads the file)."""
-        values = quants.dequantize(self.raw.numpy(), GGMLQuantizationType[self.format])
+        values = quants.dequantize(self.raw, GGMLQuantizationType[self.format])
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
 
     def codes_and_values(self) -> tuple[np.ndarray, dict[str, np.ndarray]]:
@@ -73,7 +80,7 @@ class GGUFBlocks:
         ``dmin`` [out, in / 256] and ``sc``, ``m`` [out, in / 32]; for Q6_K ``d`` [out, in / 256] and
         ``sc`` [out, in / 16] (int8)."""
         size = self._sizes[1]
-        blocks = self.raw.numpy().reshape(self.out_features, -1, size)
+        blocks = self.raw.reshape(self.out_features, -1, size)
         return _UNPACK[self.format](blocks)
 
     def tiles(self) -> torch.Tensor:

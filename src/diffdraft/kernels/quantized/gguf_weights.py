@@ -16,6 +16,7 @@ layers only, the rest and the head dense.
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +34,7 @@ from diffdraft.kernels.quantized.block_linear import (
 )
 from diffdraft.kernels.quantized.gguf_blocks import GGUFBlocks
 from diffdraft.kernels.quantized.kernel_build import block_kernel
+from diffdraft.util.progress import progress_bar
 
 LAYER_TENSORS = {
     "attn_q": "self_attn.q_proj",
@@ -64,12 +66,34 @@ def block_weight(raw: np.ndarray, format: str) -> BlockWeight | Q8Weight | GGUFB
     return GGUFBlocks.from_gguf(raw, format)
 
 
-def use_gguf_blocks(model: nn.Module, gguf: Path, activations: str = ACTIVATIONS[0]) -> int:
+@dataclass(frozen=True)
+class Placement:
+    """A linear layer put on a GGUF tensor's blocks: the module's name, the tensor's, its format, for a
+    Llama GGUF's q or k the head count whose rotary rows transformers reorders (else None), and where
+    its bytes lie in the file (offset, rows, bytes a row), so a cached load reads them without parsing
+    the file's metadata (a big vocabulary's strings took GGUFReader most of ten seconds)."""
+
+    module: str
+    tensor: str
+    format: str
+    heads: int | None
+    offset: int
+    rows: int
+    row_bytes: int
+
+    def raw(self, gguf: Path) -> np.ndarray:
+        """The tensor's bytes [rows, row_bytes], memory-mapped read-only from ``gguf``."""
+        return np.memmap(
+            gguf, dtype=np.uint8, mode="r", offset=self.offset, shape=(self.rows, self.row_bytes)
+        )
+
+
+def use_gguf_blocks(model: nn.Module, gguf: Path, activations: str = ACTIVATIONS[0]) -> list[Placement]:
     """Replace ``model``'s linear layers by :class:`BlockQuantizedLinear` layers on ``gguf``'s blocks
     where the GGUF stores them in a format of :data:`INT8_FORMATS` (Q4_1 only for ``activations="bf16"``),
-    its LM head included (int8 only); returns how many were replaced. Tensors of other formats (F16,
-    Q5_1, Q3_K, ...) leave their layers dense, which one stderr line names. A tied embedding keeps its
-    dense weight for lookups."""
+    its LM head included (int8 only); returns the layers replaced. Tensors of other formats (F16, Q5_1,
+    Q3_K, ...) leave their layers dense, which one stderr line names. A tied embedding keeps its dense
+    weight for lookups."""
     reader = GGUFReader(gguf)
     architecture = _field(reader, "general.architecture")
     tensors = {tensor.name: tensor for tensor in reader.tensors}
@@ -78,27 +102,30 @@ def use_gguf_blocks(model: nn.Module, gguf: Path, activations: str = ACTIVATIONS
     if activations == "int8":
         names += [(name, "lm_head") for name in HEAD_TENSORS if name in tensors][:1]
     formats = INT8_FORMATS if activations == "int8" else (FORMAT,)
-    replaced = mismatched = 0
+    placed: list[Placement] = []
+    mismatched = 0
     dense: dict[str, list[str]] = {}
-    for gguf_name, module_name in names:
+    for gguf_name, module_name in progress_bar(names, desc=f"diffdraft: {gguf.name}'s blocks", unit="tensor"):
         tensor = tensors[gguf_name]
-        parent_name, _, attribute = module_name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        linear = getattr(parent, attribute)
+        linear = model.get_submodule(module_name)
         if type(linear) is not nn.Linear:
             continue
         if tensor.tensor_type.name not in formats:
             dense.setdefault(tensor.tensor_type.name, []).append(gguf_name)
             continue
-        weight = block_weight(np.asarray(tensor.data), tensor.tensor_type.name)
+        heads = None
         if architecture == "llama" and gguf_name.endswith((".attn_q.weight", ".attn_k.weight")):
             heads = config.num_attention_heads if "attn_q" in gguf_name else config.num_key_value_heads
-            weight = weight.rows(_unpermuted_rows(weight.out_features, heads))
+        data = np.asarray(tensor.data)
+        placement = Placement(
+            module_name, gguf_name, tensor.tensor_type.name, heads, int(tensor.data_offset), *data.shape
+        )
+        weight = placed_weight(data, placement)
         if not torch.equal(weight.dequantize().to(linear.weight.dtype), linear.weight):
             mismatched += 1
             continue
-        setattr(parent, attribute, BlockQuantizedLinear(weight, linear.bias, activations))
-        replaced += 1
+        _replace(model, module_name, BlockQuantizedLinear(weight, linear.bias, activations))
+        placed.append(placement)
     if mismatched:
         print(
             f"diffdraft: {mismatched} GGUF tensors of {gguf.name} do not match the loaded weights; those "
@@ -112,7 +139,39 @@ def use_gguf_blocks(model: nn.Module, gguf: Path, activations: str = ACTIVATIONS
             f"outputs, slower): the {activations} kernel runs {', '.join(formats)}, not {kinds}.",
             file=sys.stderr,
         )
-    return replaced
+    return placed
+
+
+def place_blocks(
+    model: nn.Module,
+    gguf: Path,
+    placements: list[Placement],
+    activations: str,
+    biases: dict[str, torch.Tensor],
+    tiles: dict[str, torch.Tensor],
+) -> None:
+    """Put ``model``'s layers on ``gguf``'s blocks as :func:`use_gguf_blocks` placed them before
+    (``placements``), with their ``biases`` and the int8 kernel's ``tiles`` it laid out then, both by
+    module name: no dense weights to compare with, no layout to compute (a cached load)."""
+    for placement in placements:
+        weight = placed_weight(placement.raw(gguf), placement)
+        layer = BlockQuantizedLinear(
+            weight, biases.get(placement.module), activations, tiles=tiles.get(placement.module)
+        )
+        _replace(model, placement.module, layer)
+
+
+def placed_weight(raw: np.ndarray, placement: Placement) -> BlockWeight | Q8Weight | GGUFBlocks:
+    """The blocks of ``placement``'s tensor, its bytes ``raw``, in the model's row order."""
+    weight = block_weight(raw, placement.format)
+    if placement.heads is not None:
+        weight = weight.rows(_unpermuted_rows(weight.out_features, placement.heads))
+    return weight
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, attribute = name.rpartition(".")
+    setattr(model.get_submodule(parent_name), attribute, module)
 
 
 def _names(tensors: list[str]) -> str:

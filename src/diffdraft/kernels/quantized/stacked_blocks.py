@@ -53,12 +53,15 @@ class StackedBlocks:
         """The dense float32 weight, each part's rows in turn."""
         return torch.cat([part.dequantize() for part in self.parts])
 
-    def tiles(self) -> torch.Tensor:
+    def tiles(self, part_tiles: list[torch.Tensor] | None = None) -> torch.Tensor:
         """``stacked_int8_matmul``'s layout: int64 header (count, then each part's op number and width),
-        then each part's tiles, all as one uint8 tensor."""
+        then each part's tiles (``part_tiles`` where the parts' layers made them already), all as one
+        uint8 tensor."""
+        if part_tiles is None:
+            part_tiles = [part.tiles() for part in self.parts]
         header = [len(self.parts)]
         for part in self.parts:
             header += [INT8_OPS.index(part.format), part.out_features]
         bytes_ = [torch.tensor(header, dtype=torch.int64).view(torch.uint8)]
-        bytes_ += [part.tiles().reshape(-1) for part in self.parts]
+        bytes_ += [tiles.reshape(-1) for tiles in part_tiles]
         return torch.cat(bytes_).contiguous()
