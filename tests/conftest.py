@@ -281,8 +281,9 @@ def random_gguf_bytes(format: str, out: int, inputs: int, seed: int = 0, scale: 
 
 def write_random_gguf(path: Path, model: torch.nn.Module, formats: dict[str, str], seed: int = 0) -> None:
     """``model`` (a Qwen2) as a GGUF whose decoder-layer tensors ``blk.N.<key>`` are random blocks of
-    ``formats[key]`` (a key missing there keeps its layer dense: an F32 tensor), the model's own weights
-    set to what the file holds; its LM head and embedding stay dense."""
+    ``formats[key]`` (a key missing there keeps its layer dense: an F32 tensor), and its LM head
+    ``output`` of ``formats["output"]`` if given, the model's own weights set to what the file holds;
+    the embedding stays dense."""
     from gguf import GGMLQuantizationType, GGUFWriter, quants
 
     from diffdraft.kernels.quantized.gguf_weights import LAYER_TENSORS
@@ -300,6 +301,13 @@ def write_random_gguf(path: Path, model: torch.nn.Module, formats: dict[str, str
             )
             linear.weight.data = torch.from_numpy(quants.dequantize(raw, kind)).to(linear.weight.dtype)
             writer.add_tensor(f"blk.{i}.{key}.weight", raw, raw_dtype=kind)
+    if "output" in formats:
+        kind = GGMLQuantizationType[formats["output"]]
+        raw = random_gguf_bytes(formats["output"], *model.lm_head.weight.shape, seed=seed, scale=2e-3)
+        model.lm_head.weight.data = torch.from_numpy(quants.dequantize(raw, kind)).to(
+            model.lm_head.weight.dtype
+        )
+        writer.add_tensor("output.weight", raw, raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -1,5 +1,6 @@
 """A GGUF that mixes block formats, as a Q4_K_M file does, loads each tensor onto its own format's
-kernel, and every method's greedy tokens on it are our own plain decoding's, token for token."""
+kernel, and every method's greedy tokens on it are our own plain decoding's, token for token; a
+drafter beside it drafts on Q4_1 blocks, the target's head rows it borrows included."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from diffdraft.decoding.sequence_spec import SequenceSpec
 from diffdraft.drafters.dflash import DFlashDrafter
 from diffdraft.drafters.lookup_boost import LookupBoostedDrafter
 from diffdraft.kernels.fused_projections import fuse_projections
-from diffdraft.kernels.quantized.block_linear import block_kernels
+from diffdraft.kernels.quantized.block_linear import BlockQuantizedLinear, block_kernels
 from diffdraft.kernels.quantized.gguf_weights import use_gguf_blocks
 from diffdraft.runtime.stopping import StopConditions
 from diffdraft.target.model import TargetModel
@@ -29,6 +30,7 @@ MIXES = {
         "ffn_gate": "Q5_0",
         "ffn_up": "Q8_0",
         "ffn_down": "Q4_1",
+        "output": "Q6_K",
     },
     # siblings share a format, as most of a Q4_K_M file's layers do
     "siblings alike": {
@@ -55,14 +57,19 @@ def _generate(target: TargetModel, drafter, builder, prompt: list[int], max_new_
 def test_every_method_on_a_mixed_format_file_is_plain_decoding_token_for_token(tmp_path, mix):
     model = tiny_target("qwen2", seed=3, vocab=96, hidden=256, layers=2, dtype=torch.bfloat16)
     write_random_gguf(tmp_path / "mixed.gguf", model, MIXES[mix])
-    assert len(use_gguf_blocks(model, tmp_path / "mixed.gguf")) == 7 * 2
+    assert len(use_gguf_blocks(model, tmp_path / "mixed.gguf")) == 7 * 2 + ("output" in MIXES[mix])
     assert block_kernels(model) == sorted(f"{format}/int8" for format in set(MIXES[mix].values()))
     fuse_projections(model)
     target = TargetModel(model)
     assert target.lean is not None and target.lean.fused is not None  # the fused decoder loop runs
     generator = torch.Generator().manual_seed(7)
     prompts = [torch.randint(1, 95, (length,), generator=generator).tolist() for length in (1, 9, 30)]
-    drafter = DFlashDrafter(tiny_drafter(model, 3, block_size=5), target)
+    draft_vocab = list(range(0, 96, 2))  # the drafter borrows these rows of the target's head
+    drafter = DFlashDrafter(tiny_drafter(model, 3, block_size=5, draft_vocab=draft_vocab), target)
+    drafted = [m for m in drafter.model.layers.modules() if isinstance(m, BlockQuantizedLinear)]
+    if "output" in MIXES[mix]:  # the target's head on blocks: the rows it lends are rounded to Q4_1 too
+        drafted.append(drafter.head)
+    assert drafted and all(m.blocks.format == "Q4_1" for m in drafted)  # as beside a Q4_1 target
     methods = {
         "chain": (drafter, ChainBuilder()),
         "ddtree": (drafter, DDTreeBuilder(12)),
