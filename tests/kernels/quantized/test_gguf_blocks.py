@@ -13,8 +13,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from diffdraft.kernels.quantized.block_linear import INT8_FORMATS, BlockQuantizedLinear, q4_1_linear
+from diffdraft.kernels.quantized.block_linear import BlockQuantizedLinear, q4_1_linear
 from diffdraft.kernels.quantized.gguf_blocks import GGUF_FORMATS, GGUFBlocks
+from diffdraft.kernels.quantized.tile_layout import INT8_OPS
 
 from conftest import GGUF_FLOAT16_FIELDS, int8_rounded_inputs, needs_block_kernel, random_gguf_bytes
 
@@ -141,7 +142,7 @@ def test_each_format_is_numbered_for_the_fused_loop_and_drafts_round_to_q4_1():
     for format in GGUF_FORMATS:
         layer = BlockQuantizedLinear(random_blocks(format, 32, 256))
         tiles, width, number, bias = layer.int8_operands()
-        assert INT8_FORMATS[number] == format and (tiles.shape[0], width, bias) == (2, 32, None)
+        assert INT8_OPS[number] == format and (tiles.shape[0], width, bias) == (2, 32, None)
         drafted = q4_1_linear(layer)  # a target's head rows a drafter borrows
         assert drafted.blocks.format == "Q4_1" and drafted.out_features == 32
 

@@ -11,8 +11,6 @@ from torch import nn
 
 from diffdraft.kernels.fused_projections import ProjectionSlice, fuse_projections
 from diffdraft.kernels.quantized.block_linear import (
-    INT8_FORMATS,
-    STACKED,
     BlockQuantizedLinear,
     BlockWeight,
     Q8Weight,
@@ -20,6 +18,7 @@ from diffdraft.kernels.quantized.block_linear import (
 )
 from diffdraft.kernels.quantized.gguf_blocks import GGUFBlocks
 from diffdraft.kernels.quantized.stacked_blocks import StackedBlocks
+from diffdraft.kernels.quantized.tile_layout import INT8_FORMATS, STACKED
 
 from conftest import needs_block_kernel, random_gguf_bytes
 

@@ -37,21 +37,26 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import numpy as np
 import torch
 
 from diffdraft.kernels.packed_linear import InferenceLinear, dense_linear
+from diffdraft.kernels.quantized.gguf_blocks import GGUFBlocks
 from diffdraft.kernels.quantized.kernel_build import block_kernel
+from diffdraft.kernels.quantized.stacked_blocks import StackedBlocks
+from diffdraft.kernels.quantized.tile_layout import (
+    BLOCK,
+    INT8_FORMATS,
+    INT8_OPS,
+    TILE,
+    float16_bytes,
+    tile_bytes,
+)
 
-if TYPE_CHECKING:
-    from diffdraft.kernels.quantized.gguf_blocks import GGUFBlocks
-    from diffdraft.kernels.quantized.stacked_blocks import StackedBlocks
-
-FORMAT = "Q4_1"
-BLOCK = 32
-"""Inputs per block."""
+FORMAT = INT8_FORMATS[0]
+"""Q4_1: the format of :class:`BlockWeight`, the one the bf16 kernel runs too."""
 DENSE_ROWS = 128
 """Rows from which a call runs on the dense copy (see the module docstring)."""
 BLOCK_BYTES = 20
@@ -59,14 +64,6 @@ BLOCK_BYTES = 20
 _KERNEL_ROWS_ONLY = ContextVar("kernel_rows_only", default=False)
 ACTIVATIONS = ("int8", "bf16")
 """The layer's kernels (see the module docstring); the first is the default."""
-TILE = 16
-"""Output columns per tile of the int8 kernel's weight layout: one int32 lane each."""
-INT8_FORMATS = (FORMAT, "Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K")
-"""The formats the int8 kernel runs (the last five are ``gguf_blocks.GGUFBlocks``)."""
-STACKED = "stacked"
-"""The format name of siblings stacked across formats (``stacked_blocks.StackedBlocks``)."""
-INT8_OPS = (*INT8_FORMATS, STACKED)
-"""The int8 kernel's ops by format, numbered as ``decoder_loop.cpp`` takes them."""
 
 
 @dataclass
@@ -217,25 +214,6 @@ def tiled(codes: torch.Tensor, *halves: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1).contiguous()
 
 
-def float16_bytes(values: torch.Tensor) -> torch.Tensor:
-    """Float16-valued ``values`` [out, n] as their float16 bytes [out, n, 2] (low byte first); refuses
-    values float16 does not hold, which the kernel could not compute with."""
-    half = values.half()
-    if not torch.equal(half.float(), values):
-        raise ValueError("the int8 kernel keeps scales as float16, and these are not float16 values")
-    bits = half.view(torch.int16)
-    return torch.stack([bits & 255, bits >> 8 & 255], dim=-1).to(torch.uint8)
-
-
-def tile_bytes(part: torch.Tensor, group: int) -> torch.Tensor:
-    """[out, blocks, width] bytes -> [tiles, blocks, TILE * width]: ``group`` bytes of each output in
-    turn, the outputs padded with zero bytes to whole tiles."""
-    out, blocks, width = part.shape
-    part = torch.nn.functional.pad(part, (0, 0, 0, 0, 0, -out % TILE))
-    grouped = part.view(-1, TILE, blocks, width // group, group).permute(0, 2, 3, 1, 4)
-    return grouped.reshape(-1, blocks, TILE * width)
-
-
 class BlockQuantizedLinear(InferenceLinear):
     """``nn.Linear`` over a :class:`BlockWeight`, a :class:`Q8Weight`, a ``GGUFBlocks`` (any of
     :data:`INT8_FORMATS`) or siblings of several stacked (``StackedBlocks``), computed by the
@@ -312,8 +290,6 @@ class BlockQuantizedLinear(InferenceLinear):
         bias, activations = cls.stacked_bias(siblings), siblings[0].activations
         whole_tiles = all(sibling.out_features % TILE == 0 for sibling in siblings[:-1])
         if len({weight.format for weight in weights}) > 1:
-            from diffdraft.kernels.quantized.stacked_blocks import StackedBlocks
-
             weight = StackedBlocks.of(weights)
             nested = any(isinstance(w, StackedBlocks) for w in weights)  # its tiles carry a header
             tiles = None if nested else weight.tiles([s._operands[0] for s in siblings])

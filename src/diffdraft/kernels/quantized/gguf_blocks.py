@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
-from diffdraft.kernels.quantized.block_linear import BLOCK, float16_bytes, tile_bytes
+from diffdraft.kernels.quantized.tile_layout import BLOCK, float16_bytes, tile_bytes
 
 GGUF_FORMATS = ("Q4_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K")
 """The formats this class holds (Q4_1 and Q8_0 are ``BlockWeight`` and ``Q8Weight``)."""

@@ -27,13 +27,13 @@ from torch import nn
 from diffdraft.kernels.quantized.block_linear import (
     ACTIVATIONS,
     FORMAT,
-    INT8_FORMATS,
     BlockQuantizedLinear,
     BlockWeight,
     Q8Weight,
 )
 from diffdraft.kernels.quantized.gguf_blocks import GGUFBlocks
 from diffdraft.kernels.quantized.kernel_build import block_kernel
+from diffdraft.kernels.quantized.tile_layout import INT8_FORMATS
 from diffdraft.util.progress import progress_bar
 
 LAYER_TENSORS = {

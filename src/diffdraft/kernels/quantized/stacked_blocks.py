@@ -15,8 +15,7 @@ from typing import ClassVar
 
 import torch
 
-from diffdraft.kernels.quantized.block_linear import INT8_OPS, STACKED, TILE, BlockWeight, Q8Weight
-from diffdraft.kernels.quantized.gguf_blocks import GGUFBlocks
+from diffdraft.kernels.quantized.tile_layout import INT8_OPS, STACKED, TILE
 
 
 @dataclass
@@ -24,7 +23,8 @@ class StackedBlocks:
     """The weights ``parts`` (their formats may differ; every part but the last a whole number of
     tiles of outputs) as one weight of their rows one after another."""
 
-    parts: list[BlockWeight | Q8Weight | GGUFBlocks]
+    parts: list
+    """``block_linear.BlockWeight``, ``Q8Weight`` or ``gguf_blocks.GGUFBlocks`` weights."""
     format: ClassVar[str] = STACKED
 
     @classmethod
