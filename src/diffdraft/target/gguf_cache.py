@@ -1,8 +1,8 @@
 """A GGUF target laid out once: later loads of the same file read the cache, not the dense detour.
 
-Loading a GGUF through transformers dequantizes every tensor into a dense model (about a minute for a
-0.5B file on 2 cores, on every load), and putting its linear layers back on their blocks lays every
-tensor out for the int8 kernel again. The first load of a file on block kernels saves what those steps
+Loading a GGUF through transformers dequantizes every tensor into a dense model, on every load, and
+putting its linear layers back on their blocks lays every tensor out for the int8 kernel again: for a
+file of a billion parameters, minutes on a small CPU (figures: benchmarks/README.md, 'gguf-formats'). The first load of a file on block kernels saves what those steps
 made that the file cannot give cheaply: the config, generation config and tokenizer, every tensor that
 stays dense (embeddings, norms, biases, buffers) and the kernel's tiles. A later load builds the model
 on the meta device, reads those back and takes the blocks themselves from the file again (a memory

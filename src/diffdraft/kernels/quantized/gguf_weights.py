@@ -71,7 +71,7 @@ class Placement:
     """A linear layer put on a GGUF tensor's blocks: the module's name, the tensor's, its format, for a
     Llama GGUF's q or k the head count whose rotary rows transformers reorders (else None), and where
     its bytes lie in the file (offset, rows, bytes a row), so a cached load reads them without parsing
-    the file's metadata (a big vocabulary's strings took GGUFReader most of ten seconds)."""
+    the file's metadata (GGUFReader reads a big vocabulary's strings one by one, for many seconds)."""
 
     module: str
     tensor: str
