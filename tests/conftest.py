@@ -242,6 +242,19 @@ def q4_1_blocks(weight: torch.Tensor):
     return BlockWeight.from_gguf(raw)
 
 
+def speculated_tokens(target, drafter, builder, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """The greedy tokens the engine commits for ``prompt`` with ``drafter`` (None: plain decoding) and
+    tree ``builder``, stopping at EOS or ``max_new_tokens``."""
+    from diffdraft.decoding.engine import SpeculativeEngine
+    from diffdraft.decoding.sequence_spec import SequenceSpec
+    from diffdraft.runtime.stopping import StopConditions
+
+    config = target.model.config
+    stop = StopConditions([config.eos_token_id], max_new_tokens, config.max_position_embeddings, len(prompt))
+    engine = SpeculativeEngine(target, drafter, builder)
+    return [t for chunk in engine.run(SequenceSpec(prompt, stop)) for t in chunk]
+
+
 def int8_rounded_inputs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The int8 kernel's rounding of inputs ``x`` [..., in]: each row's blocks of 32 as codes
     round(x * 127 / max|x|) in float32 (the kernel's codes exactly) [rows, blocks, 32], and their scales

@@ -19,18 +19,22 @@ from diffdraft.kernels.quantized.block_linear import (
     kernel_rows_only,
     q4_1_linear,
 )
+from diffdraft.kernels.quantized.gguf_blocks import GGUFBlocks
+from diffdraft.kernels.quantized.tile_layout import INT8_FORMATS
 
-from conftest import int8_rounded_inputs, needs_block_kernel, q4_1_blocks, q4_1_target
+from conftest import int8_rounded_inputs, needs_block_kernel, q4_1_blocks, q4_1_target, random_gguf_bytes
 
 
 def _weight(rows: int, inputs: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(rows, inputs, generator=torch.Generator().manual_seed(seed)) * 0.05
 
 
-def _blocks(format: str, rows: int, inputs: int) -> BlockWeight | Q8Weight:
+def _blocks(format: str, rows: int, inputs: int) -> BlockWeight | Q8Weight | GGUFBlocks:
     if format == "Q4_1":
         return q4_1_blocks(_weight(rows, inputs))
-    return _blocks_of(_weight(rows, inputs))
+    if format == "Q8_0":
+        return _blocks_of(_weight(rows, inputs))
+    return GGUFBlocks.from_gguf(random_gguf_bytes(format, rows, inputs), format)
 
 
 def _blocks_of(weight: torch.Tensor) -> Q8Weight:
@@ -124,10 +128,13 @@ def test_int8_sums_stay_exact_where_every_product_is_at_its_largest(format, sign
 
 
 @needs_block_kernel
-@pytest.mark.parametrize(("format", "activations"), [("Q4_1", "int8"), ("Q4_1", "bf16"), ("Q8_0", "int8")])
+@pytest.mark.parametrize(
+    ("format", "activations"),
+    [("Q4_1", "bf16"), *((format, "int8") for format in INT8_FORMATS)],
+)
 def test_a_row_gets_the_same_bits_alone_in_any_batch_and_on_any_threads(format, activations):
-    layer = BlockQuantizedLinear(_blocks(format, 70, 192), activations=activations)
-    x = torch.randn(40, 192).to(torch.bfloat16)
+    layer = BlockQuantizedLinear(_blocks(format, 70, 256), activations=activations)
+    x = torch.randn(40, 256).to(torch.bfloat16)
     alone = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])
     threads = torch.get_num_threads()
     try:

@@ -99,22 +99,6 @@ def test_any_shape_and_rows_match_the_reference_and_each_row_its_own_decode(form
 
 @needs_block_kernel
 @pytest.mark.parametrize("format", GGUF_FORMATS)
-def test_a_row_gets_the_same_bits_alone_in_any_batch_and_on_any_threads(format):
-    layer = BlockQuantizedLinear(random_blocks(format, 70, 512))
-    x = torch.randn(30, 512).to(torch.bfloat16)
-    alone = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])
-    threads = torch.get_num_threads()
-    try:
-        for count in {1, 2, threads}:
-            torch.set_num_threads(count)
-            for rows in [*range(2, 14), 30]:
-                assert torch.equal(layer(x[:rows]), alone[:rows]), (count, rows)
-    finally:
-        torch.set_num_threads(threads)
-
-
-@needs_block_kernel
-@pytest.mark.parametrize("format", GGUF_FORMATS)
 @pytest.mark.parametrize("sign", [1.0, -1.0])
 def test_sums_stay_exact_where_every_code_and_input_is_at_its_largest(format, sign):
     """All-ones bytes: the largest codes (and Q6_K's scale -1) against inputs of code +-127."""

@@ -7,18 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffdraft.decoding.engine import SpeculativeEngine
-from diffdraft.decoding.sequence_spec import SequenceSpec
 from diffdraft.drafters.dflash import DFlashDrafter
 from diffdraft.drafters.lookup_boost import LookupBoostedDrafter
 from diffdraft.kernels.fused_projections import fuse_projections
 from diffdraft.kernels.quantized.block_linear import BlockQuantizedLinear, block_kernels
 from diffdraft.kernels.quantized.gguf_weights import use_gguf_blocks
-from diffdraft.runtime.stopping import StopConditions
 from diffdraft.target.model import TargetModel
 from diffdraft.trees import ChainBuilder, DDTreeBuilder
 
-from conftest import needs_block_kernel, tiny_drafter, tiny_target, write_random_gguf
+from conftest import needs_block_kernel, speculated_tokens, tiny_drafter, tiny_target, write_random_gguf
 
 MIXES = {
     # each projection its own format: q|k|v and gate|up stacked across formats
@@ -45,13 +42,6 @@ MIXES = {
 }
 
 
-def _generate(target: TargetModel, drafter, builder, prompt: list[int], max_new_tokens: int) -> list[int]:
-    config = target.model.config
-    stop = StopConditions([config.eos_token_id], max_new_tokens, config.max_position_embeddings, len(prompt))
-    engine = SpeculativeEngine(target, drafter, builder)
-    return [t for chunk in engine.run(SequenceSpec(prompt, stop)) for t in chunk]
-
-
 @needs_block_kernel
 @pytest.mark.parametrize("mix", MIXES)
 def test_every_method_on_a_mixed_format_file_is_plain_decoding_token_for_token(tmp_path, mix):
@@ -76,9 +66,12 @@ def test_every_method_on_a_mixed_format_file_is_plain_decoding_token_for_token(t
         "ddtree+pld": (LookupBoostedDrafter(drafter), DDTreeBuilder(6)),
     }
     for prompt in prompts:
-        reference = _generate(target, None, ChainBuilder(), prompt, 24)
+        reference = speculated_tokens(target, None, ChainBuilder(), prompt, 24)
         for name, (method_drafter, builder) in methods.items():
-            assert _generate(target, method_drafter, builder, prompt, 24) == reference, (name, len(prompt))
+            assert speculated_tokens(target, method_drafter, builder, prompt, 24) == reference, (
+                name,
+                len(prompt),
+            )
 
 
 @needs_block_kernel

@@ -8,25 +8,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from diffdraft.bench.lossless import TIE_TOLERANCE, LosslessChecker
-from diffdraft.decoding.engine import SpeculativeEngine
-from diffdraft.decoding.sequence_spec import SequenceSpec
 from diffdraft.drafters.dflash import DFlashDrafter
 from diffdraft.drafters.dflash_model import DFLARE
 from diffdraft.drafters.lookup_boost import LookupBoostedDrafter
 from diffdraft.kernels.fused_projections import fuse_projections
 from diffdraft.kernels.quantized.block_linear import BlockQuantizedLinear, BlockWeight, Q8Weight
-from diffdraft.runtime.stopping import StopConditions
 from diffdraft.target.model import TargetModel
 from diffdraft.trees import ChainBuilder, DDTreeBuilder
 
-from conftest import needs_block_kernel, q4_1_target, tiny_drafter
-
-
-def _generate(target: TargetModel, drafter, builder, prompt: list[int], max_new_tokens: int) -> list[int]:
-    config = target.model.config
-    stop = StopConditions([config.eos_token_id], max_new_tokens, config.max_position_embeddings, len(prompt))
-    engine = SpeculativeEngine(target, drafter, builder)
-    return [t for chunk in engine.run(SequenceSpec(prompt, stop)) for t in chunk]
+from conftest import needs_block_kernel, q4_1_target, speculated_tokens, tiny_drafter
 
 
 @needs_block_kernel
@@ -46,13 +36,13 @@ def test_greedy_tokens_are_plain_decodings(family, seed, method, prompt_len, bud
     fuse_projections(model)
     target = TargetModel(model)
     prompt = torch.randint(1, 95, (prompt_len,), generator=torch.Generator().manual_seed(seed)).tolist()
-    reference = _generate(target, None, ChainBuilder(), prompt, 24)
+    reference = speculated_tokens(target, None, ChainBuilder(), prompt, 24)
     draft_vocab = list(range(0, 96, 2)) if q8_head else None
     drafter = DFlashDrafter(tiny_drafter(model, seed, block_size=5, draft_vocab=draft_vocab), target)
     if method.endswith("+pld"):
         drafter = LookupBoostedDrafter(drafter)
     builder = ChainBuilder() if method == "chain" else DDTreeBuilder(budget)
-    ours = _generate(target, drafter, builder, prompt, 24)
+    ours = speculated_tokens(target, drafter, builder, prompt, 24)
     divergence = LosslessChecker(lambda: dense, TIE_TOLERANCE[torch.bfloat16]).check(prompt, reference, ours)
     assert divergence is None or divergence.explained, divergence
 
