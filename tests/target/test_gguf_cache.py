@@ -69,6 +69,17 @@ def test_a_changed_file_gets_a_new_entry_and_a_broken_one_is_loaded_anew(tmp_pat
 
 
 @needs_block_kernel
+def test_a_cache_that_cannot_be_written_says_so_and_keeps_the_model(tmp_path, monkeypatch, capsys):
+    model, gguf, placements = _placed(tmp_path)
+    (tmp_path / "cache").write_text("a file where the cache folder should be")
+    monkeypatch.setattr(gguf_cache, "cache_root", lambda: tmp_path / "cache")
+    entry = entry_dir(gguf, torch.bfloat16, "int8")
+    save_entry(entry, model, tiny_tokenizer(), placements, "int8")
+    assert f"could not cache the layout at {entry}" in capsys.readouterr().err
+    assert not entry.exists() and isinstance(model.model.layers[0].self_attn.q_proj, BlockQuantizedLinear)
+
+
+@needs_block_kernel
 @pytest.mark.real_model
 def test_a_second_load_of_a_gguf_file_reads_its_cached_layout(tmp_path, monkeypatch):
     from diffdraft.target.default_model import default_gguf_path

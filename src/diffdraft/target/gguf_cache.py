@@ -2,11 +2,12 @@
 
 Loading a GGUF through transformers dequantizes every tensor into a dense model, on every load, and
 putting its linear layers back on their blocks lays every tensor out for the int8 kernel again: for a
-file of a billion parameters, minutes on a small CPU (figures: benchmarks/README.md, 'gguf-formats'). The first load of a file on block kernels saves what those steps
-made that the file cannot give cheaply: the config, generation config and tokenizer, every tensor that
-stays dense (embeddings, norms, biases, buffers) and the kernel's tiles. A later load builds the model
-on the meta device, reads those back and takes the blocks themselves from the file again (a memory
-map), so it computes what the first load's model computes.
+file of a billion parameters, minutes on a small CPU (figures: benchmarks/README.md, 'gguf-formats').
+The first load of a file on block kernels saves what those steps made that the file cannot give
+cheaply: the config, generation config and tokenizer, every tensor that stays dense (embeddings,
+norms, biases, buffers) and the kernel's tiles. A later load builds the model on the meta device,
+reads those back and takes the blocks themselves from the file again (a memory map), so it computes
+what the first load's model computes.
 
 An entry is keyed by the file's resolved path, size and modification time, the kernel library (its
 sources and flags), the transformers version, the dtype and the layers' kernel: any change makes a
@@ -52,7 +53,23 @@ def entry_dir(gguf: Path, dtype: torch.dtype, activations: str) -> Path:
 def save_entry(
     entry: Path, model: PreTrainedModel, tokenizer, placements: list[Placement], activations: str
 ) -> None:
-    """Write ``model`` (just put on ``placements`` by ``use_gguf_blocks``) into ``entry``."""
+    """Write ``model`` (just put on ``placements`` by ``use_gguf_blocks``) into ``entry``. A cache that
+    cannot be written (a full disk, a read-only cache) costs only the speed of later loads: one stderr
+    line says so, and the model loaded stays as it is."""
+    try:
+        _write_entry(entry, model, tokenizer, placements, activations)
+    except (OSError, SafetensorError) as error:
+        print(
+            f"diffdraft: could not cache the layout at {entry} ({error}); later loads read the file again.",
+            file=sys.stderr,
+        )
+        return
+    print(f"diffdraft: cached the layout at {entry}; later loads of this file read it.", file=sys.stderr)
+
+
+def _write_entry(
+    entry: Path, model: PreTrainedModel, tokenizer, placements: list[Placement], activations: str
+) -> None:
     with staged_directory(entry) as staging:
         model.config.save_pretrained(staging)
         if model.generation_config is not None:
