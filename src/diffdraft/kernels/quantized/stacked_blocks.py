@@ -1,7 +1,7 @@
 """Sibling projections whose GGUF tensors differ in format, stacked into one call of the int8 kernel.
 
-A Q4_K_M file keeps most of a layer's q, k and v in Q4_K but gives v (and the MLP's down) Q6_K in a
-third of the layers, and on widths that are no multiple of 256 its q and k fall back to Q5_0 beside a
+A Q4_K_M file keeps most of a layer's q, k and v in Q4_K but gives v (and the MLP's down) Q6_K in
+about half the layers, and on widths that are no multiple of 256 its q and k fall back to Q5_0 beside a
 Q8_0 v. Left apart, such siblings cost the fused decoder loop, which takes a layer's q|k|v and gate|up
 as one linear each; stacked, ``stacked_int8_matmul`` quantizes the input once (every format shares
 that rounding) and runs each sibling's tiles on its own format's kernel, so each column keeps the
