@@ -60,6 +60,21 @@ def test_each_column_is_its_siblings_own_call(formats, tiles, last, rows, bias, 
 
 
 @needs_block_kernel
+def test_stacks_stacked_again_keep_each_column_its_siblings_own():
+    """Stacks of one name ("stacked") are no one format: their parts are laid out anew, never their
+    tiles (each behind its own header) put end to end."""
+    layers = [
+        BlockQuantizedLinear(_weight(f, 32, 256, i)) for i, f in enumerate(["Q4_K", "Q6_K", "Q5_0", "Q8_0"])
+    ]
+    first, second = BlockQuantizedLinear.stacked(layers[:2]), BlockQuantizedLinear.stacked(layers[2:])
+    assert BlockQuantizedLinear.can_stack([first, second])
+    both = BlockQuantizedLinear.stacked([first, second])
+    x = torch.randn(5, 256).to(torch.bfloat16)
+    assert torch.equal(both(x), torch.cat([layer(x) for layer in layers], dim=-1))
+    assert [part.format for part in both.blocks.parts] == ["Q4_K", "Q6_K", "Q5_0", "Q8_0"]
+
+
+@needs_block_kernel
 def test_siblings_across_formats_stack_only_in_whole_tiles_and_on_the_int8_kernel():
     q4_k, q6_k = _weight("Q4_K", 32, 256, 0), _weight("Q6_K", 40, 256, 1)
     assert BlockQuantizedLinear.can_stack([BlockQuantizedLinear(q4_k), BlockQuantizedLinear(q6_k)])

@@ -289,9 +289,9 @@ class BlockQuantizedLinear(InferenceLinear):
         weights = [sibling.blocks for sibling in siblings]
         bias, activations = cls.stacked_bias(siblings), siblings[0].activations
         whole_tiles = all(sibling.out_features % TILE == 0 for sibling in siblings[:-1])
-        if len({weight.format for weight in weights}) > 1:
+        nested = any(isinstance(weight, StackedBlocks) for weight in weights)  # tiles behind a header
+        if nested or len({weight.format for weight in weights}) > 1:
             weight = StackedBlocks.of(weights)
-            nested = any(isinstance(w, StackedBlocks) for w in weights)  # its tiles carry a header
             tiles = None if nested else weight.tiles([s._operands[0] for s in siblings])
             return cls(weight, bias, activations, tiles=tiles)
         weight = type(weights[0]).stack(weights)

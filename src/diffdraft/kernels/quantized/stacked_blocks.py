@@ -37,10 +37,6 @@ class StackedBlocks:
             raise ValueError("stacked siblings read one input: their input widths must agree")
         return cls(parts)
 
-    @staticmethod
-    def stack(weights: list[StackedBlocks]) -> StackedBlocks:
-        return StackedBlocks.of(weights)
-
     @property
     def out_features(self) -> int:
         return sum(part.out_features for part in self.parts)
