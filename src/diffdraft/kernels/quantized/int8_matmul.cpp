@@ -47,6 +47,7 @@
 
 #include <cstring>
 #include <tuple>
+#include <utility>
 #include <type_traits>
 
 namespace {
@@ -421,31 +422,15 @@ at::Tensor int8_matmul(const at::Tensor& input, const at::Tensor& packed, int64_
 // output column is the bits its sibling's own op gives.
 using Formats = std::tuple<Q4_1, Q8_0, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K>;  // as decoder_loop.cpp numbers them
 
-template <int kIndex = 0>
-void run_format(int64_t format, const Job& job, int64_t rows, int64_t begin, int64_t end) {
+// ``fn`` called with a value of the type of format number ``format`` (one of Formats).
+template <int kIndex = 0, class Fn>
+void with_format(int64_t format, Fn&& fn) {
   if constexpr (kIndex < std::tuple_size_v<Formats>) {
-    if (format != kIndex) return run_format<kIndex + 1>(format, job, rows, begin, end);
-    run_tiles<std::tuple_element_t<kIndex, Formats>>(job, rows, begin, end);
+    if (format == kIndex) return fn(std::tuple_element_t<kIndex, Formats>{});
+    return with_format<kIndex + 1>(format, std::forward<Fn>(fn));
+  } else {
+    TORCH_CHECK(false, "a format is a number in 0..", std::tuple_size_v<Formats> - 1, ", got ", format);
   }
-}
-
-template <int kIndex = 0>
-int64_t format_group_bytes(int64_t format) {
-  if constexpr (kIndex < std::tuple_size_v<Formats>) {
-    if (format == kIndex) return group_bytes<std::tuple_element_t<kIndex, Formats>>();
-    return format_group_bytes<kIndex + 1>(format);
-  }
-  TORCH_CHECK(false, "a format is a number in 0..", std::tuple_size_v<Formats> - 1, ", got ", format);
-  return 0;
-}
-
-template <int kIndex = 0>
-int64_t format_group(int64_t format) {
-  if constexpr (kIndex < std::tuple_size_v<Formats>) {
-    if (format == kIndex) return std::tuple_element_t<kIndex, Formats>::kGroup;
-    return format_group<kIndex + 1>(format);
-  }
-  return 1;
 }
 
 // ``packed``: uint8 [bytes], a header of int64 values (the siblings' count, then each one's format
@@ -475,7 +460,11 @@ at::Tensor stacked_int8_matmul(const at::Tensor& input, const at::Tensor& packed
   std::vector<int64_t> first_tile(siblings + 1, 0), first_byte(siblings + 1, header);
   for (int64_t i = 0; i < siblings; ++i) {
     TORCH_CHECK(i + 1 == siblings || widths[i] % kTile == 0, "every sibling but the last has whole tiles");
-    const int64_t bytes = format_group_bytes(formats[i]), group = format_group(formats[i]);
+    int64_t bytes = 0, group = 1;
+    with_format(formats[i], [&](auto format) {
+      bytes = group_bytes<decltype(format)>();
+      group = decltype(format)::kGroup;
+    });
     TORCH_CHECK(blocks % group == 0, "input width ", call.in_features, " is no whole number of groups of ",
                 group * kBlock);
     const int64_t tiles = (widths[i] + kTile - 1) / kTile;
@@ -494,7 +483,9 @@ at::Tensor stacked_int8_matmul(const at::Tensor& input, const at::Tensor& packed
       const int64_t column = first_tile[i] * kTile;
       const Job job{packed.data_ptr<uint8_t>() + first_byte[i], bias_data ? bias_data + column : nullptr,
                     &activations, out.data_ptr<at::BFloat16>() + column, blocks, widths[i], out_features};
-      run_format(formats[i], job, call.rows, lo - first_tile[i], hi - first_tile[i]);
+      with_format(formats[i], [&](auto format) {
+        run_tiles<decltype(format)>(job, call.rows, lo - first_tile[i], hi - first_tile[i]);
+      });
     }
   });
   return shaped(out, input, out_features);
