@@ -9,7 +9,17 @@ import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
+    LlamaConfig,
+    MistralConfig,
+    Phi3Config,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 from diffdraft.drafters.checkpoint import save_draft_model
 from diffdraft.drafters.dart_model import DARTDraftModel, make_dart_config
@@ -29,7 +39,15 @@ needs_packing = pytest.mark.skipif(
 needs_block_kernel = pytest.mark.skipif(not cpu_supported(), reason="no AVX2 on this CPU")
 """For tests of the Q4_1 kernel (:mod:`diffdraft.kernels.quantized`)."""
 
-FAMILIES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+FAMILIES = {
+    "llama": LlamaConfig,
+    "qwen2": Qwen2Config,
+    "qwen3": Qwen3Config,
+    "gemma2": Gemma2Config,
+    "gemma3": Gemma3TextConfig,
+    "mistral": MistralConfig,
+    "phi3": Phi3Config,
+}
 
 
 def tiny_target(
@@ -65,7 +83,8 @@ def tiny_target(
         **config_overrides,
     )
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    attention = "eager" if family == "gemma2" else "sdpa"  # Gemma 2's attention soft-capping has no SDPA
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attention)
     return model.to(dtype).eval()
 
 

@@ -16,7 +16,6 @@ from diffdraft.drafters.dflash import DFlashDrafter
 from diffdraft.drafters.dflash_model import DFLARE, DFLASH
 from diffdraft.drafters.lookup_boost import LookupBoostedDrafter
 from diffdraft.drafters.prompt_lookup import PromptLookupDrafter
-from diffdraft.errors import UnsupportedModelError
 from diffdraft.runtime.sampling import SamplingParams
 from diffdraft.runtime.stats import GenerationStats
 from diffdraft.runtime.stopping import StopConditions
@@ -194,14 +193,3 @@ def test_stop_on_context_length():
     reference = hf_greedy(target, prompt, 6, None)
     n = min(len(ours), len(reference))
     assert ours[:n] == reference[:n]
-
-
-def test_sliding_window_target_is_refused_before_generation_but_runs_plain_decoding():
-    target = tiny_target("qwen2", seed=1, use_sliding_window=True, sliding_window=8, max_window_layers=2)
-    wrapped = TargetModel(target)
-    assert wrapped.sliding_window_layers == [2, 3]
-    refused = r"sliding-window attention in layers \[2, 3\].*method 'ar'"
-    with pytest.raises(UnsupportedModelError, match=refused):
-        SpeculativeEngine(wrapped, PromptLookupDrafter(3), ChainBuilder())
-    ours, _ = run_engine(target, None, ChainBuilder(), [3, 9, 4, 1], 12, eos=10_000)
-    assert ours == hf_greedy(target, [3, 9, 4, 1], 12, None)

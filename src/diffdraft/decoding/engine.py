@@ -58,8 +58,6 @@ class SpeculativeEngine:
             self.planner is not None and bool(self.layer_ids) and drafts_across_gaps(drafter)
         )
         """Whether settled plain shared rounds skip the drafter's taps (:meth:`round_layer_ids`)."""
-        if drafter is not None:
-            target.check_speculation_supported()
         self.loading_thread = LoadingThread(target.device)
         """Where the engine was built: every sequence starts with a check that it runs there."""
 

@@ -27,6 +27,8 @@ from torch.nn import functional as F
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, rotate_half
 
+from diffdraft.drafters.target_rope import drafter_rope
+
 ARCHITECTURE = "DARTDraftModel"
 DART = "dart"
 
@@ -212,7 +214,6 @@ def make_dart_config(
     """A fresh DART config sized to the target (the paper keeps the layer's shape the target's)."""
     heads = target_config.num_attention_heads
     num_target_layers = target_config.num_hidden_layers
-    rope = getattr(target_config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}
     return LlamaConfig(
         architectures=[ARCHITECTURE],
         hidden_size=target_config.hidden_size,
@@ -225,7 +226,7 @@ def make_dart_config(
         vocab_size=target_config.vocab_size,
         max_position_embeddings=target_config.max_position_embeddings,
         rms_norm_eps=target_config.rms_norm_eps,
-        rope_parameters=dict(rope),
+        rope_parameters=drafter_rope(target_config),
         hidden_act=getattr(target_config, "hidden_act", "silu"),
         tie_word_embeddings=False,
         draft_length=draft_length,

@@ -33,6 +33,8 @@ from transformers.models.qwen3.modeling_qwen3 import (
     rotate_half,
 )
 
+from diffdraft.drafters.target_rope import drafter_rope
+
 DFLASH = "dflash"
 DFLARE = "dflare"
 
@@ -266,7 +268,6 @@ def make_draft_config(
     if target_layer_ids is None:
         target_layer_ids = default_target_layer_ids(num_target_layers, DEFAULT_TAP_COUNT[variant])
     heads = target_config.num_attention_heads
-    rope = getattr(target_config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}
     return Qwen3Config(
         architectures=["DFlareDraftModel" if variant == DFLARE else "DFlashDraftModel"],
         hidden_size=target_config.hidden_size,
@@ -278,7 +279,7 @@ def make_draft_config(
         vocab_size=target_config.vocab_size,
         max_position_embeddings=target_config.max_position_embeddings,
         rms_norm_eps=target_config.rms_norm_eps,
-        rope_parameters=dict(rope),
+        rope_parameters=drafter_rope(target_config),
         attention_bias=False,
         tie_word_embeddings=False,
         block_size=block_size,

@@ -17,7 +17,7 @@ import weakref
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 SPARE_ROWS = 256
 """Room left after an append that outgrows the buffer (or a quarter of the cache, if more): growth
@@ -188,11 +188,14 @@ def shared_buffer(cache: DynamicCache) -> SharedBuffer | None:
 
 
 def growable_cache(config, shared: bool = True) -> DynamicCache:
-    """A ``DynamicCache`` for ``config`` whose full-attention layers are :class:`GrowableLayer` (sliding
-    window layers keep Hugging Face's own, which drop old rows). ``shared``: when every layer is
-    full-attention with the same head count, their rows live in one :class:`SharedBuffer`."""
+    """A ``DynamicCache`` for ``config`` whose attention layers are :class:`GrowableLayer`, sliding-window
+    layers too: Hugging Face's sliding layers drop the rows that leave the window, and a rejected draft
+    could not be cropped back from them, so the window is the mask's instead
+    (:mod:`diffdraft.kernels.attention_window`). Other kinds of layer (linear attention's) stay as they
+    are. ``shared``: when every layer has the same head count, their rows live in one
+    :class:`SharedBuffer`."""
     cache = DynamicCache(config=config)
-    growable = [type(layer) is DynamicLayer for layer in cache.layers]
+    growable = [type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in cache.layers]
     uniform = isinstance(getattr(config, "num_key_value_heads", None), int)  # not a per-layer list
     buffer = SharedBuffer() if shared and uniform and all(growable) else None
     cache.layers = [

@@ -26,6 +26,7 @@ from transformers.models.llama.modeling_llama import (
     rotate_half,
 )
 
+from diffdraft.kernels.attention_window import FULL
 from diffdraft.kernels.fused_projections import StackedProjection, stacked_projection
 from diffdraft.kernels.quantized.block_linear import kernel_rows_only
 from diffdraft.kernels.quantized.decoder_ops import FusedDecoderLayers
@@ -98,7 +99,7 @@ class LeanForward:
             raise ValueError("logits_to_keep applies to one segment; packed segments keep every row's logits")
         hidden = self.decoder.embed_tokens.forward(token_ids[None])
         positions = position_ids[None]
-        rotary = self.rotary(hidden, positions)
+        rotary = {FULL: self.rotary(hidden, positions)}
         rows = segment_rows(segments)
         last = len(self.layers) - 1
         tapped = sorted({i for i in layer_ids if i != last})
@@ -117,7 +118,7 @@ class LeanForward:
     def _layers(
         self,
         hidden: torch.Tensor,
-        rotary: tuple[torch.Tensor, torch.Tensor],
+        rotary: dict[str, tuple[torch.Tensor, torch.Tensor]],
         positions: torch.Tensor,
         segments: list[Segment],
         rows: list[slice],
@@ -134,7 +135,7 @@ class LeanForward:
             residual = hidden
             normed = layer.input_layernorm.forward(hidden)
             hidden = residual + _attention(
-                layer.self_attn, stacked, normed, rotary, positions, segments, rows, attend
+                layer.self_attn, stacked, normed, rotary[FULL], positions, segments, rows, attend
             )
             residual = hidden
             mlp = layer.mlp

@@ -15,6 +15,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from diffdraft.errors import IncompatibleDrafterError, InvalidRequestError, UnsupportedModelError
+from diffdraft.kernels.attention_window import LayerWindows, Mask
 from diffdraft.kernels.graphed_verify import GraphedVerify
 from diffdraft.kernels.kv_cache import growable_cache, keep_rows, shared_buffer
 from diffdraft.kernels.lean_forward import LeanForward
@@ -40,8 +41,8 @@ class VerifyInput:
     cache: DynamicCache
     token_ids: torch.Tensor
     position_ids: torch.Tensor
-    mask: torch.Tensor | None
-    """The 4D mask of :meth:`TargetModel.attention_mask`; None for a lone root (plain decoding)."""
+    mask: Mask | None
+    """The mask of :meth:`TargetModel.attention_mask`; None for a lone root (plain decoding)."""
 
 
 class _TapsComplete(Exception):
@@ -66,8 +67,8 @@ class TargetModel:
         self.vocab_size: int = head.out_features if hasattr(head, "out_features") else head.weight.shape[0]
         """(A head on GGUF blocks rebuilds its dense weight on every read of ``weight``.)"""
         self.max_context: int = int(getattr(config, "max_position_embeddings", 1 << 30))
-        layers = self.new_cache().layers
-        self.sliding_window_layers: list[int] = [i for i, layer in enumerate(layers) if layer.is_sliding]
+        self.windows = LayerWindows.of(config)
+        """Which layers attend through a sliding window (:mod:`diffdraft.kernels.attention_window`)."""
         takes_cache = "cache" in inspect.signature(model.forward).parameters
         self._cache_keyword = "cache" if takes_cache else "past_key_values"
         """transformers 5.24 renamed the forward's ``past_key_values`` to ``cache`` (the old name warns)."""
@@ -98,18 +99,6 @@ class TargetModel:
             raise IncompatibleDrafterError(
                 f"target layer ids {bad} are out of range: the target has {self.num_layers} decoder layers, "
                 f"so ids must be in [0, {self.num_layers - 1}] (DFlash convention: id i = output of layer i)"
-            )
-
-    def check_speculation_supported(self) -> None:
-        """Refuse sliding-window targets up front: verification scores drafts under its own 4D mask,
-        which ignores the window, and a sliding cache cannot be cropped back after a rejected draft,
-        so the output would drift from plain decoding once the context outgrows the window."""
-        if self.sliding_window_layers:
-            name = type(self.model).__name__
-            raise UnsupportedModelError(
-                f"{name} uses sliding-window attention in layers {self.sliding_window_layers}, which "
-                "speculative verification does not support yet: use method 'ar', or a configuration "
-                "without sliding windows (e.g. use_sliding_window=False when every prompt fits the window)"
             )
 
     def new_cache(self) -> DynamicCache:
@@ -203,13 +192,20 @@ class TargetModel:
             return TargetOutput(logits=out.logits, hidden=hidden)
         return TargetOutput(logits=out.logits[0], hidden=None if hidden is None else hidden[0])
 
-    def attention_mask(self, cache: DynamicCache, tree_mask: torch.Tensor) -> torch.Tensor:
-        """The additive 4D mask for :meth:`verify`: every node sees the whole cached context, and
-        the tree nodes ``tree_mask`` [n, n] allows (its ancestors and itself)."""
+    def attention_mask(self, cache: DynamicCache, tree_mask: torch.Tensor) -> Mask:
+        """The additive mask for :meth:`verify`: every node sees the whole cached context, and the
+        tree nodes ``tree_mask`` [n, n] allows (its ancestors and itself). A target with sliding
+        windows gets them on top (:meth:`LayerWindows.mask`): a node's position is the cache length
+        plus its depth, which is its count of ancestors."""
         past, nodes = cache.get_seq_length(), tree_mask.shape[0]
+        tree_mask = tree_mask.to(self.device)
         mask = torch.zeros((nodes, past + nodes), dtype=self.dtype, device=self.device)
-        mask[:, past:].masked_fill_(~tree_mask.to(self.device), torch.finfo(self.dtype).min)
-        return mask[None, None]
+        mask[:, past:].masked_fill_(~tree_mask, torch.finfo(self.dtype).min)
+        if self.windows.window is None:
+            return mask[None, None]
+        positions = past - 1 + tree_mask.sum(-1)
+        keys = torch.cat([torch.arange(past, device=self.device), positions])
+        return self.windows.mask(mask[None, None], positions, keys)
 
     @torch.inference_mode()
     def verify(
@@ -217,7 +213,7 @@ class TargetModel:
         cache: DynamicCache,
         token_ids: torch.Tensor,
         position_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None,
+        attention_mask: Mask | None,
         layer_ids: list[int],
     ) -> TargetOutput:
         """Score tree nodes in one forward, under a mask from :meth:`attention_mask` (None: one token).
@@ -251,7 +247,7 @@ class TargetModel:
         cache: DynamicCache,
         token_ids: torch.Tensor,
         position_ids: torch.Tensor,
-        mask: torch.Tensor | None,
+        mask: Mask | None,
         layer_ids: list[int],
         logits_to_keep: int,
     ) -> TargetOutput:

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from diffdraft.kernels.attention_window import FULL
 from diffdraft.kernels.fused_projections import StackedProjection, stacked_projection
 from diffdraft.kernels.kv_cache import SharedBuffer, shared_buffer
 from diffdraft.kernels.quantized.block_linear import has_block_layers, int8_operands
@@ -115,16 +116,17 @@ class FusedDecoderLayers:
     def __call__(
         self,
         hidden: torch.Tensor,
-        rotary: tuple[torch.Tensor, torch.Tensor],
+        rotary: dict[str, tuple[torch.Tensor, torch.Tensor]],
         segments: Sequence[Segment],
         rows: Sequence[slice],
         tapped: Sequence[int],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(hidden [n, H] after the final norm, the outputs of layers ``tapped`` (ascending) stacked
         [n, len(tapped), H], None for none), from the embeddings [n, H] and the rotary (cos, sin),
-        each [1, n, head_dim]; ``rows``: each segment's tokens among the n."""
+        each [1, n, head_dim], of each layer type (:mod:`diffdraft.kernels.attention_window`);
+        ``rows``: each segment's tokens among the n."""
         ops = self.ops
-        cos, sin = rotary[0][0], rotary[1][0]
+        cos, sin = (part[0] for part in rotary[FULL])
         writes = _CacheWrites.reserve(segments)
         if writes is not None and self.stack is not None:
             return self._looped(hidden, cos, sin, writes, tapped)
