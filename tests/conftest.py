@@ -88,6 +88,26 @@ def tiny_target(
     return model.to(dtype).eval()
 
 
+WINDOWED_FAMILIES = ("gemma2", "gemma3", "mistral", "phi3", "qwen2")
+"""Families :func:`windowed_target` builds with sliding-window layers."""
+
+
+def windowed_target(family: str, window: int, seed: int = 0, **overrides) -> torch.nn.Module:
+    """:func:`tiny_target` of ``family`` with windows of ``window`` keys: Gemma 2 alternating windowed
+    and full layers, Gemma 3 one full layer in four (the third), windowed Qwen2 its last two layers,
+    Mistral and Phi-3 every layer."""
+    layers = overrides.pop("layers", 4)
+    hybrid = {
+        "gemma2": dict(layer_types=["sliding_attention", "full_attention"] * (layers // 2)),
+        "gemma3": dict(
+            layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+        ),
+        "qwen2": dict(use_sliding_window=True, max_window_layers=layers - 2),
+    }
+    config = {**hybrid.get(family, {}), "sliding_window": window, **overrides}
+    return tiny_target(family, seed=seed, layers=layers, **config)
+
+
 def slow_after_bigger_forwards():
     """A stand-in for timing one round (``(target, cache or caches, tokens) -> seconds``) on a machine
     whose one-token forward takes 4 ms right after a bigger one and comes down 1 ms a round to 1 ms
@@ -237,6 +257,7 @@ def make_checkpoint(path: Path, family: str = "llama", dtype: torch.dtype = torc
         max_position_embeddings=128,
         bos_token_id=1,
         eos_token_id=2,
+        pad_token_id=0,  # Phi-3's default (32000) lies outside the vocabulary
     )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).to(dtype).save_pretrained(path)

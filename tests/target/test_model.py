@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from diffdraft.errors import IncompatibleDrafterError, InvalidRequestError
+from diffdraft.kernels.attention_window import FULL, SLIDING, layer_mask
 from diffdraft.target.model import TargetModel
 from diffdraft.trees import DraftTree
 
-from conftest import tiny_target
+from conftest import tiny_target, windowed_target
 
 PROMPT = [3, 9, 4, 1, 7, 7, 2]
 
@@ -132,3 +133,17 @@ def test_right_padded_sequences_get_the_taps_and_logits_each_gets_alone(layer_id
         torch.testing.assert_close(taps[i, :n], alone.hidden)
         torch.testing.assert_close(batch.hidden[i, :n], alone.hidden)
         torch.testing.assert_close(batch.logits[i, :n], alone.logits)
+
+
+def test_a_windowed_node_sees_the_last_window_of_positions_among_context_and_its_ancestors():
+    target = TargetModel(windowed_target("gemma3", 3))
+    cache = target.new_cache()
+    target.prefill(cache, torch.tensor([1, 2, 3, 4]), [])
+    # a root at position 4 and two children at 5
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    masks = target.attention_mask(cache, tree)
+    assert set(masks) == {FULL, SLIDING} and layer_mask(masks, FULL).shape == (1, 1, 3, 7)
+    full, windowed = ((masks[kind][0, 0] == 0).int().tolist() for kind in (FULL, SLIDING))
+    assert full == [[1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 0, 1]]
+    assert windowed == [[0, 0, 1, 1, 1, 0, 0], [0, 0, 0, 1, 1, 1, 0], [0, 0, 0, 1, 1, 0, 1]]
+    assert layer_mask(None, SLIDING) is None

@@ -16,6 +16,7 @@ from diffdraft.drafters.checkpoint import load_draft_model
 from diffdraft.drafters.dart_model import DART
 from diffdraft.drafters.deer_model import DEER
 from diffdraft.drafters.dflash_model import DFLARE, DFLASH
+from diffdraft.drafters.families import make_drafter
 from diffdraft.errors import InvalidRequestError, TrainingDivergedError
 from diffdraft.target.model import TargetModel
 from diffdraft.train.config import TrainConfig
@@ -24,8 +25,9 @@ from diffdraft.train.draft_vocab import frequent_tokens
 from diffdraft.train.evaluate import evaluate_drafter
 from diffdraft.train.features import capture_features
 from diffdraft.train.trainer import Trainer
+from diffdraft.trees import DDTreeBuilder
 
-from conftest import tiny_target
+from conftest import hf_greedy, speculated_tokens, tiny_target, windowed_target
 
 RESPONSE = 24
 
@@ -126,6 +128,21 @@ def test_a_few_hundred_steps_clearly_beat_the_untrained_drafter(
     assert trainer.state.step == 300
     assert trained > untrained + 0.5, (untrained, trained)
     assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 300
+
+
+@pytest.mark.parametrize("variant", [DFLASH, DFLARE, DART, DEER])
+def test_drafters_of_a_sliding_window_target_train_on_its_taps_and_keep_its_output(tmp_path, variant):
+    """Gemma 3 with a window of 4: shorter than every training sequence and every generation."""
+    target = windowed_target("gemma3", 4, seed=11, vocab=64, layers=4)
+    samples = make_samples(target, 8, seed=1)
+    settings = config(tmp_path, variant=variant, target_layer_ids=[0, 2], draft_length=2, mask_token_id=62)
+    Trainer(settings, TargetModel(target), samples).train()
+    wrapped = TargetModel(target)
+    drafter = make_drafter(load_draft_model(tmp_path / "final").to(target.dtype), wrapped)
+    prompt = samples[0].token_ids[:10].tolist()
+    assert speculated_tokens(wrapped, drafter, DDTreeBuilder(8), prompt, 20) == hf_greedy(
+        target, prompt, 20, None
+    )
 
 
 @pytest.mark.parametrize("stage", [1, 2])

@@ -51,12 +51,20 @@ def make_deer_config(
     initialized_from: str,
     denoising_steps: int = 1,
 ) -> PretrainedConfig:
-    """A copy of ``base`` cut to ``num_layers`` layers, carrying DEER's settings in ``deer_config``."""
+    """A copy of ``base`` cut to ``num_layers`` layers, carrying DEER's settings in ``deer_config``.
+
+    A base with sliding windows (Gemma 3) gives a drafter whose windows span its whole context: its
+    blocks attend bidirectionally over everything before them in training and drafting alike, and a
+    block's positions are not a tree's, which the windowed masks of
+    :meth:`~diffdraft.target.model.TargetModel.attention_mask` assume. Each layer keeps its type, so its
+    rotary base (Gemma 3's local and global) stays the one it learnt."""
     config = base.__class__(**base.to_dict())
     base_architectures = list(getattr(base, "architectures", None) or [])
     config.num_hidden_layers = num_layers
     if getattr(config, "layer_types", None):
         config.layer_types = config.layer_types[:num_layers]
+    if getattr(config, "sliding_window", None) is not None:
+        config.sliding_window = config.max_position_embeddings
     config.architectures = [ARCHITECTURE]
     config.deer_config = {
         "block_size": block_size,

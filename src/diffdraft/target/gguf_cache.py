@@ -32,6 +32,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 from diffdraft.kernels.quantized.block_linear import BlockQuantizedLinear
 from diffdraft.kernels.quantized.gguf_weights import Placement, place_blocks
 from diffdraft.kernels.quantized.kernel_build import library_key
+from diffdraft.target.attention_choice import attention_implementation
 from diffdraft.util.cache import cache_root
 from diffdraft.util.staging import staged_directory
 
@@ -112,7 +113,9 @@ def load_entry(entry: Path, gguf: Path, dtype: torch.dtype) -> tuple[PreTrainedM
         placements = [Placement(**fields) for fields in index["placements"]]
         config = AutoConfig.from_pretrained(entry, local_files_only=True)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+            model = AutoModelForCausalLM.from_config(
+                config, dtype=dtype, attn_implementation=attention_implementation(config)
+            )
         dense = load_file(entry / "dense.safetensors")
         biases = {p.module: dense[f"{p.module}.bias"] for p in placements if f"{p.module}.bias" in dense}
         place_blocks(

@@ -31,6 +31,7 @@ from diffdraft.kernels.grouped_attention import use_grouped_attention
 from diffdraft.kernels.packed_linear import pack_linear_layers
 from diffdraft.kernels.quantized.gguf_weights import block_weights_supported, use_gguf_blocks
 from diffdraft.kernels.quantized.kernel_build import block_kernel, cpu_supported
+from diffdraft.target.attention_choice import attention_implementation
 from diffdraft.target.default_model import MODEL_NAME, default_cache_dir, default_gguf_path
 from diffdraft.target.gguf_cache import entry_dir, load_entry, save_entry
 from diffdraft.util.staging import temp_dir_beside
@@ -292,7 +293,7 @@ def _load_directory(path: Path, dtype: str, device: torch.device) -> LoadedModel
             config=config,
             dtype=_resolve_dtype(dtype, config.dtype, device),
             device_map=device,
-            attn_implementation="sdpa",
+            attn_implementation=attention_implementation(config),
             local_files_only=True,
         )
     except SafetensorError as error:
