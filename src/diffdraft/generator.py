@@ -377,10 +377,10 @@ def load(
     (``"default"``: the one shipped for the default target; None: no N-gram term).
     ``method="deer"`` / ``"deer-tree"`` need a DEER drafter (e.g. ``"default-deer"``).
     On CPU the target runs diffdraft's inference kernels (same outputs, faster), so the loaded
-    models are for inference only. ``cuda_graphs=True`` (a CUDA target of the Llama, Qwen2 or Qwen3
-    family) replays each verification forward from a CUDA graph instead of launching its kernels one
-    by one, which makes a GPU round several times faster (figures: benchmarks/README.md,
-    'Measurements behind the code').
+    models are for inference only. ``cuda_graphs=True`` (a CUDA target of a family the lean forward
+    runs, without sliding windows) replays each verification forward from a CUDA graph instead of
+    launching its kernels one by one, which makes a GPU round several times faster (figures:
+    benchmarks/README.md, 'Measurements behind the code').
     """
     method_named(method)  # before the (slow) model load
     loaded = load_target(target, dtype=dtype, device=device, optimize=True)

@@ -81,3 +81,10 @@ def test_generations_verified_through_it_are_the_targets_greedy_output(family, b
 def test_asking_for_graphs_without_cuda_says_so():
     with pytest.raises(UnsupportedModelError, match="cuda_graphs needs a CUDA target"):
         TargetModel(tiny_target("llama"), cuda_graphs=True)
+
+
+def test_graphs_refuse_sliding_windows():
+    """A captured forward has fixed shapes, and a windowed layer's rows move with the cache."""
+    windowed = tiny_target("mistral", sliding_window=5)
+    with pytest.raises(UnsupportedModelError, match=r"sliding-window attention.*window of 5"):
+        TargetModel(windowed, cuda_graphs=True)

@@ -6,15 +6,18 @@ import copy
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, DynamicCache, GPT2Config
 
+from diffdraft.kernels.attention_window import SLIDING, window_start
 from diffdraft.kernels.fused_projections import fuse_projections
 from diffdraft.kernels.grouped_attention import use_grouped_attention
 from diffdraft.kernels.lean_forward import LeanForward
 from diffdraft.kernels.packed_linear import pack_linear_layers
-from diffdraft.target.model import TargetModel
+from diffdraft.target.model import TargetModel, VerifyInput
 from diffdraft.trees import DraftTree
 
 from conftest import needs_packing, tiny_target
+from decoding.test_engine import make_method, run_engine
 
 PROMPT = [3, 9, 4, 1, 7, 7, 2, 5, 8]
 TREE = DraftTree(
@@ -74,12 +77,13 @@ def test_equal_on_the_optimized_cpu_kernels_too(family):
     _assert_same_as_hugging_face(model, layer_ids=[1, 3])
 
 
-def test_families_it_does_not_know_and_sliding_windows_keep_hugging_face_forward():
+def test_families_it_does_not_know_keep_hugging_face_forward():
     assert LeanForward.supports(tiny_target("qwen2"))
-    sliding = tiny_target("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=0)
-    assert not LeanForward.supports(sliding)
-    assert TargetModel(sliding).lean is None
     assert not LeanForward.supports(torch.nn.Linear(2, 2))
+    gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=32))
+    assert not LeanForward.supports(gpt2) and TargetModel(gpt2).lean is None
+    bidirectional = tiny_target("gemma3", use_bidirectional_attention=True)
+    assert not LeanForward.supports(bidirectional)
 
 
 def test_a_prefill_without_a_mask_is_refused():
@@ -87,3 +91,158 @@ def test_a_prefill_without_a_mask_is_refused():
     cache = target.new_cache()
     with pytest.raises(ValueError, match="one token"):
         target.lean(cache, torch.tensor(PROMPT), torch.arange(len(PROMPT)), None, [])
+
+
+S, F = SLIDING, "full_attention"
+WINDOWED = {
+    # windows of 4 or 5 keys: the prompt alone (9 tokens) is longer, and so is every tree's reach
+    "gemma3": {"sliding_window": 4, "layer_types": [S, S, F, S]},
+    "gemma2": {"sliding_window": 4, "layer_types": [S, F, S, F]},
+    "mistral": {"sliding_window": 5},
+    "phi3": {"sliding_window": 5},
+    "qwen2": {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 2},
+    "qwen3": {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1},
+}
+"""A tiny windowed config per family the lean forward runs with sliding-window layers."""
+
+
+def _visible(mask, windows, past: int):
+    """``mask`` with a windowed layer's columns from :func:`window_start` on: the keys Hugging Face's
+    own sliding cache holds (its last ``window - 1`` rows) and the new ones."""
+    start = window_start(past, windows.window)
+    if isinstance(mask, dict):
+        return {kind: m[..., start:] if kind == SLIDING else m for kind, m in mask.items()}
+    return mask[..., start:]
+
+
+def _assert_same_rows(ours, theirs) -> None:
+    """Every row Hugging Face's cache holds (a sliding layer: its last rows) equals ours."""
+    for mine, reference in zip(ours.layers, theirs.layers, strict=True):
+        rows = reference.keys.shape[-2]
+        assert torch.equal(mine.keys[:, :, -rows:], reference.keys)
+        assert torch.equal(mine.values[:, :, -rows:], reference.values)
+
+
+def _assert_windowed_same_as_hugging_face(model, layer_ids: list[int]) -> None:
+    """A prefill longer than the window, one-token steps past it, then a tree: the lean forward over
+    diffdraft's cache against stock transformers over its own ``DynamicCache`` (sliding layers that
+    drop old rows), logits, taps and cache rows bit for bit."""
+    target = TargetModel(model)
+    assert target.lean is not None and target.windows.window is not None
+    assert target.lean.fused is None
+    ours, theirs = target.new_cache(), DynamicCache(config=model.config)
+    assert any(getattr(layer, "is_sliding", False) for layer in theirs.layers)
+
+    def theirs_forward(tokens, positions, mask):
+        with torch.inference_mode():
+            out = model(
+                input_ids=tokens[None],
+                position_ids=positions[None],
+                attention_mask=mask,
+                cache=theirs,
+                use_cache=True,
+                output_hidden_states=bool(layer_ids),
+            )
+        taps = torch.stack([out.hidden_states[i + 1][0] for i in layer_ids], dim=1) if layer_ids else None
+        return out.logits[0], taps
+
+    def check(tokens, mine, reference):
+        logits, taps = mine
+        assert logits.shape[0] == tokens.shape[0] and torch.equal(logits, reference[0])
+        assert torch.equal(taps, reference[1]) if layer_ids else taps is None
+        _assert_same_rows(ours, theirs)
+
+    prompt = torch.tensor(PROMPT)
+    positions = torch.arange(len(PROMPT))
+    causal = torch.ones(len(PROMPT), len(PROMPT), dtype=torch.bool).tril()
+    with torch.inference_mode():  # Hugging Face builds its own causal masks for the prefill and steps
+        mine = target.lean(ours, prompt, positions, target.attention_mask(ours, causal), layer_ids)
+    check(prompt, mine, theirs_forward(prompt, positions, None))
+    for token in (5, 11, 2, 7):
+        step, at = torch.tensor([token]), torch.tensor([ours.get_seq_length()])
+        with torch.inference_mode():
+            mine = target.lean(ours, step, at, None, layer_ids)
+        check(step, mine, theirs_forward(step, at, None))
+    past = ours.get_seq_length()
+    mask = target.attention_mask(ours, TREE.ancestor_mask())
+    assert isinstance(mask, dict) == target.windows.by_type
+    positions = past + TREE.depths
+    out = target.verify(ours, TREE.tokens, positions, mask, layer_ids)
+    check(
+        TREE.tokens,
+        (out.logits, out.hidden),
+        theirs_forward(TREE.tokens, positions, _visible(mask, target.windows, past)),
+    )
+
+
+@pytest.mark.parametrize("family", sorted(WINDOWED))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_windowed_families_equal_hugging_face_over_its_sliding_cache(family, dtype):
+    model = tiny_target(family, seed=3, dtype=dtype, **WINDOWED[family])
+    _assert_windowed_same_as_hugging_face(model, layer_ids=[0, 2, 3])
+    _assert_windowed_same_as_hugging_face(model, layer_ids=[])
+
+
+def test_gemma3_layers_rotate_with_their_own_types_base():
+    """Gemma 3's local and global layers rotate with different bases: the lean forward keeps a table
+    for each, and hands both to the fused layers' seam."""
+    target = TargetModel(tiny_target("gemma3", **WINDOWED["gemma3"]))
+    rotaries = target.lean.rotaries
+    assert set(rotaries) == {S, F} and rotaries[S] is not rotaries[F]
+    like, positions = torch.zeros(1, 1, 32, dtype=torch.float64), torch.arange(3, 9)[None]
+    cos = {kind: rotaries[kind](like, positions)[0] for kind in (S, F)}
+    assert not torch.equal(cos[S], cos[F])
+    assert set(target.lean._rotary(like, positions)) == {S, F}
+
+
+def test_gemma2_caps_its_logits_and_attention_scores():
+    model = tiny_target("gemma2", **WINDOWED["gemma2"])
+    assert model.config.final_logit_softcapping and model.config.attn_logit_softcapping
+    assert model.config.query_pre_attn_scalar != model.config.head_dim  # the scaling is not 1/sqrt(d)
+    target = TargetModel(model)
+    cache = target.new_cache()
+    with torch.inference_mode():
+        mask = target.attention_mask(cache, torch.ones(9, 9, dtype=torch.bool).tril())
+        logits, _ = target.lean(cache, torch.tensor(PROMPT), torch.arange(9), mask, [])
+    assert logits.abs().max() <= model.config.final_logit_softcapping
+
+
+@pytest.mark.parametrize("family", sorted(WINDOWED))
+def test_every_method_through_the_lean_forward_matches_plain_decoding(family):
+    target = tiny_target(family, seed=5, dtype=torch.float32, **WINDOWED[family])
+    assert TargetModel(target).lean is not None
+    prompt = [3, 9, 4, 1, 7, 7, 2, 5, 8, 3, 9, 4]
+    eos = 10_000  # none: every run goes the full length, past the window many times over
+    plain, _ = run_engine(target, None, make_method("ar", target, [], prompt, 5, 5)[1], prompt, 24, eos)
+    assert len(plain) == 24
+    for method in ("pld", "chain", "ddtree-8", "ddtree-8+pld"):
+        drafter, builder = make_method(method, target, plain, prompt, block_size=5, seed=5)
+        ours, _ = run_engine(target, drafter, builder, prompt, 24, eos)
+        assert ours == plain, method
+
+
+def test_packed_sequences_of_a_hybrid_target_each_take_their_own_masks():
+    """Server batching: sequences of different lengths packed into one forward, each under its own
+    dict mask (and its own window start), give what each gives alone (up to the rounding of matmuls
+    over more rows)."""
+    target = TargetModel(tiny_target("gemma3", seed=2, **WINDOWED["gemma3"]))
+    prompts = [PROMPT, PROMPT[:3], [*PROMPT, 4, 4, 1]]
+    caches = [target.new_cache() for _ in prompts]
+    alone = [target.new_cache() for _ in prompts]
+    for prompt, cache, other in zip(prompts, caches, alone, strict=True):
+        target.prefill(cache, torch.tensor(prompt), [])
+        target.prefill(other, torch.tensor(prompt), [])
+    trees = [TREE, None, TREE]
+    inputs = []
+    for cache, tree in zip(caches, trees, strict=True):
+        past = cache.get_seq_length()
+        tokens = tree.tokens if tree is not None else torch.tensor([5])
+        mask = target.attention_mask(cache, tree.ancestor_mask()) if tree is not None else None
+        positions = past + (tree.depths if tree is not None else torch.zeros(1, dtype=torch.long))
+        inputs.append(VerifyInput(cache, tokens, positions, mask))
+    outputs = target.verify_batch(inputs, [0, 3])
+    for given, other, out in zip(inputs, alone, outputs, strict=True):
+        mask = None if given.mask is None else target.attention_mask(other, TREE.ancestor_mask())
+        expected = target.verify(other, given.token_ids, given.position_ids, mask, [0, 3])
+        torch.testing.assert_close(out.logits, expected.logits)
+        torch.testing.assert_close(out.hidden, expected.hidden)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig
+from transformers import Gemma3TextConfig, LlamaConfig
+from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from diffdraft.kernels.rotary_table import FIRST_ROWS, RotaryTable
+from diffdraft.kernels.attention_window import FULL, SLIDING
+from diffdraft.kernels.rotary_table import FIRST_ROWS, RotaryTable, per_layer_type
 
 
 def _rotary(rope: dict) -> LlamaRotaryEmbedding:
@@ -70,3 +72,24 @@ def test_a_span_of_positions_is_what_a_lookup_of_them_gives(rope_type):
         expected = table(like, torch.arange(begin, end)[None])
         for a, b in zip(table.rows(like, begin, end), expected, strict=True):
             assert a.shape == b[0].shape == (end - begin, 16) and torch.equal(a, b[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_table_per_layer_type_is_that_types_own(dtype):
+    """Gemma 3's module keeps a local and a global base: each layer type's table gives the module's
+    own cos/sin for that type."""
+    config = Gemma3TextConfig(
+        hidden_size=64, num_attention_heads=4, head_dim=16, num_hidden_layers=6, max_position_embeddings=4096
+    )
+    rotary = Gemma3RotaryEmbedding(config)
+    assert per_layer_type(rotary) and not per_layer_type(_rotary({"rope_type": "default", "rope_theta": 1e4}))
+    like = torch.zeros(1, 1, 64, dtype=dtype)
+    positions = torch.tensor([3, 700, 700, 2 * FIRST_ROWS + 1])[None]
+    tables = {kind: RotaryTable(rotary, kind) for kind in (FULL, SLIDING)}
+    for kind, table in tables.items():
+        assert table.static
+        for a, b in zip(table(like, positions), rotary(like, positions, kind), strict=True):
+            assert a.dtype == dtype and torch.equal(a, b)
+    assert not torch.equal(tables[FULL](like, positions)[1], tables[SLIDING](like, positions)[1])
+    with pytest.raises(ValueError, match="layer type"):
+        RotaryTable(rotary)

@@ -32,6 +32,7 @@ from diffdraft.runtime.loading_thread import LoadingThread
 from diffdraft.runtime.sampling import SamplingParams, sample_from
 from diffdraft.runtime.stats import StageTimer
 from diffdraft.runtime.stopping import StopDecision
+from diffdraft.target.families import check_claimed
 from diffdraft.target.model import TargetModel, TargetOutput, VerifyInput
 from diffdraft.trees import (
     DepthBoundedBuilder,
@@ -52,6 +53,8 @@ class SpeculativeEngine:
         """The builder when it plans rounds (a protocol check is too slow to repeat every round)."""
         self.depth_bound = builder if isinstance(builder, DepthBoundedBuilder) else None
         """The builder when it can say how deep its tree reaches before the drafter runs."""
+        if drafter is not None:
+            check_claimed(target.config)
         self.layer_ids = list(drafter.target_layer_ids) if drafter is not None else []
         target.check_layer_ids(self.layer_ids)
         self.untapped_plain = (
@@ -64,6 +67,8 @@ class SpeculativeEngine:
     def start(self, spec: SequenceSpec, drafter: Drafter | None = None) -> SequenceRun:
         """A new sequence; ``drafter``: its own (a fork of the engine's) when several run at once."""
         self.loading_thread.check()
+        if drafter is not None and self.drafter is None:
+            check_claimed(self.target.config)
         return SequenceRun(self, spec, drafter or self.drafter)
 
     def run(self, spec: SequenceSpec) -> Iterator[list[int]]:

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from transformers import DynamicCache
+
+from diffdraft.kernels.attention_window import Mask
 
 
 @dataclass
@@ -15,4 +16,5 @@ class Segment:
 
     cache: DynamicCache
     length: int
-    mask: torch.Tensor | None
+    mask: Mask | None
+    """Additive; a dict by layer type for a hybrid target (:mod:`diffdraft.kernels.attention_window`)."""

@@ -76,11 +76,17 @@ class TargetModel:
         """The verification forward without Hugging Face's glue, for the families it supports."""
         self.graphed: GraphedVerify | None = None
         if cuda_graphs:
+            if self.windows.window is not None:  # a graph has fixed shapes; a window's rows move
+                raise UnsupportedModelError(
+                    f"cuda_graphs does not take sliding-window attention; this {type(model).__name__} "
+                    f"has a window of {self.windows.window} on layers {self.windows.windowed_layers}: "
+                    "leave cuda_graphs off"
+                )
             if self.lean is None or self.device.type != "cuda":
                 raise UnsupportedModelError(
-                    f"cuda_graphs needs a CUDA target of the Llama, Qwen2 or Qwen3 family without "
-                    f"sliding windows; this one is a {type(model).__name__} on {self.device}: leave "
-                    "cuda_graphs off"
+                    f"cuda_graphs needs a CUDA target of a family the lean forward runs "
+                    f"(kernels/lean_forward.py); this one is a {type(model).__name__} on {self.device}: "
+                    "leave cuda_graphs off"
                 )
             self.graphed = GraphedVerify(self.lean)
 
@@ -218,7 +224,8 @@ class TargetModel:
     ) -> TargetOutput:
         """Score tree nodes in one forward, under a mask from :meth:`attention_mask` (None: one token).
 
-        Llama-shaped targets run :class:`LeanForward` (same outputs, less host time per forward)."""
+        Targets of the families :class:`LeanForward` supports run it (same outputs, less host time per
+        forward)."""
         forward = self.graphed or self.lean
         if forward is not None:
             logits, hidden = forward(
@@ -229,9 +236,10 @@ class TargetModel:
 
     @torch.inference_mode()
     def verify_batch(self, inputs: Sequence[VerifyInput], layer_ids: list[int]) -> list[TargetOutput]:
-        """:meth:`verify` for several sequences, each over its own cache: Llama-shaped targets verify
-        them all in one packed forward (the weights are read once for every sequence's tree), others
-        one forward per sequence."""
+        """:meth:`verify` for several sequences, each over its own cache: targets :class:`LeanForward`
+        supports verify them all in one packed forward (the weights are read once for every sequence's
+        tree; each sequence's mask, a dict by layer type for a hybrid target, applies to its rows),
+        others one forward per sequence."""
         if self.lean is None:
             return [self.verify(i.cache, i.token_ids, i.position_ids, i.mask, layer_ids) for i in inputs]
         segments = [Segment(i.cache, i.token_ids.shape[0], i.mask) for i in inputs]
