@@ -108,6 +108,17 @@ def windowed_target(family: str, window: int, seed: int = 0, **overrides) -> tor
     return tiny_target(family, seed=seed, layers=layers, **config)
 
 
+def ignore_windows(monkeypatch) -> None:
+    """Make every target built from now on attend as if it had no sliding window (masks and the rows
+    its forward reads alike): what a verifier that ignored the window would compute."""
+    from diffdraft.kernels.attention_window import FULL, LayerWindows
+
+    def windowless(cls, config):
+        return cls(types=(FULL,) * config.num_hidden_layers, window=None, by_type=False)
+
+    monkeypatch.setattr(LayerWindows, "of", classmethod(windowless))
+
+
 def slow_after_bigger_forwards():
     """A stand-in for timing one round (``(target, cache or caches, tokens) -> seconds``) on a machine
     whose one-token forward takes 4 ms right after a bigger one and comes down 1 ms a round to 1 ms

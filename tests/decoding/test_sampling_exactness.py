@@ -17,13 +17,12 @@ from diffdraft.drafters.deer_model import DEERDraftModel, deer_from_causal_lm
 from diffdraft.drafters.dflash import DFlashDrafter
 from diffdraft.drafters.lookup_boost import LookupBoostedDrafter
 from diffdraft.drafters.prompt_lookup import PromptLookupDrafter
-from diffdraft.kernels.attention_window import LayerWindows
 from diffdraft.runtime.sampling import SamplingParams
 from diffdraft.target.model import TargetModel
 from diffdraft.trees import ChainBuilder, DDTreeBuilder
 from diffdraft.trees.dart import DartTreeBuilder, DartTreeSettings
 
-from conftest import tiny_dart, tiny_drafter, tiny_target, windowed_target
+from conftest import ignore_windows, tiny_dart, tiny_drafter, tiny_target, windowed_target
 from test_engine import run_engine
 
 VOCAB = 8
@@ -153,16 +152,14 @@ def test_speculative_sampling_under_a_sliding_window_matches_plain_sampling(meth
 
 
 def test_the_check_catches_a_verifier_that_ignores_the_window(monkeypatch):
-    def without_window(self, full, query_positions, key_positions):
-        return {kind: full for kind in set(self.types)}
-
-    monkeypatch.setattr(LayerWindows, "mask", without_window)
     model = windowed_model()
+    exact = exact_pair_distribution(model, SamplingParams(temperature=1.0))  # transformers' own, windowed
+    ignore_windows(monkeypatch)
     drafter, builder = methods(model)["walk-ddtree"]
     sampling = SamplingParams(temperature=1.0)
     counts = sampled_pair_counts(model, drafter, builder, sampling)
     with pytest.raises(AssertionError, match="differs from the target's"):
-        assert_same_distribution(counts, exact_pair_distribution(model, sampling))
+        assert_same_distribution(counts, exact)
 
 
 def test_the_holed_deer_drafter_has_no_mass_where_the_target_has_some():

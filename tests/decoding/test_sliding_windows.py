@@ -13,14 +13,13 @@ from diffdraft.decoding.engine import SpeculativeEngine
 from diffdraft.drafters.dart import DARTDrafter
 from diffdraft.drafters.deer import DEERDrafter
 from diffdraft.drafters.deer_model import deer_from_causal_lm
-from diffdraft.kernels import attention_window
 from diffdraft.kernels.attention_window import LayerWindows
 from diffdraft.runtime.sampling import SamplingParams
 from diffdraft.target.model import TargetModel
 from diffdraft.trees import DDTreeBuilder
 from diffdraft.trees.dart import DartTreeBuilder, DartTreeSettings
 
-from conftest import WINDOWED_FAMILIES, hf_greedy, tiny_dart, windowed_target
+from conftest import WINDOWED_FAMILIES, hf_greedy, ignore_windows, tiny_dart, windowed_target
 from decoding.test_batching import alone, batched, requests_for
 from decoding.test_engine import METHODS, make_method, run_engine
 
@@ -58,11 +57,7 @@ def test_a_verifier_that_ignored_the_window_would_be_caught(family, monkeypatch)
     target = windowed_target(family, 4, seed=0, vocab=96)
     prompt = motif_prompt(target, 0, 12)
     reference = hf_greedy(target, prompt, 30, None)
-
-    def without_window(self, full, query_positions, key_positions):
-        return {kind: full for kind in set(self.types)} if self.by_type else full
-
-    monkeypatch.setattr(attention_window.LayerWindows, "mask", without_window)
+    ignore_windows(monkeypatch)
     for method in ["chain", "ddtree-4", "oracle-ddtree"]:
         drafter, builder = make_method(method, target, reference, prompt, 5, 0)
         ours, _ = run_engine(target, drafter, builder, prompt, 30, eos=10_000)
