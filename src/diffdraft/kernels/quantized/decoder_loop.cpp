@@ -1,8 +1,9 @@
 // Whole forwards of decoder layers in one op each: decode_layers is the loop of a Llama-family target's
-// FusedDecoderLayers.__call__ (decoder_ops.py), draft_layers that of a DFlash / DFlare drafter's
-// FusedDraftLayers.__call__ (fused_dflash.py) for one block, draft_context its projection of committed
-// tokens' target states into every draft layer's context keys and values (FusedDraftLayers.project), and
-// draft_block a whole drafting round of one sequence (both, then the LM head: DFlashDrafter.propose).
+// FusedDecoderLayers.__call__ (decoder_ops.py), decode_gemma_layers that of a Gemma 3 target's, draft_layers
+// that of a DFlash / DFlare drafter's FusedDraftLayers.__call__ (fused_dflash.py) for one block, draft_context
+// its projection of committed tokens' target states into every draft layer's context keys and values
+// (FusedDraftLayers.project), and draft_block a whole drafting round of one sequence (both, then the LM
+// head: DFlashDrafter.propose).
 // Each step is the same op the Python loop calls (decoder_ops.cpp, int8_matmul.cpp), in the same order,
 // on the same tensors, so every output is bit for bit the Python loop's. What it saves is the loop
 // itself: nine op calls a layer from Python (dispatch, argument boxing, module lookups) cost a one-token
@@ -46,6 +47,10 @@ using ResidualNorm = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, co
 using RotarySplit = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t,
                                                        const OptionalTensor&, const OptionalTensor&, double);
 using Gate = Tensor(const Tensor&);
+using NormedResidualNorm =
+    std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, double, const Tensor&, double);
+using AttendCached = Tensor(const Tensor&, const Tensor&, const Tensor&, at::TensorList, int64_t, at::IntArrayRef,
+                            at::IntArrayRef, const c10::List<OptionalTensor>&, double, int64_t);
 
 // The ops both loops call, looked up once.
 struct Ops {
@@ -58,6 +63,10 @@ struct Ops {
   c10::TypedOperatorHandle<ResidualNorm> residual_rms_norm = op<ResidualNorm>("diffdraft_decoder::residual_rms_norm");
   c10::TypedOperatorHandle<RotarySplit> rotary_split = op<RotarySplit>("diffdraft_decoder::rotary_split");
   c10::TypedOperatorHandle<Gate> silu_gate = op<Gate>("diffdraft_decoder::silu_gate");
+  c10::TypedOperatorHandle<Gate> gelu_tanh_gate = op<Gate>("diffdraft_decoder::gelu_tanh_gate");
+  c10::TypedOperatorHandle<NormedResidualNorm> normed_residual_rms_norm =
+      op<NormedResidualNorm>("diffdraft_decoder::normed_residual_rms_norm");
+  c10::TypedOperatorHandle<AttendCached> attend_cached = op<AttendCached>("diffdraft_decoder::attend_cached");
 
   static const Ops& get() {
     static const Ops ops;
@@ -135,9 +144,7 @@ std::vector<Tensor> decode_layers(const Tensor& hidden_in, const Tensor& cos, co
                                   at::ArrayRef<double> scalings, at::TensorList buffers, at::IntArrayRef cache_layers,
                                   at::IntArrayRef starts, at::IntArrayRef counts,
                                   const c10::List<OptionalTensor>& masks, at::IntArrayRef taps) {
-  static const auto attend_cached =
-      op<Tensor(const Tensor&, const Tensor&, const Tensor&, at::TensorList, int64_t, at::IntArrayRef,
-                at::IntArrayRef, const c10::List<OptionalTensor>&, double)>("diffdraft_decoder::attend_cached");
+  const auto& attend_cached = Ops::get().attend_cached;
   const Ops& ops = Ops::get();
   const Layers stack{weights, out_features, formats, biases, norms, epsilons};
   const int64_t layers = static_cast<int64_t>(cache_layers.size());
@@ -156,8 +163,78 @@ std::vector<Tensor> decode_layers(const Tensor& hidden_in, const Tensor& cos, co
     auto [query, key, value] = ops.rotary_split.call(stack.linear(normed, kLinears * layer), cos, sin, heads, kv_heads,
                                                      no_norm, no_norm, 0.0);
     const Tensor attended =
-        attend_cached.call(query, key, value, buffers, cache_layers[layer], starts, counts, masks, scalings[layer]);
+        attend_cached.call(query, key, value, buffers, cache_layers[layer], starts, counts, masks, scalings[layer], 0);
     stack.finish(layer, attended, hidden, normed);
+    if (next_tap < taps.size() && taps[next_tap] == layer) {
+      copy_tap(tapped, static_cast<int64_t>(next_tap), hidden);
+      ++next_tap;
+    }
+  }
+  TORCH_CHECK(next_tap == taps.size(), "taps must be ascending layer indices below ", layers);
+  std::vector<Tensor> outputs{normed};
+  if (tap_count) {
+    outputs.push_back(tapped);
+  }
+  return outputs;
+}
+
+// decode_layers for Gemma 3 (FusedDecoderLayers.__call__'s Gemma loop): every norm Gemma's (float32 1 + weight
+// tensors), four a layer after the first input norm (post-attention, pre-feedforward, post-feedforward, and
+// the next layer's input norm or the final one), each normed update added to the residual stream; per-head
+// query and key norms before the rotation; GELU (tanh) gating. Layer l's type is `kinds[l]`: its rotary
+// table is cos[kinds[l]] / sin[kinds[l]] ([n, head_dim]), its masks are masks[kinds[l] * segments + s], and
+// windows[l] its sliding window (0: full attention), as attend_cached takes it.
+std::vector<Tensor> decode_gemma_layers(const Tensor& hidden_in, at::TensorList cos, at::TensorList sin,
+                                        at::IntArrayRef kinds, at::TensorList weights, at::IntArrayRef out_features,
+                                        at::IntArrayRef formats, const c10::List<OptionalTensor>& biases,
+                                        at::TensorList norms, at::ArrayRef<double> epsilons,
+                                        at::TensorList query_norms, at::TensorList key_norms,
+                                        at::ArrayRef<double> head_epsilons, int64_t heads, int64_t kv_heads,
+                                        at::ArrayRef<double> scalings, at::IntArrayRef windows, at::TensorList buffers,
+                                        at::IntArrayRef cache_layers, at::IntArrayRef starts, at::IntArrayRef counts,
+                                        const c10::List<OptionalTensor>& masks, at::IntArrayRef taps) {
+  const Ops& ops = Ops::get();
+  const int64_t layers = static_cast<int64_t>(cache_layers.size());
+  const int64_t linears = kLinears * layers;
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == linears && static_cast<int64_t>(out_features.size()) == linears &&
+                  static_cast<int64_t>(formats.size()) == linears && static_cast<int64_t>(biases.size()) == linears,
+              "give ", kLinears, " weights, output widths, formats and biases per layer (", layers, " layers)");
+  TORCH_CHECK(static_cast<int64_t>(norms.size()) == 1 + 4 * layers && norms.size() == epsilons.size(),
+              "give the first input norm and four norms per layer, each with its epsilon");
+  for (const size_t given : {kinds.size(), query_norms.size(), key_norms.size(), head_epsilons.size(),
+                             scalings.size(), windows.size()}) {
+    TORCH_CHECK(static_cast<int64_t>(given) == layers,
+                "give per layer its kind, head norms with their epsilon, scaling and window");
+  }
+  TORCH_CHECK(cos.size() == sin.size() && !cos.empty(), "give a cos and a sin table per layer kind");
+  const size_t segments = buffers.size();
+  TORCH_CHECK(masks.size() == cos.size() * segments, "give a mask per layer kind and segment");
+  std::vector<c10::List<OptionalTensor>> kind_masks(cos.size());
+  for (size_t k = 0; k < cos.size(); ++k) {
+    for (size_t s = 0; s < segments; ++s) kind_masks[k].push_back(masks.get(k * segments + s));
+  }
+  const Layers stack{weights, out_features, formats, biases, norms, epsilons};
+
+  Tensor hidden = hidden_in;
+  Tensor normed = ops.rms_norm.call(hidden, norms[0], epsilons[0]);
+  const int64_t tap_count = static_cast<int64_t>(taps.size());
+  Tensor tapped = tap_count ? at::empty({hidden.size(0), tap_count, hidden.size(1)}, hidden.options()) : Tensor();
+  size_t next_tap = 0;
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    const int64_t kind = kinds[layer], first = kLinears * layer, norm = 1 + 4 * layer;
+    TORCH_CHECK(kind >= 0 && kind < static_cast<int64_t>(cos.size()), "layer ", layer, "'s kind ", kind,
+                " has no rotary table");
+    auto [query, key, value] = ops.rotary_split.call(stack.linear(normed, first), cos[kind], sin[kind], heads, kv_heads,
+                                                     query_norms[layer], key_norms[layer], head_epsilons[layer]);
+    const Tensor attended = ops.attend_cached.call(query, key, value, buffers, cache_layers[layer], starts, counts,
+                                                   kind_masks[kind], scalings[layer], windows[layer]);
+    std::tie(hidden, normed) = ops.normed_residual_rms_norm.call(hidden, stack.linear(attended, first + 1),
+                                                                 norms[norm], epsilons[norm], norms[norm + 1],
+                                                                 epsilons[norm + 1]);
+    const Tensor gated = ops.gelu_tanh_gate.call(stack.linear(normed, first + 2));
+    std::tie(hidden, normed) = ops.normed_residual_rms_norm.call(hidden, stack.linear(gated, first + 3),
+                                                                 norms[norm + 2], epsilons[norm + 2], norms[norm + 3],
+                                                                 epsilons[norm + 3]);
     if (next_tap < taps.size() && taps[next_tap] == layer) {
       copy_tap(tapped, static_cast<int64_t>(next_tap), hidden);
       ++next_tap;
@@ -310,6 +387,11 @@ TORCH_LIBRARY_FRAGMENT(diffdraft_decoder, m) {
       "Tensor?[] biases, Tensor[] norms, float[] epsilons, int heads, int kv_heads, float[] scalings, "
       "Tensor[] buffers, int[] cache_layers, int[] starts, int[] counts, Tensor?[] masks, int[] taps) -> Tensor[]");
   m.def(
+      "decode_gemma_layers(Tensor hidden, Tensor[] cos, Tensor[] sin, int[] kinds, Tensor[] weights, "
+      "int[] out_features, int[] formats, Tensor?[] biases, Tensor[] norms, float[] epsilons, Tensor[] query_norms, "
+      "Tensor[] key_norms, float[] head_epsilons, int heads, int kv_heads, float[] scalings, int[] windows, "
+      "Tensor[] buffers, int[] cache_layers, int[] starts, int[] counts, Tensor?[] masks, int[] taps) -> Tensor[]");
+  m.def(
       "draft_layers(Tensor block, Tensor cos, Tensor sin, Tensor[] weights, int[] out_features, int[] formats, "
       "Tensor?[] biases, Tensor[] norms, float[] epsilons, Tensor[] query_norms, Tensor[] key_norms, "
       "float[] head_epsilons, int heads, int kv_heads, float[] scalings, Tensor[] keys, Tensor[] values, "
@@ -332,6 +414,7 @@ TORCH_LIBRARY_FRAGMENT(diffdraft_decoder, m) {
 
 TORCH_LIBRARY_IMPL(diffdraft_decoder, CPU, m) {
   m.impl("decode_layers", &decode_layers);
+  m.impl("decode_gemma_layers", &decode_gemma_layers);
   m.impl("draft_layers", &draft_layers);
   m.impl("draft_context", &draft_context);
   m.impl("draft_block", &draft_block);

@@ -1,7 +1,9 @@
 // The work of a Llama-family decoder layer between its matmuls, one op per step, for bfloat16
 // activations on AVX-512 BF16 (emulated on AVX2 CPUs by avx512_subset.h): RMSNorm (with the residual
 // add before it), rotary (after Qwen3's per-head norms, where given) on the stacked q|k|v projection,
-// attention over the cache, and SiLU gating.
+// attention over the cache, and SiLU gating; for Gemma 3 also its RMSNorm (a float32 weight, 1 + weight),
+// the normed update's residual add, GELU (tanh) gating, and sliding-window layers that read only the cache
+// rows their queries can see.
 //
 // Each op computes in float32 and rounds to bfloat16 where Hugging Face's modules round (RMSNorm
 // rounds the normalized row before the weight, rotary rounds each product and the sum, SiLU rounds
@@ -85,8 +87,29 @@ void check_bf16(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.is_contiguous(), name, " must be contiguous bfloat16");
 }
 
-// Rows of `x` (+ `update`, rounded, written to `sum`) normalized like Hugging Face's RMSNorm.
-void rms_norm_rows(const BFloat16* x, const BFloat16* update, const BFloat16* weight, BFloat16* sum,
+// A norm's weight: bfloat16 for Hugging Face's Llama RMSNorm, which rounds the normalized row to bfloat16
+// before the weight's product; float32 for Gemma's, which multiplies the unrounded float32 row by
+// (1 + weight) in float32 and rounds once (the caller passes 1 + weight, as Gemma computes it in float32).
+struct NormWeight {
+  const void* data;
+  bool gemma;  // float32 (1 + weight), applied to the unrounded row
+
+  __m512 scaled(__m512 unit, int64_t i, __mmask16 lanes) const {
+    if (!gemma) return _mm512_mul_ps(round_bf16(unit), load(static_cast<const BFloat16*>(data) + i, lanes));
+    const float* p = static_cast<const float*>(data) + i;
+    return _mm512_mul_ps(unit, lanes == 0xFFFF ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(lanes, p));
+  }
+};
+
+NormWeight norm_weight(const at::Tensor& weight, const char* name) {
+  TORCH_CHECK((weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat) && weight.is_contiguous(),
+              name, " must be contiguous bfloat16 (Llama's norm) or float32 (Gemma's 1 + weight)");
+  return {weight.data_ptr(), weight.scalar_type() == at::kFloat};
+}
+
+// Rows of `x` (+ `update`, rounded, written to `sum`) normalized like Hugging Face's RMSNorm (Llama's or
+// Gemma's, by the weight). `update` may be `sum` itself: each value is read before it is written.
+void rms_norm_rows(const BFloat16* x, const BFloat16* update, NormWeight weight, BFloat16* sum,
                    BFloat16* normed, int64_t width, float eps) {
   __m512 squares = _mm512_setzero_ps();
   for (int64_t i = 0; i < width; i += kLanes) {
@@ -102,15 +125,15 @@ void rms_norm_rows(const BFloat16* x, const BFloat16* update, const BFloat16* we
   const BFloat16* source = update != nullptr ? sum : x;
   for (int64_t i = 0; i < width; i += kLanes) {
     const __mmask16 lanes = lanes_below(width - i);
-    const __m512 unit = round_bf16(_mm512_mul_ps(load(source + i, lanes), _mm512_set1_ps(inverse)));
-    store(normed + i, _mm512_mul_ps(unit, load(weight + i, lanes)), lanes);
+    const __m512 unit = _mm512_mul_ps(load(source + i, lanes), _mm512_set1_ps(inverse));
+    store(normed + i, weight.scaled(unit, i, lanes), lanes);
   }
 }
 
 std::tuple<at::Tensor, at::Tensor> norm(const at::Tensor& x, const c10::optional<at::Tensor>& update,
                                         const at::Tensor& weight, double eps) {
   check_bf16(x, "x");
-  check_bf16(weight, "weight");
+  const NormWeight w = norm_weight(weight, "weight");
   const int64_t width = x.size(-1), rows = x.numel() / width;
   TORCH_CHECK(weight.numel() == width, "weight has ", weight.numel(), " entries for rows of ", width);
   at::Tensor sum;
@@ -124,9 +147,9 @@ std::tuple<at::Tensor, at::Tensor> norm(const at::Tensor& x, const c10::optional
   auto* sum_data = update.has_value() ? sum.data_ptr<BFloat16>() : nullptr;
   at::parallel_for(0, rows, std::max<int64_t>(1, kElementwiseGrain / width), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      rms_norm_rows(x.data_ptr<BFloat16>() + r * width, update_data ? update_data + r * width : nullptr,
-                    weight.data_ptr<BFloat16>(), sum_data ? sum_data + r * width : nullptr,
-                    normed.data_ptr<BFloat16>() + r * width, width, static_cast<float>(eps));
+      rms_norm_rows(x.data_ptr<BFloat16>() + r * width, update_data ? update_data + r * width : nullptr, w,
+                    sum_data ? sum_data + r * width : nullptr, normed.data_ptr<BFloat16>() + r * width, width,
+                    static_cast<float>(eps));
     }
   });
   return {sum, normed};
@@ -139,6 +162,34 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 std::tuple<at::Tensor, at::Tensor> residual_rms_norm(const at::Tensor& x, const at::Tensor& update,
                                                      const at::Tensor& weight, double eps) {
   return norm(x, update, weight, eps);
+}
+
+// Gemma's residual step: `update` normed by `update_weight` (rounded to bfloat16), added to `x` (rounded:
+// the new residual stream, returned first), and that sum normed by `weight` (the next norm's output).
+std::tuple<at::Tensor, at::Tensor> normed_residual_rms_norm(const at::Tensor& x, const at::Tensor& update,
+                                                            const at::Tensor& update_weight, double update_eps,
+                                                            const at::Tensor& weight, double eps) {
+  check_bf16(x, "x");
+  check_bf16(update, "update");
+  TORCH_CHECK(update.sizes() == x.sizes(), "update and x differ in shape");
+  const NormWeight inner = norm_weight(update_weight, "update_weight"), outer = norm_weight(weight, "weight");
+  const int64_t width = x.size(-1), rows = x.numel() / width;
+  TORCH_CHECK(weight.numel() == width && update_weight.numel() == width, "the norm weights must have ", width,
+              " entries");
+  at::Tensor sum = at::empty_like(x), normed = at::empty_like(x);
+  const auto* x_data = x.data_ptr<BFloat16>();
+  const auto* update_data = update.data_ptr<BFloat16>();
+  auto* sum_data = sum.data_ptr<BFloat16>();
+  auto* normed_data = normed.data_ptr<BFloat16>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, kElementwiseGrain / width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      BFloat16* row_sum = sum_data + r * width;
+      rms_norm_rows(update_data + r * width, nullptr, inner, nullptr, row_sum, width, static_cast<float>(update_eps));
+      rms_norm_rows(x_data + r * width, row_sum, outer, row_sum, normed_data + r * width, width,
+                    static_cast<float>(eps));
+    }
+  });
+  return {sum, normed};
 }
 
 // One head of `dim` values rotated by Hugging Face's rotate_half convention: the first half pairs with
@@ -157,7 +208,8 @@ void rotate_head(const BFloat16* x, const BFloat16* cos, const BFloat16* sin, BF
   }
 }
 
-// Qwen3's per-head RMSNorm of query and key heads before their rotation, when given (q_norm with k_norm).
+// Qwen3's (bfloat16 weights) or Gemma 3's (float32 1 + weight) per-head RMSNorm of query and key heads before
+// their rotation, when given (q_norm with k_norm).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary_split(const at::Tensor& qkv, const at::Tensor& cos,
                                                             const at::Tensor& sin, int64_t heads, int64_t kv_heads,
                                                             const c10::optional<at::Tensor>& q_norm,
@@ -171,14 +223,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary_split(const at::Tensor& qk
   TORCH_CHECK(cos.numel() == tokens * dim && sin.numel() == tokens * dim, "cos and sin must be [tokens, head_dim]");
   TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "give both per-head norms or neither");
   TORCH_CHECK(dim <= 32 * kMaxPairs, "head_dim ", dim, " unsupported");
-  const BFloat16* norm_weights[2] = {nullptr, nullptr};
+  NormWeight norm_weights[2] = {{nullptr, false}, {nullptr, false}};
   if (q_norm.has_value()) {
-    for (const at::Tensor* weight : {&*q_norm, &*k_norm}) {
-      check_bf16(*weight, "per-head norm weight");
-      TORCH_CHECK(weight->numel() == dim, "a per-head norm weight has ", weight->numel(), " entries for heads of ", dim);
+    for (int n = 0; n < 2; ++n) {
+      const at::Tensor& weight = n == 0 ? *q_norm : *k_norm;
+      norm_weights[n] = norm_weight(weight, "a per-head norm weight");
+      TORCH_CHECK(weight.numel() == dim, "a per-head norm weight has ", weight.numel(), " entries for heads of ", dim);
     }
-    norm_weights[0] = q_norm->data_ptr<BFloat16>();
-    norm_weights[1] = k_norm->data_ptr<BFloat16>();
   }
   at::Tensor query = at::empty({tokens, heads, dim}, qkv.options());
   at::Tensor key = at::empty({1, kv_heads, tokens, dim}, qkv.options());
@@ -191,7 +242,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary_split(const at::Tensor& qk
       const int64_t t = item / all_heads, head = item % all_heads;
       const BFloat16* x = in + t * row + head * dim;
       BFloat16 normed[32 * kMaxPairs];
-      if (norm_weights[0] != nullptr && head < heads + kv_heads) {
+      if (norm_weights[0].data != nullptr && head < heads + kv_heads) {
         rms_norm_rows(x, nullptr, norm_weights[head < heads ? 0 : 1], nullptr, normed, dim, static_cast<float>(eps));
         x = normed;
       }
@@ -476,21 +527,23 @@ struct CachedSegment {
   float hidden_at;
 };
 
-// `mask` [1, 1, tokens, length] additive, or none (every key visible), read in place in its own dtype;
-// returns the rows tensor the segment reads (kept alive by the caller: a reshape may copy).
-at::Tensor use_mask(CachedSegment& segment, const c10::optional<at::Tensor>& mask) {
+// `mask` [1, 1, tokens, skipped + length] additive, or none (every key visible), read in place in its own
+// dtype, its first `skipped` columns (keys the segment leaves out) passed over; returns the rows tensor the
+// segment reads (kept alive by the caller: a reshape may copy).
+at::Tensor use_mask(CachedSegment& segment, const c10::optional<at::Tensor>& mask, int64_t skipped = 0) {
   segment.mask_data = nullptr;
   segment.mask_stride = 0;
   segment.mask_type = at::kFloat;
   segment.hidden_at = -std::numeric_limits<float>::infinity();
   if (!mask.has_value()) return at::Tensor();
-  TORCH_CHECK(mask->numel() == segment.tokens * segment.length && mask->size(-1) == segment.length,
-              "the mask must be [1, 1, tokens, keys] = [1, 1, ", segment.tokens, ", ", segment.length, "], got ",
+  const int64_t columns = skipped + segment.length;
+  TORCH_CHECK(mask->numel() == segment.tokens * columns && mask->size(-1) == columns,
+              "the mask must be [1, 1, tokens, keys] = [1, 1, ", segment.tokens, ", ", columns, "], got ",
               mask->sizes());
   segment.hidden_at = hidden_value(mask->scalar_type());
-  at::Tensor rows = mask->reshape({segment.tokens, segment.length});
+  at::Tensor rows = mask->reshape({segment.tokens, columns});
   if (rows.stride(1) != 1) rows = rows.contiguous();
-  segment.mask_data = static_cast<const char*>(rows.data_ptr());
+  segment.mask_data = static_cast<const char*>(rows.data_ptr()) + skipped * rows.element_size();
   segment.mask_stride = rows.stride(0) * rows.element_size();
   segment.mask_type = rows.scalar_type();
   return rows;
@@ -569,10 +622,13 @@ at::Tensor attention(const at::Tensor& query, const at::Tensor& keys, const at::
 // [layers, 2 (keys, values), 1, kv_heads, capacity, dim], holding starts[s] rows; this writes layer `layer`'s
 // rows starts[s].. and attends over the first starts[s] + counts[s] under masks[s] ([1, 1, counts[s],
 // starts[s] + counts[s]], or none: every key visible). One call for every segment: no per-segment views,
-// copies or dispatch.
+// copies or dispatch. A sliding-window layer (`window` > 0) reads the rows from max(0, starts[s] - window + 1)
+// on: the first a query of its segment can see, the segment's first token sitting at position starts[s]
+// (attention_window.window_start); the mask hides what else the window does (none: the segment is one
+// token, which sees the rows from there). The keys left out are hidden keys, so the sums are the same.
 at::Tensor attend_cached(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                          at::TensorList buffers, int64_t layer, at::IntArrayRef starts, at::IntArrayRef counts,
-                         const c10::List<c10::optional<at::Tensor>>& masks, double scale) {
+                         const c10::List<c10::optional<at::Tensor>>& masks, double scale, int64_t window) {
   check_bf16(query, "query");
   check_bf16(key, "key");
   check_bf16(value, "value");
@@ -607,21 +663,32 @@ at::Tensor attend_cached(const at::Tensor& query, const at::Tensor& key, const a
       std::copy_n(key_data + (h * tokens + first) * dim, rows * dim, key_rows + (h * capacity + start) * dim);
       std::copy_n(value_data + (h * tokens + first) * dim, rows * dim, value_rows + (h * capacity + start) * dim);
     }
+    const c10::optional<at::Tensor> mask = masks.get(s);
+    TORCH_CHECK(window >= 0, "a window is a count of keys, or 0 for none; got ", window);
+    TORCH_CHECK(window == 0 || mask.has_value() || rows == 1,
+                "a sliding-window layer's segment of several tokens needs a mask that applies the window");
+    const int64_t skipped = window > 0 ? std::max<int64_t>(0, start - window + 1) : 0;
     CachedSegment& segment = segments[s];
-    segment.keys = {key_rows, capacity * dim, dim};
-    segment.values = {value_rows, capacity * dim, dim};
+    segment.keys = {key_rows + skipped * dim, capacity * dim, dim};
+    segment.values = {value_rows + skipped * dim, capacity * dim, dim};
     segment.first = first;
     segment.tokens = rows;
-    segment.length = start + rows;
-    mask_rows[s] = use_mask(segment, masks.get(s));
+    segment.length = start + rows - skipped;
+    mask_rows[s] = use_mask(segment, mask, skipped);
     first += rows;
   }
   TORCH_CHECK(first == tokens, "the counts add up to ", first, " of the ", tokens, " tokens");
   return attend_segments(query, segments, kv_heads, scale);
 }
 
-// SiLU(gate) * up for the stacked gate|up projection [..., 2 x width]: [..., width].
-at::Tensor silu_gate(const at::Tensor& gate_up) {
+enum class Activation { kSilu, kGeluTanh };
+
+// act(gate) * up for the stacked gate|up projection [..., 2 x width]: [..., width]. The activation rounds
+// to bfloat16 before the product, as Hugging Face's `act_fn(gate_proj(x)) * up_proj(x)` does. SiLU is
+// x / (1 + e^-x); GELU's tanh form, 0.5 x (1 + tanh(u)) with u = sqrt(2 / pi) (x + 0.044715 x^3), is the same
+// sigmoid at 2u: x / (1 + e^-2u).
+template <Activation kActivation>
+at::Tensor gate(const at::Tensor& gate_up) {
   check_bf16(gate_up, "gate_up");
   const int64_t width = gate_up.size(-1) / 2, rows = gate_up.numel() / gate_up.size(-1);
   TORCH_CHECK(gate_up.size(-1) == 2 * width, "gate_up must be two halves of equal width");
@@ -636,14 +703,25 @@ at::Tensor silu_gate(const at::Tensor& gate_up) {
         const __mmask16 lanes = lanes_below(width - i);
         const __m512 gate = load(in + 2 * r * width + i, lanes);
         const __m512 one = _mm512_set1_ps(1.0f);
-        const __m512 negated = _mm512_sub_ps(_mm512_setzero_ps(), gate);
-        const __m512 silu = round_bf16(_mm512_div_ps(gate, _mm512_add_ps(one, exponential(negated))));
-        store(out_data + r * width + i, _mm512_mul_ps(silu, load(in + (2 * r + 1) * width + i, lanes)), lanes);
+        __m512 negated;
+        if constexpr (kActivation == Activation::kSilu) {
+          negated = _mm512_sub_ps(_mm512_setzero_ps(), gate);
+        } else {
+          const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(gate, gate), gate);
+          const __m512 inner = _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), cube, gate);
+          negated = _mm512_mul_ps(inner, _mm512_set1_ps(-2.0f * 0.7978845608028654f));  // -2 sqrt(2 / pi)
+        }
+        const __m512 act = round_bf16(_mm512_div_ps(gate, _mm512_add_ps(one, exponential(negated))));
+        store(out_data + r * width + i, _mm512_mul_ps(act, load(in + (2 * r + 1) * width + i, lanes)), lanes);
       }
     }
   });
   return out;
 }
+
+at::Tensor silu_gate(const at::Tensor& gate_up) { return gate<Activation::kSilu>(gate_up); }
+
+at::Tensor gelu_tanh_gate(const at::Tensor& gate_up) { return gate<Activation::kGeluTanh>(gate_up); }
 
 }  // namespace
 
@@ -656,8 +734,12 @@ TORCH_LIBRARY(diffdraft_decoder, m) {
   m.def("attention(Tensor query, Tensor keys, Tensor values, Tensor? mask, float scale) -> Tensor");
   m.def(
       "attend_cached(Tensor query, Tensor key, Tensor value, Tensor[] buffers, int layer, int[] starts, "
-      "int[] counts, Tensor?[] masks, float scale) -> Tensor");
+      "int[] counts, Tensor?[] masks, float scale, int window=0) -> Tensor");
   m.def("silu_gate(Tensor gate_up) -> Tensor");
+  m.def("gelu_tanh_gate(Tensor gate_up) -> Tensor");
+  m.def(
+      "normed_residual_rms_norm(Tensor x, Tensor update, Tensor update_weight, float update_eps, Tensor weight, "
+      "float eps) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(diffdraft_decoder, CPU, m) {
@@ -667,4 +749,6 @@ TORCH_LIBRARY_IMPL(diffdraft_decoder, CPU, m) {
   m.impl("attention", &attention);
   m.impl("attend_cached", &attend_cached);
   m.impl("silu_gate", &silu_gate);
+  m.impl("gelu_tanh_gate", &gelu_tanh_gate);
+  m.impl("normed_residual_rms_norm", &normed_residual_rms_norm);
 }
