@@ -46,9 +46,9 @@ WARMUP_TASK = "HumanEval/119"
 """The warm-up generation's prompt: outside the measured six."""
 SMOLLM2_METHODS = ["ar", "pld", "ddtree:4", "ddtree+pld:6", "ddtree+pld:auto"]
 PLAIN_METHODS = ["ar", "pld"]
-NO_SPECULATION_METHODS = ["ar"]
-NO_SPECULATION_ARCHS = ("gemma",)
-"""Architectures diffdraft does not speculate on yet: only its ``ar`` runs (if it loads the file)."""
+DEER_METHODS = ["deer", "deer-tree:8"]
+"""With ``--deer-layers``, on files without a shipped drafter: DEER from the file's own first layers."""
+DEER_BLOCK = 8
 CONTENDED = 0.15
 """Other processes' mean CPU use (cores) during a step above which the report flags the step."""
 SCHEMA = 1
@@ -179,17 +179,24 @@ def format_mix(facts: dict) -> str:
     return f"{mix} (+{types['F32']} F32)" if "F32" in types else mix
 
 
-def methods_for(facts: dict, path: Path, override: list[str] | None) -> tuple[list[str], str]:
+def methods_for(
+    facts: dict, path: Path, override: list[str] | None, deer_layers: int = 0
+) -> tuple[list[str], str]:
     arch = (facts.get("arch") or "").lower()
-    if arch.startswith(NO_SPECULATION_ARCHS):
-        return NO_SPECULATION_METHODS, f"{arch}: diffdraft does not speculate on it yet, ar only"
     name = f"{facts.get('name') or ''} {path.name}".lower()
     smollm2 = arch == "llama" and facts.get("vocab") == 49152 and "smollm" in name
     wanted = override or SMOLLM2_METHODS
     if smollm2:
         return wanted, "SmolLM2 tokenizer: the shipped default drafter applies"
-    plain = [m for m in wanted if m.split(":")[0] in PLAIN_METHODS]
-    return plain or PLAIN_METHODS, "no drafter for this tokenizer: ar and pld only"
+    plain = [m for m in wanted if m.split(":")[0] in PLAIN_METHODS] or PLAIN_METHODS
+    if deer_layers:
+        why = (
+            f"no shipped drafter for this tokenizer: ar, pld and DEER cut from the file's first "
+            f"{deer_layers} layers by `diffdraft deer init`, untrained (a losslessness check, not a "
+            "trained drafter's speed)"
+        )
+        return plain + DEER_METHODS, why
+    return plain, "no drafter for this tokenizer: ar and pld only"
 
 
 # ------------------------------------------------------------------------------------------ llama.cpp
@@ -369,12 +376,24 @@ def run_llama_completion(
 # ------------------------------------------------------------------------------------- diffdraft side
 
 
-def method_spec(label: str) -> tuple[str, int | str | None, str | None]:
-    """'ddtree+pld:6' -> ('ddtree+pld', 6, 'default'): method, budget, drafter."""
+def method_spec(label: str, deer_drafter: str | None = None) -> tuple[str, int | str | None, str | None]:
+    """'ddtree+pld:6' -> ('ddtree+pld', 6, 'default'): method, budget, drafter (``deer_drafter`` for
+    the DEER methods)."""
     name, _, budget = label.partition(":")
     budget = None if not budget else (budget if budget == "auto" else int(budget))
-    drafter = None if name in ("ar", "pld") else "default"
+    drafter = None if name in ("ar", "pld") else deer_drafter if name.startswith("deer") else "default"
     return name, budget, drafter
+
+
+def deer_drafter(path: Path, layers: int, out: Path) -> Path:
+    """A DEER drafter of the file's first ``layers`` layers (``diffdraft deer init``), made once into
+    ``out/drafters`` (not committed: the command remakes it)."""
+    drafter = out / "drafters" / f"{path.stem}-deer{layers}"
+    if not (drafter / "config.json").is_file():
+        command = [str(Path(sys.executable).with_name("diffdraft")), "deer", "init", "--from", str(path)]
+        command += ["--num-layers", str(layers), "--block-size", str(DEER_BLOCK), "--dtype", "bfloat16"]
+        subprocess.run([*command, "--out", str(drafter), "--force"], check=True)
+    return drafter
 
 
 def cache_entries(root: Path, stem: str) -> list[Path]:
@@ -409,7 +428,7 @@ def worker(spec_path: str, out_path: str) -> None:
     log(f"diffdraft: cleared {len(removed)} cache entr{'y' if len(removed) == 1 else 'ies'} of {path.name}")
 
     def load(label: str):
-        name, budget, drafter = method_spec(label)
+        name, budget, drafter = method_spec(label, spec.get("deer_drafter"))
         start = time.perf_counter()
         gen = diffdraft.load(target=str(path), method=name, drafter=drafter, budget=budget)
         return gen, time.perf_counter() - start
@@ -563,7 +582,7 @@ def settings_of(args, tasks, methods) -> dict:
 
 def measure_file(path: Path, args, prompts: dict, tasks: list[str], out: Path, completion, flags) -> dict:
     facts = gguf_facts(path)
-    methods, why = methods_for(facts, path, args.methods)
+    methods, why = methods_for(facts, path, args.methods, args.deer_layers)
     if args.quick:
         methods = [m for m in methods if not m.endswith(":auto")]
     record = {
@@ -628,6 +647,9 @@ def measure_file(path: Path, args, prompts: dict, tasks: list[str], out: Path, c
         "warmup_prompt": prompts[WARMUP_TASK],
         "warmup_tokens": min(args.tokens, 8 if args.quick else 32),
     }
+    if any(m.startswith("deer") for m in methods):
+        with Step(record, "deer_init", f"{path.name}: diffdraft deer init, {args.deer_layers} layers"):
+            spec["deer_drafter"] = str(deer_drafter(path, args.deer_layers, out))
     message = f"{path.name}: diffdraft {', '.join(methods)}"
     with tempfile.TemporaryDirectory(prefix="gguf-formats-") as work, Step(record, "diffdraft", message):
         dd = run_worker(spec, Path(work), out / "logs" / f"{path.stem}.diffdraft.log", args.file_timeout)
@@ -943,7 +965,14 @@ def main() -> None:
         type=lambda s: s.split(","),
         default=None,
         help=f"diffdraft methods for SmolLM2 files (default {','.join(SMOLLM2_METHODS)}); "
-        "other files keep ar/pld of them, gemma ar only",
+        "other files keep ar/pld of them",
+    )
+    parser.add_argument(
+        "--deer-layers",
+        type=int,
+        default=0,
+        help=f"on files without a shipped drafter, also run {', '.join(DEER_METHODS)} with a DEER drafter "
+        "cut from the file's first N layers (diffdraft deer init; untrained: checks losslessness)",
     )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--ctx", type=int, default=2048, help="llama-completion -c")
@@ -990,7 +1019,7 @@ def main() -> None:
         target = out / "files" / f"{path.stem}.json"
         if target.is_file() and not args.force:
             old = json.loads(target.read_text())
-            facts_methods = methods_for(gguf_facts(path), path, args.methods)[0]
+            facts_methods = methods_for(gguf_facts(path), path, args.methods, args.deer_layers)[0]
             if args.quick:
                 facts_methods = [m for m in facts_methods if not m.endswith(":auto")]
             if old.get("settings") == settings_of(args, tasks, facts_methods):

@@ -89,7 +89,7 @@ class LeanForward:
         windowed = self.windows.window is not None
         fusable = not windowed or all(type(layer).__name__ in FUSED_WINDOWED for layer in self.layers)
         self.fused = FusedDecoderLayers.build(model, self.layers, self.stacked_qkv) if fusable else None
-        """The layers as fused CPU ops, for Llama and Qwen2 targets on Q4_1 blocks; None otherwise."""
+        """The layers as fused CPU ops, for Llama, Qwen2 and Gemma 3 targets on blocks; None otherwise."""
 
     @staticmethod
     def supports(model: PreTrainedModel) -> bool:
