@@ -88,14 +88,14 @@ def tiny_target(
     return model.to(dtype).eval()
 
 
-WINDOWED_FAMILIES = ("gemma2", "gemma3", "mistral", "phi3", "qwen2")
+WINDOWED_FAMILIES = ("gemma2", "gemma3", "mistral", "phi3", "qwen2", "qwen3")
 """Families :func:`windowed_target` builds with sliding-window layers."""
 
 
 def windowed_target(family: str, window: int, seed: int = 0, **overrides) -> torch.nn.Module:
     """:func:`tiny_target` of ``family`` with windows of ``window`` keys: Gemma 2 alternating windowed
-    and full layers, Gemma 3 one full layer in four (the third), windowed Qwen2 its last two layers,
-    Mistral and Phi-3 every layer."""
+    and full layers, Gemma 3 one full layer in four (the third), windowed Qwen2 and Qwen3 their last
+    two layers, Mistral and Phi-3 every layer."""
     layers = overrides.pop("layers", 4)
     hybrid = {
         "gemma2": dict(layer_types=["sliding_attention", "full_attention"] * (layers // 2)),
@@ -103,6 +103,7 @@ def windowed_target(family: str, window: int, seed: int = 0, **overrides) -> tor
             layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
         ),
         "qwen2": dict(use_sliding_window=True, max_window_layers=layers - 2),
+        "qwen3": dict(use_sliding_window=True, max_window_layers=layers - 2),
     }
     config = {**hybrid.get(family, {}), "sliding_window": window, **overrides}
     return tiny_target(family, seed=seed, layers=layers, **config)

@@ -177,3 +177,21 @@ def test_batch_sizes_refuse_methods_without_a_batch_mode(setup, tmp_path):
         bench([*common(setup, tmp_path / "x"), "--methods", "ar,hf", "--batch-sizes", "1,2"])
     with pytest.raises(InvalidRequestError, match="at least 1"):
         bench([*common(setup, tmp_path / "x"), "--batch-sizes", "0"])
+
+
+def test_a_sliding_window_target_is_benched_losslessly(setup, tmp_path):
+    """Gemma 3 with windows of 3 keys: shorter than every prompt plus its generation."""
+    *_, prompts = setup
+    target = make_checkpoint(tmp_path / "gemma3", "gemma3")
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, "sliding_window": 3}))
+    model = load_target(target).model
+    assert model.config.sliding_window == 3
+    save_draft_model(tiny_drafter(model, block_size=4).float(), tmp_path / "drafter")
+    argv = ["--target", str(target), "--datasets", str(prompts), "--max-new-tokens", "10", "--repeats", "1"]
+    argv += ["--warmup-tokens", "2", "--out", str(tmp_path / "out"), "--no-progress"]
+    argv += ["--drafter", str(tmp_path / "drafter"), "--methods", "pld,chain,ddtree:4,ddtree+pld:8"]
+    assert bench(argv) == 0
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert results["methods"] == ["ar", "pld", "chain", "ddtree:4", "ddtree+pld:8"]
+    assert all(r["divergence"] is None for r in results["records"])

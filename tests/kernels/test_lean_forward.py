@@ -16,7 +16,7 @@ from diffdraft.kernels.packed_linear import pack_linear_layers
 from diffdraft.target.model import TargetModel, VerifyInput
 from diffdraft.trees import DraftTree
 
-from conftest import needs_packing, tiny_target
+from conftest import WINDOWED_FAMILIES, needs_packing, tiny_target, windowed_target
 from decoding.test_engine import make_method, run_engine
 
 PROMPT = [3, 9, 4, 1, 7, 7, 2, 5, 8]
@@ -94,16 +94,6 @@ def test_a_prefill_without_a_mask_is_refused():
 
 
 S, F = SLIDING, "full_attention"
-WINDOWED = {
-    # windows of 4 or 5 keys: the prompt alone (9 tokens) is longer, and so is every tree's reach
-    "gemma3": {"sliding_window": 4, "layer_types": [S, S, F, S]},
-    "gemma2": {"sliding_window": 4, "layer_types": [S, F, S, F]},
-    "mistral": {"sliding_window": 5},
-    "phi3": {"sliding_window": 5},
-    "qwen2": {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 2},
-    "qwen3": {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1},
-}
-"""A tiny windowed config per family the lean forward runs with sliding-window layers."""
 
 
 def _visible(mask, windows, past: int):
@@ -175,10 +165,10 @@ def _assert_windowed_same_as_hugging_face(model, layer_ids: list[int]) -> None:
     )
 
 
-@pytest.mark.parametrize("family", sorted(WINDOWED))
+@pytest.mark.parametrize("family", WINDOWED_FAMILIES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_windowed_families_equal_hugging_face_over_its_sliding_cache(family, dtype):
-    model = tiny_target(family, seed=3, dtype=dtype, **WINDOWED[family])
+    model = windowed_target(family, 4, seed=3, dtype=dtype)
     _assert_windowed_same_as_hugging_face(model, layer_ids=[0, 2, 3])
     _assert_windowed_same_as_hugging_face(model, layer_ids=[])
 
@@ -186,7 +176,7 @@ def test_windowed_families_equal_hugging_face_over_its_sliding_cache(family, dty
 def test_gemma3_layers_rotate_with_their_own_types_base():
     """Gemma 3's local and global layers rotate with different bases: the lean forward keeps a table
     for each, and hands both to the fused layers' seam."""
-    target = TargetModel(tiny_target("gemma3", **WINDOWED["gemma3"]))
+    target = TargetModel(windowed_target("gemma3", 4))
     rotaries = target.lean.rotaries
     assert set(rotaries) == {S, F} and rotaries[S] is not rotaries[F]
     like, positions = torch.zeros(1, 1, 32, dtype=torch.float64), torch.arange(3, 9)[None]
@@ -196,7 +186,7 @@ def test_gemma3_layers_rotate_with_their_own_types_base():
 
 
 def test_gemma2_caps_its_logits_and_attention_scores():
-    model = tiny_target("gemma2", **WINDOWED["gemma2"])
+    model = windowed_target("gemma2", 4)
     assert model.config.final_logit_softcapping and model.config.attn_logit_softcapping
     assert model.config.query_pre_attn_scalar != model.config.head_dim  # the scaling is not 1/sqrt(d)
     target = TargetModel(model)
@@ -207,9 +197,9 @@ def test_gemma2_caps_its_logits_and_attention_scores():
     assert logits.abs().max() <= model.config.final_logit_softcapping
 
 
-@pytest.mark.parametrize("family", sorted(WINDOWED))
+@pytest.mark.parametrize("family", WINDOWED_FAMILIES)
 def test_every_method_through_the_lean_forward_matches_plain_decoding(family):
-    target = tiny_target(family, seed=5, dtype=torch.float32, **WINDOWED[family])
+    target = windowed_target(family, 4, seed=5, dtype=torch.float32)
     assert TargetModel(target).lean is not None
     prompt = [3, 9, 4, 1, 7, 7, 2, 5, 8, 3, 9, 4]
     eos = 10_000  # none: every run goes the full length, past the window many times over
@@ -225,7 +215,7 @@ def test_packed_sequences_of_a_hybrid_target_each_take_their_own_masks():
     """Server batching: sequences of different lengths packed into one forward, each under its own
     dict mask (and its own window start), give what each gives alone (up to the rounding of matmuls
     over more rows)."""
-    target = TargetModel(tiny_target("gemma3", seed=2, **WINDOWED["gemma3"]))
+    target = TargetModel(windowed_target("gemma3", 4, seed=2))
     prompts = [PROMPT, PROMPT[:3], [*PROMPT, 4, 4, 1]]
     caches = [target.new_cache() for _ in prompts]
     alone = [target.new_cache() for _ in prompts]
