@@ -8,6 +8,8 @@ import torch
 from diffdraft.cli import main
 from diffdraft.drafters.checkpoint import save_draft_model
 from diffdraft.drafters.dflash_model import DFLARE
+from diffdraft.export import cli as export_cli
+from diffdraft.export.cli import launch_target
 
 from conftest import tiny_drafter, tiny_target
 
@@ -31,6 +33,13 @@ def test_export_writes_the_directory_and_prints_the_launch_command(
     printed = capsys.readouterr().out
     assert f"wrote {out}" in printed and "block size 8" in printed
     assert launcher in printed and "TARGET" in printed and str(out.resolve()) in printed
+    assert "TARGET: the target's Hugging Face directory or hub id" in printed
+
+
+def test_the_launch_command_serves_a_path_the_engine_can_open(monkeypatch, tmp_path):
+    monkeypatch.setattr(export_cli, "default_model_dir", lambda: tmp_path / "converted")
+    assert launch_target("default")[0] == str(tmp_path / "converted")  # not diffdraft's name 'default'
+    assert launch_target(str(tmp_path / "a" / ".." / "model"))[0] == str(tmp_path / "model")
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])

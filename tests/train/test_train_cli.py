@@ -262,6 +262,22 @@ def test_fit_then_eval_write_a_drafter_curves_and_an_evaluation(responses, tmp_p
     assert "eval needs between 1 and the 10 samples" in capsys.readouterr().err
 
 
+def test_fit_stopped_by_its_time_limit_names_the_checkpoint_not_a_final_drafter(responses, tmp_path, capsys):
+    from diffdraft.cli import main
+
+    target_dir, data = responses
+    out = tmp_path / "run"
+    fit = ["train", "fit", "--data", str(data), "--target", str(target_dir), "--held-out", "2"]
+    fit += ["--output-dir", str(out)]
+    fit += ["--num-layers", "1", "--block-size", "4", "--batch-size", "2", "--epochs", "2"]
+    fit += ["--mask-token-id", "5", "--target-layer-ids", "0", "1", "--max-minutes", "1e-9"]
+    assert main(fit) == 0
+    printed = capsys.readouterr().out
+    assert not (out / "final").exists() and (out / "checkpoint-1").is_dir()
+    assert "drafter written" not in printed
+    assert f"no final drafter yet: step 1 of 8 is in {out / 'checkpoint-1'}; run the same command" in printed
+
+
 def test_fit_and_eval_a_dart_drafter(responses, tmp_path, capsys):
     from diffdraft.cli import main
     from diffdraft.drafters.checkpoint import load_draft_model

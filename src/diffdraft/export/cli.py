@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from diffdraft.export.exporter import ENGINES, export_drafter
+from diffdraft.target.loading import default_model_dir
 
 TARGET_PLACEHOLDER = "TARGET"
 """Stands for the target's path in the printed launch command when --target is not given."""
@@ -39,5 +40,22 @@ def run_export(args: argparse.Namespace) -> int:
         f"{config['block_size']}, target layers {config['dflash_config']['target_layer_ids']}",
         flush=True,
     )
-    print(f"launch: {engine.launch(out.resolve(), config['block_size'], args.target or TARGET_PLACEHOLDER)}")
+    served, note = launch_target(args.target)
+    print(f"launch: {engine.launch(out.resolve(), config['block_size'], served)}")
+    print(f"  ({note})")
     return 0
+
+
+def launch_target(target: str | None) -> tuple[str, str]:
+    """The model path the launch command serves, and a line saying what it is: engines open a
+    directory or hub id, not diffdraft's name 'default' (its Hugging Face conversion is a directory)."""
+    if target is None:
+        return TARGET_PLACEHOLDER, (
+            f"{TARGET_PLACEHOLDER}: the target's Hugging Face directory or hub id, the model the drafter "
+            "was trained on; pass --target to have it filled in"
+        )
+    if target == "default":
+        return str(
+            default_model_dir()
+        ), "the default target, as the Hugging Face directory diffdraft converted"
+    return str(Path(target).expanduser().resolve()), "the target given with --target"

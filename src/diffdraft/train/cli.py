@@ -647,7 +647,14 @@ def _run_fit(args: argparse.Namespace) -> None:
         trainer.train()
         if trainer.rank == 0:
             plot_training_curves(trainer.metrics_file, trainer.output_dir / "curves.png")
-            print(f"drafter written to {trainer.output_dir / 'final'}")
+            if trainer.state.step == trainer.total_steps:
+                print(f"drafter written to {trainer.output_dir / 'final'}")
+            else:  # stopped by --max-minutes: only the checkpoint exists
+                print(
+                    f"no final drafter yet: step {trainer.state.step} of {trainer.total_steps} is in "
+                    f"{trainer.output_dir / f'checkpoint-{trainer.state.step}'}; run the same command "
+                    "again to finish"
+                )
     finally:
         if distributed:
             dist.destroy_process_group()
