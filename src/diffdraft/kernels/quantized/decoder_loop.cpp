@@ -131,6 +131,38 @@ void copy_tap(const Tensor& tapped, int64_t index, const Tensor& hidden) {
   }
 }
 
+// The outputs of the layers a loop taps (ascending indices), each copied out as the loop passes it, so
+// every layer's rows can reuse the freed (cache-warm) memory of the layer before, as without taps (figures:
+// benchmarks/README.md, 'Measurements behind the code').
+struct Taps {
+  at::IntArrayRef layers;
+  Tensor tapped;
+  size_t next = 0;
+
+  Taps(at::IntArrayRef taps, const Tensor& hidden) : layers(taps) {
+    if (!taps.empty()) {
+      tapped = at::empty({hidden.size(0), static_cast<int64_t>(taps.size()), hidden.size(1)}, hidden.options());
+    }
+  }
+
+  void pass(int64_t layer, const Tensor& hidden) {
+    if (next < layers.size() && layers[next] == layer) {
+      copy_tap(tapped, static_cast<int64_t>(next), hidden);
+      ++next;
+    }
+  }
+
+  // The loop's outputs: the final norm's rows, then the taps stacked [n, taps, H] when there are any.
+  std::vector<Tensor> outputs(const Tensor& normed, int64_t layer_count) const {
+    TORCH_CHECK(next == layers.size(), "taps must be ascending layer indices below ", layer_count);
+    std::vector<Tensor> out{normed};
+    if (!layers.empty()) {
+      out.push_back(tapped);
+    }
+    return out;
+  }
+};
+
 // The forward's rows [n, H] (the embeddings) through every layer: returns the final norm's output and, when
 // `taps` (ascending layer indices) is not empty, those layers' outputs stacked [n, taps, H], as
 // FusedDecoderLayers.__call__ does with its cache writes (one tensor back, not one per tap).
@@ -154,28 +186,16 @@ std::vector<Tensor> decode_layers(const Tensor& hidden_in, const Tensor& cos, co
 
   Tensor hidden = hidden_in;
   Tensor normed = ops.rms_norm.call(hidden, norms[0], epsilons[0]);
-  // each tap is copied out as it passes, so every layer's rows can reuse the freed (cache-warm) memory of
-  // the layer before, as without taps (figures: benchmarks/README.md, 'Measurements behind the code')
-  const int64_t tap_count = static_cast<int64_t>(taps.size());
-  Tensor tapped = tap_count ? at::empty({hidden.size(0), tap_count, hidden.size(1)}, hidden.options()) : Tensor();
-  size_t next_tap = 0;
+  Taps tapped(taps, hidden);
   for (int64_t layer = 0; layer < layers; ++layer) {
     auto [query, key, value] = ops.rotary_split.call(stack.linear(normed, kLinears * layer), cos, sin, heads, kv_heads,
                                                      no_norm, no_norm, 0.0);
     const Tensor attended =
         attend_cached.call(query, key, value, buffers, cache_layers[layer], starts, counts, masks, scalings[layer], 0);
     stack.finish(layer, attended, hidden, normed);
-    if (next_tap < taps.size() && taps[next_tap] == layer) {
-      copy_tap(tapped, static_cast<int64_t>(next_tap), hidden);
-      ++next_tap;
-    }
+    tapped.pass(layer, hidden);
   }
-  TORCH_CHECK(next_tap == taps.size(), "taps must be ascending layer indices below ", layers);
-  std::vector<Tensor> outputs{normed};
-  if (tap_count) {
-    outputs.push_back(tapped);
-  }
-  return outputs;
+  return tapped.outputs(normed, layers);
 }
 
 // decode_layers for Gemma 3 (FusedDecoderLayers.__call__'s Gemma loop): every norm Gemma's (float32 1 + weight
@@ -217,9 +237,7 @@ std::vector<Tensor> decode_gemma_layers(const Tensor& hidden_in, at::TensorList 
 
   Tensor hidden = hidden_in;
   Tensor normed = ops.rms_norm.call(hidden, norms[0], epsilons[0]);
-  const int64_t tap_count = static_cast<int64_t>(taps.size());
-  Tensor tapped = tap_count ? at::empty({hidden.size(0), tap_count, hidden.size(1)}, hidden.options()) : Tensor();
-  size_t next_tap = 0;
+  Taps tapped(taps, hidden);
   for (int64_t layer = 0; layer < layers; ++layer) {
     const int64_t kind = kinds[layer], first = kLinears * layer, norm = 1 + 4 * layer;
     TORCH_CHECK(kind >= 0 && kind < static_cast<int64_t>(cos.size()), "layer ", layer, "'s kind ", kind,
@@ -235,17 +253,9 @@ std::vector<Tensor> decode_gemma_layers(const Tensor& hidden_in, at::TensorList 
     std::tie(hidden, normed) = ops.normed_residual_rms_norm.call(hidden, stack.linear(gated, first + 3),
                                                                  norms[norm + 2], epsilons[norm + 2], norms[norm + 3],
                                                                  epsilons[norm + 3]);
-    if (next_tap < taps.size() && taps[next_tap] == layer) {
-      copy_tap(tapped, static_cast<int64_t>(next_tap), hidden);
-      ++next_tap;
-    }
+    tapped.pass(layer, hidden);
   }
-  TORCH_CHECK(next_tap == taps.size(), "taps must be ascending layer indices below ", layers);
-  std::vector<Tensor> outputs{normed};
-  if (tap_count) {
-    outputs.push_back(tapped);
-  }
-  return outputs;
+  return tapped.outputs(normed, layers);
 }
 
 // One draft block's rows [n, H] (its embeddings) through the drafter's layers, over one sequence's context:
