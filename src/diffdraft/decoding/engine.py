@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from diffdraft.decoding.fit_check import FitCheck
 from diffdraft.decoding.sequence_spec import SequenceSpec
 from diffdraft.decoding.verify import accept
 from diffdraft.drafters.base import (
@@ -63,6 +64,8 @@ class SpeculativeEngine:
         """Whether settled plain shared rounds skip the drafter's taps (:meth:`round_layer_ids`)."""
         self.loading_thread = LoadingThread(target.device)
         """Where the engine was built: every sequence starts with a check that it runs there."""
+        self.fit = FitCheck(drafter)
+        """Says once when the drafter's drafts are almost never accepted (:mod:`.fit_check`)."""
 
     def start(self, spec: SequenceSpec, drafter: Drafter | None = None) -> SequenceRun:
         """A new sequence; ``drafter``: its own (a fork of the engine's) when several run at once."""
@@ -356,6 +359,8 @@ class SequenceRun:
         stats.draft_depths.append(proposal.depth)
         if copied:
             stats.copy_rounds.append(len(stats.tree_sizes))
+        elif proposal.depth:
+            self.engine.fit.record(len(new) - 1)
         stats.tree_sizes.append(tree.num_nodes)
         stats.verify_contexts.append(start)
         return self._extend(new, out.logits[path] if self.logprobs is not None else None)
