@@ -7,15 +7,20 @@ ddtree+pld:auto over the better of `ar` and it by the median passes: issue 32's 
 
 ``python summary.py [FOLDER] [--plot PNG]``: ``--plot`` also draws the medians against the client
 count, and ddtree+pld:auto's ratio to `ar` pass by pass (median and range, the table's column) and
-to the better of `ar` and the fixed budget beside the 0.97 bar."""
+to the better of `ar` and the fixed budget beside the 0.97 bar. ``--pack`` then moves run.sh's
+files into one ``runs.tar.gz`` (what a committed folder keeps: one file, not hundreds), which later
+summaries read in their place."""
 
 from __future__ import annotations
 
 import argparse
+import gzip
+import io
 import json
 import random
 import re
 import statistics
+import tarfile
 from collections import defaultdict
 from pathlib import Path
 
@@ -26,12 +31,14 @@ BAR = 0.97
 """Issue 32's bar: ddtree+pld:auto over the better of `ar` and the fixed budget."""
 Speeds = dict[tuple[str, int], dict[int, float]]
 """Output tokens/s by (method, clients), then by pass."""
+PACKED = "runs.tar.gz"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folder", nargs="?", type=Path, default=Path(__file__).parent)
     parser.add_argument("--plot", type=Path, help="also draw the medians and ratios to this PNG")
+    parser.add_argument("--pack", action="store_true", help=f"then move run.sh's files into {PACKED}")
     args = parser.parse_args()
     speed, tau, failed = _read(args.folder)
     counts = sorted({clients for _, clients in speed})
@@ -64,6 +71,33 @@ def main() -> None:
     if args.plot is not None:
         _plot(speed, median, methods, fixed, counts, args.plot)
         print(f"wrote {args.plot}")
+    if args.pack:
+        _pack(args.folder)
+        print(f"packed {runs} runs into {args.folder / PACKED}")
+
+
+def _runs(folder: Path) -> dict[str, bytes]:
+    """run.sh's files by name: from ``runs.tar.gz`` where the folder was packed, else the files."""
+    packed = folder / PACKED
+    if packed.is_file():
+        with tarfile.open(packed) as archive:
+            return {m.name: archive.extractfile(m).read() for m in archive.getmembers() if m.isfile()}
+    return {file.name: file.read_bytes() for file in folder.glob("*-c*-p*.json")}
+
+
+def _pack(folder: Path) -> None:
+    """Move run.sh's files into ``runs.tar.gz`` (sorted, no timestamps: the same runs pack the same)."""
+    files = sorted(folder.glob("*-c*-p*.json"))
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as archive:
+        for file in files:
+            data = file.read_bytes()
+            member = tarfile.TarInfo(file.name)
+            member.size = len(data)
+            archive.addfile(member, io.BytesIO(data))
+    (folder / PACKED).write_bytes(gzip.compress(buffer.getvalue(), mtime=0))
+    for file in files:
+        file.unlink()
 
 
 def _read(folder: Path) -> tuple[Speeds, dict[tuple[str, int], list[float]], int]:
@@ -72,9 +106,9 @@ def _read(folder: Path) -> tuple[Speeds, dict[tuple[str, int], list[float]], int
     speed: Speeds = defaultdict(dict)
     tau: dict[tuple[str, int], list[float]] = defaultdict(list)
     failed = 0
-    for file in sorted(folder.glob("*-c*-p*.json")):
-        method, clients, run = re.fullmatch(r"(.+)-c(\d+)-p(\d+)\.json", file.name).groups()
-        summary = json.loads(file.read_text())["summary"]
+    for name, data in sorted(_runs(folder).items()):
+        method, clients, run = re.fullmatch(r"(.+)-c(\d+)-p(\d+)\.json", name).groups()
+        summary = json.loads(data)["summary"]
         speed[method, int(clients)][int(run)] = summary["output_tokens_per_second"]
         tau[method, int(clients)].append(summary["mean_tau"])
         failed += summary["failed"]
