@@ -89,7 +89,8 @@ def _run_generate(args: argparse.Namespace) -> None:
         )
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """Every command's parser (also what the README's commands are checked against)."""
     parser = argparse.ArgumentParser(prog="diffdraft", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
@@ -100,7 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     add_export_parser(sub)
     add_serve_parser(sub)
     add_serve_load_parser(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         if args.command == "bench":
             return run_bench(args)
