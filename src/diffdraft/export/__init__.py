@@ -1,7 +1,9 @@
-"""Export DFlash drafters for serving engines with DFlash speculative decoding: vLLM and SGLang.
+"""Export DFlash drafters for serving engines with DFlash speculative decoding: vLLM, SGLang and
+llama.cpp.
 
-Both load the official DFlash checkpoint layout (:mod:`diffdraft.export.layout`); each engine module
-(:mod:`diffdraft.export.vllm`, :mod:`diffdraft.export.sglang`) says what that engine reads, cites the
+vLLM and SGLang load the official DFlash checkpoint layout (:mod:`diffdraft.export.layout`); llama.cpp
+loads one GGUF file (:mod:`diffdraft.export.llamacpp`). Each engine module (also
+:mod:`diffdraft.export.vllm`, :mod:`diffdraft.export.sglang`) says what that engine reads, cites the
 source files the facts come from, and refuses what the engine cannot run.
 """
 

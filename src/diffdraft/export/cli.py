@@ -1,4 +1,5 @@
-"""``diffdraft export DRAFTER --format vllm|sglang --out DIR``: a drafter as vLLM or SGLang loads it."""
+"""``diffdraft export DRAFTER --format vllm|sglang|llama.cpp --out PATH``: a drafter as vLLM or SGLang
+(a directory) or llama.cpp (one GGUF file, ``--target TARGET.gguf`` required) loads it."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import argparse
 from pathlib import Path
 
 from diffdraft.export.exporter import ENGINES, export_drafter
+from diffdraft.export.llamacpp import FORMAT as LLAMACPP
+from diffdraft.export.llamacpp import target_file
 from diffdraft.target.loading import default_model_dir
 
 TARGET_PLACEHOLDER = "TARGET"
@@ -14,18 +17,26 @@ TARGET_PLACEHOLDER = "TARGET"
 
 def add_export_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
-        "export", help="write a DFlash drafter as vLLM or SGLang loads it (their DFlash speculative decoding)"
+        "export",
+        help="write a DFlash drafter as vLLM, SGLang (a directory) or llama.cpp (one GGUF file) loads it "
+        "for their DFlash speculative decoding",
     )
     parser.add_argument("drafter", help="DFlash checkpoint directory, or a shipped drafter name")
     parser.add_argument("--format", required=True, choices=sorted(ENGINES), help="the serving engine")
-    parser.add_argument("--out", required=True, metavar="DIR", help="directory to write")
+    parser.add_argument(
+        "--out",
+        required=True,
+        metavar="PATH",
+        help="directory to write (vllm, sglang), or the .gguf file to write (llama.cpp, e.g. drafter.gguf)",
+    )
     parser.add_argument("--force", action="store_true", help="replace whatever --out holds")
     parser.add_argument(
         "--target",
         default=None,
         metavar="MODEL",
         help="the target the drafter serves (directory, .gguf or 'default'): checks the drafter fits it; "
-        "needed for vLLM when the drafter has a draft vocabulary (its LM head rows are exported)",
+        "needed for vLLM when the drafter has a draft vocabulary (its LM head rows are exported); "
+        "llama.cpp needs it always, as the .gguf it serves (the draft GGUF takes its tokenizer)",
     )
     return parser
 
@@ -40,7 +51,7 @@ def run_export(args: argparse.Namespace) -> int:
         f"{config['block_size']}, target layers {config['dflash_config']['target_layer_ids']}",
         flush=True,
     )
-    served, note = launch_target(args.target)
+    served, note = gguf_launch_target(args.target) if args.format == LLAMACPP else launch_target(args.target)
     print(f"launch: {engine.launch(out.resolve(), config['block_size'], served)}")
     print(f"  ({note})")
     return 0
@@ -59,3 +70,11 @@ def launch_target(target: str | None) -> tuple[str, str]:
             default_model_dir()
         ), "the default target, as the Hugging Face directory diffdraft converted"
     return str(Path(target).expanduser().resolve()), "the target given with --target"
+
+
+def gguf_launch_target(target: str) -> tuple[str, str]:
+    """llama.cpp serves the target's GGUF: the file given with --target ('default': diffdraft's)."""
+    path = str(target_file(target).resolve())
+    if target == "default":
+        return path, "the default target's GGUF file"
+    return path, "the target GGUF given with --target"

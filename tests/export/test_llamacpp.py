@@ -1,0 +1,246 @@
+"""llama.cpp export: one GGUF file of architecture ``dflash`` holding every key and tensor llama.cpp's
+loader reads (src/models/dflash.cpp), the target's tokenizer, the refusals, the CLI."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+
+from diffdraft.cli import main
+from diffdraft.drafters.checkpoint import load_draft_model, save_draft_model
+from diffdraft.drafters.dflash_model import DFLARE
+from diffdraft.errors import ExportError, InvalidRequestError
+from diffdraft.export import export_drafter
+from diffdraft.export.llamacpp import LAYER_NAMES, build, launch, read_target
+
+from conftest import tiny_drafter, tiny_target
+
+VOCAB = 64
+
+
+def write_target_gguf(path: Path, target: torch.nn.Module, arch: str = "llama") -> Path:
+    """The metadata this export reads from a target GGUF: architecture, depth, width, a BPE tokenizer
+    of the target's vocabulary, and its LM head."""
+    config = target.config
+    writer = GGUFWriter(str(path), arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(config.vocab_size)])
+    writer.add_token_types([1] * config.vocab_size)
+    writer.add_token_merges(["t 1"])
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(config.vocab_size - 1)
+    writer.add_tensor("output.weight", target.lm_head.weight.detach().float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target("llama", layers=4, vocab=VOCAB, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def files(target, tmp_path_factory):
+    """Saved drafters by name, and target GGUFs: ``target.gguf`` (llama) and ``gemma3.gguf``."""
+    root = tmp_path_factory.mktemp("llamacpp")
+    made = {
+        "dflash": tiny_drafter(target, layers=2, block_size=8, target_layer_ids=[0, 2]),
+        "dflare": tiny_drafter(target, variant=DFLARE, target_layer_ids=[0, 2]),
+        "last-layer": tiny_drafter(target, target_layer_ids=[1, 3]),
+        "draft-vocab": tiny_drafter(target, target_layer_ids=[0, 1], draft_vocab=[3, 7, 8, 30]),
+        "bf16": tiny_drafter(target, target_layer_ids=[0, 2]).to(torch.bfloat16),
+    }
+    for name, model in made.items():
+        save_draft_model(model, root / name)
+    write_target_gguf(root / "target.gguf", target)
+    write_target_gguf(root / "gemma3.gguf", target, arch="gemma3")
+    return root
+
+
+def read(path: Path) -> tuple[dict, dict]:
+    reader = GGUFReader(path)
+    fields = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+    return fields, {t.name: t for t in reader.tensors}
+
+
+def test_the_gguf_holds_every_key_and_tensor_llama_cpp_reads(files, tmp_path):
+    """Keys: src/llama-model.cpp load_hparams and src/models/dflash.cpp load_arch_hparams (the sizes,
+    dflash.block_size, dflash.target_layers = DFlash id + 1 as conversion/qwen.py writes them), the
+    mask id from the draft's vocabulary (common/speculative.cpp). Tensors: load_arch_tensors's names;
+    a GGUF shape lists ggml's ne, the reverse of torch's."""
+    out = tmp_path / "drafter.gguf"
+    export = export_drafter(files / "dflash", "llama.cpp", out, target=files / "target.gguf")
+    model = load_draft_model(files / "dflash")
+    config = model.config
+    fields, tensors = read(out)
+    expected = {
+        "general.architecture": "dflash",
+        "general.name": "diffdraft DFlash drafter",
+        "dflash.context_length": config.max_position_embeddings,
+        "dflash.embedding_length": 32,
+        "dflash.block_count": 2,
+        "dflash.feed_forward_length": 64,
+        "dflash.attention.head_count": 4,
+        "dflash.attention.head_count_kv": 2,
+        "dflash.attention.key_length": 8,
+        "dflash.attention.value_length": 8,
+        "dflash.attention.causal": False,
+        "dflash.hidden_activation": "silu",
+        "dflash.block_size": 8,
+        "dflash.target_layers": [1, 3],
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.tokens": [f"t{i}" for i in range(VOCAB)],
+        "tokenizer.ggml.token_type": [1] * VOCAB,
+        "tokenizer.ggml.merges": ["t 1"],
+        "tokenizer.ggml.bos_token_id": 0,
+        "tokenizer.ggml.eos_token_id": VOCAB - 1,
+        "tokenizer.ggml.mask_token_id": VOCAB - 2,
+    }
+    floats = {
+        "dflash.attention.layer_norm_rms_epsilon": config.rms_norm_eps,
+        "dflash.rope.freq_base": config.rope_parameters["rope_theta"],
+    }
+    assert set(fields) == set(expected) | set(floats)
+    for key, value in expected.items():
+        assert fields[key] == value, key
+    for key, value in floats.items():
+        assert fields[key] == pytest.approx(value, rel=1e-6), key
+    assert export.metadata["dflash.target_layers"] == [1, 3]
+
+    names = {"fc.weight": "fc.weight", "hidden_norm.weight": "enc.output_norm.weight"}
+    names["norm.weight"] = "output_norm.weight"
+    for i in range(2):
+        names |= {f"layers.{i}.{ours}": f"blk.{i}.{theirs}" for ours, theirs in LAYER_NAMES.items()}
+    ours = model.state_dict()
+    assert set(tensors) == set(names.values())  # no token_embd / output: the target's are shared
+    for name, gguf_name in names.items():
+        tensor = tensors[gguf_name]
+        assert tensor.tensor_type == GGMLQuantizationType.F32, gguf_name
+        assert list(tensor.shape) == list(reversed(ours[name].shape)), gguf_name
+        written = torch.from_numpy(np.array(tensor.data)).reshape(ours[name].shape)
+        torch.testing.assert_close(written, ours[name], rtol=0, atol=0)
+    assert list(tensors["fc.weight"].shape) == [64, 32]  # {n_embd_inp = 2 taps * 32, n_embd}
+    assert [p.name for p in tmp_path.iterdir()] == ["drafter.gguf"], "no temporary file is left"
+
+
+def test_a_bfloat16_drafter_keeps_its_matrices_bfloat16_and_norms_float32(files, tmp_path):
+    out = tmp_path / "drafter.gguf"
+    export_drafter(files / "bf16", "llama.cpp", out, target=files / "target.gguf")
+    ours = load_draft_model(files / "bf16").state_dict()
+    _, tensors = read(out)
+    fc = tensors["fc.weight"]
+    assert fc.tensor_type == GGMLQuantizationType.BF16
+    bits = torch.from_numpy(np.array(fc.data).view(np.int16).copy()).reshape(ours["fc.weight"].shape)
+    torch.testing.assert_close(bits.view(torch.bfloat16), ours["fc.weight"], rtol=0, atol=0)
+    norm = tensors["output_norm.weight"]
+    assert norm.tensor_type == GGMLQuantizationType.F32
+    torch.testing.assert_close(torch.from_numpy(np.array(norm.data)), ours["norm.weight"].float())
+
+
+def test_a_draft_vocabulary_is_d2t_absolute_ids_and_the_targets_head_rows(files, target, tmp_path):
+    """src/models/dflash.cpp: d2t is I64 of draft-vocabulary length, ggml_set_rows puts draft row i at
+    target id d2t[i]; output is {n_embd, n_vocab_draft}."""
+    out = tmp_path / "drafter.gguf"
+    export_drafter(files / "draft-vocab", "llama.cpp", out, target=files / "target.gguf")
+    _, tensors = read(out)
+    d2t = tensors["d2t"]
+    assert d2t.tensor_type == GGMLQuantizationType.I64
+    assert np.array(d2t.data).tolist() == [3, 7, 8, 30]
+    head = tensors["output.weight"]
+    assert list(head.shape) == [32, 4]
+    rows = torch.from_numpy(np.array(head.data)).reshape(4, 32)
+    torch.testing.assert_close(rows, target.lm_head.weight.detach()[[3, 7, 8, 30]], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("drafter", "gguf", "error", "message"),
+    [
+        ("dflare", "target.gguf", ExportError, "this is a DFlare drafter"),
+        ("last-layer", "target.gguf", ExportError, r"target_layer_ids \[3\] cannot be served"),
+        ("dflash", "gemma3.gguf", ExportError, r"no layer inputs for a 'gemma3' target"),
+        ("dflash", None, ExportError, r"pass --target TARGET\.gguf"),
+        ("dflash", "dflash", ExportError, r"is not a \.gguf file"),
+    ],
+)
+def test_what_llama_cpp_cannot_run_is_refused_writing_nothing(files, tmp_path, drafter, gguf, error, message):
+    with pytest.raises(error, match=message):
+        export_drafter(files / drafter, "llama.cpp", tmp_path / "d.gguf", target=gguf and files / gguf)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_mask_id_outside_the_vocabulary_is_refused(files, target, tmp_path):
+    model = tiny_drafter(target, target_layer_ids=[0, 2])
+    model.mask_token_id = VOCAB + 5
+    with pytest.raises(ExportError, match=r"mask_token_id 69 lies outside the target's vocabulary of 64"):
+        build(model, read_target(files / "target.gguf", need_head=False))
+
+
+@pytest.mark.parametrize(
+    ("out", "message"),
+    [("dir", "is a directory"), ("drafter.bin", r"does not end in \.gguf"), ("old.gguf", r"exists.*--force")],
+)
+def test_a_wrong_out_is_refused(files, tmp_path, out, message):
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "old.gguf").write_text("mine")
+    with pytest.raises(InvalidRequestError, match=message):
+        export_drafter(files / "dflash", "llama.cpp", tmp_path / out, target=files / "target.gguf")
+    assert (tmp_path / "old.gguf").read_text() == "mine"
+    export_drafter(files / "dflash", "llama.cpp", tmp_path / "old.gguf", True, files / "target.gguf")
+    assert read(tmp_path / "old.gguf")[0]["general.architecture"] == "dflash"
+
+
+def test_the_launch_line_serves_the_target_gguf_with_the_draft(tmp_path):
+    """docs/speculative.md's DFlash example; common/speculative.cpp clamps n-max to block_size - 1."""
+    command = shlex.split(launch(tmp_path / "my drafter.gguf", 16, "/models/target.gguf"))
+    assert command[:5] == [
+        "llama-server",
+        "-m",
+        "/models/target.gguf",
+        "-md",
+        str(tmp_path / "my drafter.gguf"),
+    ]
+    assert command[command.index("--spec-type") + 1] == "draft-dflash"
+    assert command[command.index("--spec-draft-n-max") + 1] == "15"
+
+
+def test_the_cli_exits_0_with_the_launch_line(files, tmp_path, capsys):
+    out = tmp_path / "drafter.gguf"
+    target = files / "target.gguf"
+    argv = [
+        "export",
+        str(files / "dflash"),
+        "--format",
+        "llama.cpp",
+        "--out",
+        str(out),
+        "--target",
+        str(target),
+    ]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert f"wrote {out}" in printed and "block size 8" in printed
+    assert f"llama-server -m {target.resolve()} -md {out.resolve()} --spec-type draft-dflash" in printed
+    assert "--spec-draft-n-max 7" in printed and "the target GGUF given with --target" in printed
+
+
+@pytest.mark.parametrize("argv", [["--target", "gemma3.gguf"], []])
+def test_the_cli_exits_2_with_one_line_and_writes_nothing(files, tmp_path, capsys, argv):
+    argv = [files / a if a.endswith(".gguf") else a for a in argv]
+    out = tmp_path / "drafter.gguf"
+    assert (
+        main(["export", str(files / "dflash"), "--format", "llama.cpp", "--out", str(out), *map(str, argv)])
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert err.startswith("diffdraft: error: ") and err.count("\n") == 1
+    assert list(tmp_path.iterdir()) == []
