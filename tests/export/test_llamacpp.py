@@ -3,7 +3,9 @@ loader reads (src/models/dflash.cpp), the target's tokenizer, the refusals, the 
 
 from __future__ import annotations
 
+import os
 import shlex
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -244,3 +246,38 @@ def test_the_cli_exits_2_with_one_line_and_writes_nothing(files, tmp_path, capsy
     err = capsys.readouterr().err
     assert err.startswith("diffdraft: error: ") and err.count("\n") == 1
     assert list(tmp_path.iterdir()) == []
+
+
+LLAMA_CPP_BIN = Path(
+    os.environ.get(
+        "DIFFDRAFT_LLAMA_CPP_BIN",
+        "/work/bench/sdist/llama_cpp_python-0.3.36/vendor/llama.cpp/build-noamx/bin",
+    )
+)
+"""Where llama.cpp's binaries are (built from the llama-cpp-python sdist's vendored source)."""
+
+
+@pytest.mark.real_model
+def test_llama_cpp_runs_the_exported_drafter_beside_the_default_target(tmp_path):
+    speculative = LLAMA_CPP_BIN / "llama-speculative-simple"
+    if not speculative.is_file():
+        pytest.skip(
+            f"no {speculative}: build llama.cpp's llama-speculative-simple (or set DIFFDRAFT_LLAMA_CPP_BIN)"
+        )
+    from diffdraft.target.default_model import default_gguf_path
+    from diffdraft.target.loading import load_target
+
+    target = load_target("default", dtype="float32").model
+    save_draft_model(tiny_drafter(target, block_size=8, target_layer_ids=[1, 14, 27]).float(), tmp_path / "d")
+    assert main(["export", str(tmp_path / "d"), "--format", "llama.cpp", "--out", str(tmp_path / "d.gguf"),
+                 "--target", "default"]) == 0  # fmt: skip
+    run = subprocess.run(
+        [str(speculative), "-m", str(default_gguf_path()), "-md", str(tmp_path / "d.gguf"),
+         "--spec-type", "draft-dflash", "--spec-draft-n-max", "7", "-p", "def f(n):", "-n", "8", "-t", "2",
+         "--temp", "0"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    mask = target.config.vocab_size - 2  # what tiny_drafter gives this vocabulary
+    assert f"block_size=8, mask_token_id={mask}, n_extract=3" in run.stdout + run.stderr
+    assert "n_drafted =" in run.stdout + run.stderr  # it drafted with the file
