@@ -19,7 +19,7 @@ from diffdraft.target.loading import load_target
 from conftest import make_checkpoint, tiny_dart, tiny_drafter, tiny_target
 
 DIRECTORY_ENGINES = sorted(set(ENGINES) - {"llama.cpp"})
-"""The engines that load a directory (llama.cpp's one GGUF file is tested in test_llamacpp.py)."""
+"""The engines that load a directory (llama.cpp's one GGUF file is tested in test_llamacpp_export.py)."""
 
 
 @pytest.fixture(scope="module")
