@@ -379,8 +379,8 @@ def load(
     On CPU the target runs diffdraft's inference kernels (same outputs, faster), so the loaded
     models are for inference only. ``cuda_graphs=True`` (a CUDA target of a family the lean forward
     runs, without sliding windows) replays each verification forward from a CUDA graph instead of
-    launching its kernels one by one, which makes a GPU round several times faster (figures:
-    benchmarks/README.md, 'Measurements behind the code').
+    launching its kernels one by one, which makes a GPU round several times faster
+    (docs/decisions.md, "GPU verification replayed from CUDA graphs").
     """
     method_named(method)  # before the (slow) model load
     loaded = load_target(target, dtype=dtype, device=device, optimize=True)

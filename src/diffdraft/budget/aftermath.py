@@ -2,11 +2,10 @@
 
 On a CPU whose last-level cache holds most of the target's weights (a 260 MB L3 holds SmolLM2-135M's
 134 MB of int8 blocks), a drafting round's drafter forward and wider verification push some of them
-out, and the plain forwards after it run slower until they are back: on a 2-core Xeon the seven
-plain rounds after a drafted one took ~1 ms more in all at batch 1 and ~2.2 ms at batch 2, against
-one-token forwards of 3.0 and 3.6 ms; the prompt's prefill slows the next seven alike. Timed right
-after drafting, a plain round reads dearer than plain decoding's rounds run, and a plan that read so
-kept drafting where it lost (figures: benchmarks/README.md, 'Measurements behind the code'). Where
+out, and the plain forwards after it run slower until they are back, by a good share of a plain
+round over the next several; the prompt's prefill slows the next rounds alike. Timed right after
+drafting, a plain round reads dearer than plain decoding's rounds run, and a plan that read so kept
+drafting where it lost (docs/decisions.md, "plain rounds timed where they run steady"). Where
 the weights stream from memory every forward anyway, the slowdown measures as nothing.
 """
 

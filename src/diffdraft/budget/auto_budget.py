@@ -101,10 +101,10 @@ class AutoBudgetBuilder:
         """(this tree's budget: the plan's, else the sequence's last, else the initial one; the
         bigger tree a refresh round builds first, None on other rounds). A sequence's first tree
         looks ahead from the initial budget only while no finished sequence taught the planner: after
-        that, from the plan's budget (the 128-node first tree of the default initial budget took 0.50
-        ms of every lone request against 0.18, and gave the sequence a surrogate several times as long
-        as its later ones to sum at every estimate; figures: benchmarks/README.md, 'Measurements
-        behind the code')."""
+        that, from the plan's budget (the 128-node first tree of the default initial budget cost every
+        lone request several times as much, and gave the sequence a surrogate several times as long
+        as its later ones to sum at every estimate; docs/decisions.md, "a first tree looks ahead from
+        the plan's budget")."""
         if stats.budgets:
             previous = stats.budgets[-1]
         else:

@@ -31,9 +31,9 @@ BATCHES = (2, 4, 8)
 """Sequences per forward; one alone is the single-sequence curve's."""
 SIZES = (1, 2, 4, 8, 16)
 """Tokens per sequence: batched rounds pay for small trees only (larger totals extrapolate). Size 2
-is measured because the first tokens a round adds cost the most: at batch 6 one more token took
-1.0-1.3 ms where a line from size 1 to 4 promised 0.7, and free copies taken on that promise lost
-(figures: benchmarks/README.md, 'Measurements behind the code')."""
+is measured because the first tokens a round adds cost the most: a line from size 1 to 4 promised
+the next token well under what it took, and free copies taken on that promise lost
+(docs/decisions.md, "the batch cost curve measures size 2")."""
 CONTEXTS = (128, 512)
 MEASURED = "plain-in-a-run"
 """How the cached curves were measured: a change names new files, so no curve measured the old way
@@ -63,8 +63,8 @@ class BatchCostCurve:
         cached tokens each (their mean when they differ), linear between measured points and past
         the largest; sequences share the tokens evenly. Any of them may be an array (they broadcast:
         one forward each), so a finished sequence's forwards are looked up together: one at a time,
-        the lookups were most of what learning from it cost (figures: benchmarks/README.md,
-        'Measurements behind the code')."""
+        the lookups were most of what learning from it cost (docs/decisions.md, "plans bounded and
+        stood under load")."""
         tokens, batch, context = np.broadcast_arrays(
             np.asarray(tokens, dtype=float), np.asarray(batch, dtype=float), np.asarray(context, dtype=float)
         )
@@ -119,10 +119,10 @@ def measure_batch_cost(
 ) -> BatchCostCurve:
     """Median time of a batched verification stage per point, fitted nondecreasing in every axis
     (see :func:`diffdraft.budget.measure_verify_cost`: same passes, same fit, one token a sequence
-    timed in a run of such rounds). Timed between other sizes, one token a sequence took 6.1 ms at
-    batch 2 on a 2-core Xeon against 3.7 in plain decoding's rounds, and a plan that read it so
-    before it had timed plain rounds of its own drafted where plain decoding was faster (figures:
-    benchmarks/README.md, 'Measurements behind the code')."""
+    timed in a run of such rounds). Timed between other sizes, one token a sequence took far longer
+    than in plain decoding's rounds, and a plan that read it so before it had timed plain rounds of
+    its own drafted where plain decoding was faster (docs/decisions.md, "plain rounds timed where they
+    run steady")."""
     sizes = sorted({q for q in sizes if q <= target.max_context // 2})
     contexts = sorted({min(n, target.max_context - sizes[-1]) for n in contexts})
     generator = torch.Generator().manual_seed(0)

@@ -1,13 +1,11 @@
 """What the rounds a plan chose to draft accepted, against what it expected of them.
 
 A plan drafts in the rounds whose estimated acceptance is highest, and an estimate that is high partly
-by noise realizes less (the winner's curse). At batch 1 on a 2-core Xeon the rounds the plan chose to
-draft accepted 1.96-2.02 tokens where it expected 2.04-2.09 (ddtree:auto) and 2.10-2.12 where it
-expected 2.30-2.39 (ddtree+pld:auto), while its explorations, drafted whatever the estimate said,
-accepted as much or more than expected (2.2-2.4 against 1.8-2.2), and the chosen rounds' tokens per
-second came out no better than plain decoding's (figures: benchmarks/README.md, 'Measurements behind
-the code'). So the gains the plan expects of drafting are scaled by the share of them the chosen rounds
-realized.
+by noise realizes less (the winner's curse). On a small CPU the rounds the plan chose to draft
+accepted less than it expected, while its explorations, drafted whatever the estimate said, accepted
+as much or more, and the chosen rounds' tokens per second came out no better than plain decoding's
+(docs/decisions.md, "drafting gains scaled by what chosen rounds realized"). So the gains the plan
+expects of drafting are scaled by the share of them the chosen rounds realized.
 """
 
 from __future__ import annotations

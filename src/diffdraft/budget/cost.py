@@ -104,14 +104,14 @@ def measure_verify_cost(
     Every pass visits every (context, size) point, so drift on a shared machine hits all alike.
     A one-token round is plain decoding, whose rounds follow one another with nothing in between,
     so t(1, n) is timed in a run of them (:data:`PLAIN_RUN`): on a CPU whose cache holds much of the
-    target's weights, a one-token forward right after a bigger one took 1.7x what it takes deep in a
+    target's weights, a one-token forward right after a bigger one took much longer than deep in a
     run (the first fifteen of a run came down step by step), a curve that said so made plain
-    decoding look dear, and the auto budget drafted at batch 1 where drafting lost 7% (figures:
-    benchmarks/README.md, 'Measurements behind the code').
+    decoding look dear, and the auto budget drafted at batch 1 where drafting lost
+    (docs/decisions.md, "plain rounds timed where they run steady").
     Verifying more tokens over the same cache, or the same tokens over a longer one, does not get
     cheaper, so the medians get a least-squares nondecreasing fit (pooling adjacent violators):
-    on a shared CPU single medians still wander (figures: benchmarks/README.md, 'Measurements behind
-    the code'), and a point measured low (t(4) below
+    on a shared CPU single medians still wander (docs/decisions.md, "cost medians fitted
+    nondecreasing, spot-checked twice"), and a point measured low (t(4) below
     t(2)) would pull the planner's choice towards it. Pooling averages neighbours instead of
     carrying one high point into every larger size, as a running maximum would.
     """
@@ -206,10 +206,9 @@ SPOT_CHECKS = 2
 
 def passes_a_spot_check(probe: Callable[[], bool]) -> bool:
     """Whether one of :data:`SPOT_CHECKS` runs of ``probe`` finds a cached curve still right. One
-    probe of plain decoding wanders: in eight fresh processes on a 2-core Xeon the first read
-    1.01-1.36x the curve measured that hour (two over the 25% tolerance), the later ones 0.98-1.35x,
-    and a curve thrown away on one probe was measured anew, for half a minute, at such starts
-    (figures: benchmarks/README.md, 'Measurements behind the code')."""
+    probe of plain decoding wanders, now and then past the tolerance, and a curve thrown away on one
+    probe was measured anew, for half a minute, at such starts (docs/decisions.md, "cost medians
+    fitted nondecreasing, spot-checked twice")."""
     return any(probe() for _ in range(SPOT_CHECKS))
 
 

@@ -60,8 +60,8 @@ def rounds_of(stats: GenerationStats) -> list[ObservedRound]:
     round (no tree) counts as timed only where it ran steady (:attr:`PlainForwards.steady`): the
     cost curve's one-token rounds are timed in a run, as plain decoding runs
     (:func:`~diffdraft.budget.cost.measure_verify_cost`), and those within a few rounds after
-    drafting, whose drafter pushed the target's weights out of a CPU's cache, took up to 1.4x as
-    long (figures: benchmarks/README.md, 'Measurements behind the code')."""
+    drafting, whose drafter pushed the target's weights out of a CPU's cache, took longer
+    (docs/decisions.md, "plain rounds timed where they run steady")."""
     copies = set(stats.copy_rounds)
     steady = plain_forwards(stats).steady
     return [
@@ -129,7 +129,7 @@ class BudgetPlanner:
 
     Cost: the cached curve was measured once, in isolation, and its shape can differ from what the
     same forwards cost inside a decoding loop (seen here on a CPU: a different cost per extra token;
-    figures: benchmarks/README.md, 'Measurements behind the code'). The
+    docs/decisions.md, "cost curve rescaled by the rounds' own times"). The
     recent rounds' verification times, divided by the curve's prediction for their size and
     context, give a scale per verified size; a line through those scales (weighted by rounds,
     constant outside the verified sizes) rescales the curve. The builder verifies smaller and
@@ -153,8 +153,8 @@ class BudgetPlanner:
         """Per round of :attr:`_rounds`, the gain per node rank its sequence's drafter promised, 0 past
         the ranks it verified: the growth calibration weighs what rounds realized against what was
         promised for those very rounds (against the recent proposals' mean, a window of other texts
-        than the rounds', it read a well-calibrated drafter as overconfident; figures:
-        benchmarks/README.md, 'Measurements behind the code')."""
+        than the rounds', it read a well-calibrated drafter as overconfident; docs/decisions.md,
+        "growth calibrated round by round")."""
         self._timed: deque[tuple[int, float]] = deque(maxlen=timed_rounds)  # (q, measured / curve)
         self._mean_gains: np.ndarray | None = None
         """The finished proposals' mean gain per node rank, until one more comes (every sequence that
@@ -229,10 +229,10 @@ class BudgetPlanner:
         function until a finished sequence adds rounds: a lone sequence asks for it every time its
         context grows by a planning step). Until steady plain rounds were timed (:func:`rounds_of`),
         a plain round (q = 1) costs the curve's own point, timed in a run as plain decoding runs: the
-        drafting rounds' scale, carried down to it, put a plain round 20% above what plain decoding
-        took (their drafter pushes the target's weights out of a CPU's cache), and a plan that read
-        it kept drafting, never timing a plain round that would have told it otherwise (figures:
-        benchmarks/README.md, 'Measurements behind the code')."""
+        drafting rounds' scale, carried down to it, put a plain round above what plain decoding took
+        (their drafter pushes the target's weights out of a CPU's cache), and a plan that read it
+        kept drafting, never timing a plain round that would have told it otherwise
+        (docs/decisions.md, "plain rounds timed where they run steady")."""
         if self._cost is None:
             sizes, scales, counts = self.cost_scales()
             if not sizes:

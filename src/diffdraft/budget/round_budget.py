@@ -2,8 +2,8 @@
 
 Sequences decoded together share one verification forward, whose time grows with the tokens of all
 their trees, and each sequence that drafts pays its drafter's work. A budget that pays for one
-sequence alone can lose to plain decoding at batch 8 (figures: benchmarks/README.md, 'Measurements
-behind the code'). So each round picks every sequence's node budget B_i, 0 included (no drafting:
+sequence alone can lose to plain decoding at batch 8 (docs/decisions.md, "every tree of a round
+sized together"). So each round picks every sequence's node budget B_i, 0 included (no drafting:
 the sequence verifies its pending token alone, as plain decoding does), to maximize the batch's
 expected committed tokens per second:
 
@@ -23,7 +23,7 @@ Under load most sequences end at B_i = 0: a drafter forward and its tree do not 
 once a CPU's forward cost grows with every verified token. A copy does not need the drafter:
 :func:`plan_copies` then lets a sequence at B_i = 0 verify the tokens of a free copy (prompt
 lookup's, for ``ddtree+pld``) that raise the same rate, each copied token counted at the
-probability the drafter expects it kept (figures: benchmarks/README.md, as above).
+probability the drafter expects it kept (docs/decisions.md, as above).
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ NO_DRAFT = [1.0]
 TREE_SCALE_FLOOR = 0.5
 """The least :meth:`RoundBudgetPlanner.tree_scale` reads, as a share of the plain forwards' scale:
 forwards whose trees add little (short copies) measure their extra under the noise of their plain
-part, and read as 0 the plan took trees for free (255-node trees for a whole batch, rounds of
-0.2-0.5 s instead of ~6 ms; figures: benchmarks/README.md, 'Measurements behind the code')."""
+part, and read as 0 the plan took trees for free (255-node trees for a whole batch, rounds many
+times a plain one's; docs/decisions.md, "trees' extra scaled apart from plain forwards")."""
 
 
 def plan_budgets(
@@ -76,7 +76,7 @@ def plan_budgets(
     comes at B = 1 and pays back over several nodes), until no move does. Both stop looking at
     bigger budgets once even the highest acceptance reachable could not pay for their forward: a
     sequence has hundreds of candidate budgets, and under load a plan that walked them all cost a
-    visible share of a round (figures: benchmarks/README.md, 'Measurements behind the code').
+    visible share of a round (docs/decisions.md, "plans bounded and stood under load").
     """
     cost = verify_seconds
     lowest = [1 if must and len(tau) > 1 else 0 for tau, must in zip(taus, explore, strict=True)]
@@ -238,8 +238,8 @@ class RoundBudgetPlanner:
     (copies come in runs), and a lone sequence is planned every round; neither changes the stands
     (under load copies are frequent, and clients that send requests of one length leave a sequence
     alone for a round every request: restarting at ``plain_rounds`` after either made a plan every
-    dozen rounds at 4 clients, each ~0.7 ms; figures: benchmarks/README.md, 'Measurements behind the
-    code').
+    dozen rounds at 4 clients, each a visible share of a round; docs/decisions.md, "plans bounded and
+    stood under load").
 
     A sequence left alone right after sharing rounds (the others ended) decodes that round plainly:
     under load a waiting request joins it within a round or two, and its first tree would pay for
@@ -287,7 +287,8 @@ class RoundBudgetPlanner:
         self._scales: dict[tuple[bool, int], float] = {}
         """:meth:`batch_scale` (False) and :meth:`tree_scale` (True) by sequences, until new forwards are
         kept: every cost curve a plan reads asks both, and each reads up to ``timed_rounds`` forwards
-        (under a profiler a cost curve made anew took 0.77 ms at batch 2, nearly all of it there)."""
+        (under a profiler a cost curve made anew spent nearly all its time there; docs/decisions.md,
+        "plans bounded and stood under load")."""
         self.context_step = context_step
         self.plain_rounds = plain_rounds
         self.plain_backoff = plain_backoff
@@ -302,8 +303,8 @@ class RoundBudgetPlanner:
         """Each round shape's costs (:meth:`round_costs`) since they were last refreshed: after each
         of the first ``cost_refresh`` finished sequences (costs start from nothing), then after every
         ``cost_refresh``-th. One sequence moves windows of many rounds little, and reading them anew
-        for every finished sequence cost a visible share of the plans under load (figures:
-        benchmarks/README.md, 'Measurements behind the code')."""
+        for every finished sequence cost a visible share of the plans under load (docs/decisions.md,
+        "plans bounded and stood under load")."""
         self.chosen = ChosenRounds()
         """How much of the gains it expected the rounds it chose to draft realized: scales every
         estimate (:meth:`expected_tau`)."""
@@ -413,8 +414,8 @@ class RoundBudgetPlanner:
         finished, 1 while too few plain ones did (the curve's plain points are timed in a run, as
         plain decoding runs). Not the trees' forwards: they run slower than the curve (their drafter
         pushes the target's weights out of a CPU's cache), and a plain round read at their scale
-        kept a plan drafting that never timed a plain one (figures: benchmarks/README.md,
-        'Measurements behind the code')."""
+        kept a plan drafting that never timed a plain one (docs/decisions.md, "plain rounds timed
+        where they run steady")."""
         return self._scale(False, sequences)
 
     def _batch_scale(self, sequences: int) -> float:
@@ -431,8 +432,8 @@ class RoundBudgetPlanner:
         least :data:`TREE_SCALE_FLOOR` of the plain scale.
         A machine's forward does not grow with the tokens as it did when the curve was measured:
         scaled as a whole to fit the plain forwards, which most are under load, the curve put a
-        tree's extra well under what it took, and the plan drafted where it did not pay (figures:
-        benchmarks/README.md, 'Measurements behind the code')."""
+        tree's extra well under what it took, and the plan drafted where it did not pay
+        (docs/decisions.md, "trees' extra scaled apart from plain forwards")."""
         return self._scale(True, sequences)
 
     def _scale(self, trees: bool, sequences: int) -> float:
@@ -621,8 +622,8 @@ class StageSeconds:
     """A stage's seconds per round of the latest ``window`` finished sequences, kept apart by whether
     they ran alone, and their medians. Not the mean: a few sequences that ran through a stall of the
     machine would move it for as long as they stay in the window (``window`` sequences: a minute of
-    lone requests), and a lone sequence that read drafting 4x dearer so drafted far less (tau 1.33
-    against 2.05; figures: benchmarks/README.md, 'Measurements behind the code'). Each median is
+    lone requests), and a lone sequence that read drafting dearer so drafted far less
+    (docs/decisions.md, "stage times by their median"). Each median is
     taken once per new entry, not each time a plan asks (every round that offers a copy)."""
 
     def __init__(self, window: int) -> None:

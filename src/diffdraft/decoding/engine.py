@@ -113,8 +113,8 @@ class SpeculativeEngine:
         """The target layers a round's forward taps for the drafter: none in a shared round of plain
         plans (no tree, no copy) once plain decoding settled in (:meth:`RoundPlanner.plain_settled`),
         where the drafter drafts across the gap. Under load most rounds are such, and a server that
-        tapped none of them served 3-4% more tokens a second at 6-8 clients (figures:
-        benchmarks/README.md, smollm2-135m-batching-zen5). A copy's round taps: the planner times
+        tapped none of them served more tokens a second under load (docs/decisions.md, "shared plain
+        rounds go untapped"). A copy's round taps: the planner times
         it with the trees' forwards, which tap, and untapped copies made trees look free."""
         if (
             self.untapped_plain

@@ -5,7 +5,7 @@ the MLP (gate, up). Every packed call pays oneDNN's fixed cost and streams a sma
 call over the siblings' stacked weights computes each output column with the same kernel and the
 same reduction over the input, so the columns are bit-identical to the separate calls (the tests
 check widths, row counts and model families). A layer's seven matmuls become four, which shortens a
-small model's CPU forward (figures: benchmarks/README.md, 'Measurements behind the code').
+small model's CPU forward (docs/decisions.md, "sibling projections as one matmul").
 
 The siblings stay in the model as :class:`ProjectionSlice` modules, so the model's own forward
 code runs unchanged: the first sibling to see an input runs the stacked matmul, the others read

@@ -2,7 +2,7 @@
 
 An eager forward of an 8B target launches thousands of kernels, and the host's launches, not the
 token count, set its time; the same forward replayed from a CUDA graph is several times faster
-(figures: benchmarks/README.md, 'Measurements behind the code'). A graph replays fixed addresses and
+(docs/decisions.md, "GPU verification replayed from CUDA graphs"). A graph replays fixed addresses and
 shapes, so the captured forward (:class:`LeanForward`'s, unchanged) differs from the eager one in
 two places only:
 

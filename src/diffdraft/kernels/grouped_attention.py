@@ -9,8 +9,8 @@ with bit-identical output, so on CPU diffdraft targets attend through this funct
 In bfloat16 / float16 it goes one step further: the query heads that share a K/V head become rows of
 one head (``[b, kv_heads, group * q, d]``), so the kernel packs each cached K/V head once instead of
 once per query head. PyTorch's CPU flash kernel spends most of a bfloat16 decode step packing, so
-rows make a one-token query much faster and larger trees somewhat faster (figures:
-benchmarks/README.md, 'Measurements behind the code'). The rows are the same dot products and
+rows make a one-token query much faster and larger trees somewhat faster (docs/decisions.md,
+"grouped-query attention as rows of one head"). The rows are the same dot products and
 softmax, but the kernel blocks them differently, so outputs can differ from stock transformers' by
 rounding (an ulp of the output at times). Float32 keeps the stock computation, bit for bit.
 """

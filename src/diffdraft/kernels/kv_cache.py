@@ -89,9 +89,9 @@ class SharedBuffer:
 
 class _LeadingRows:
     """A :class:`GrowableLayer`'s ``keys`` or ``values``: the first rows of its buffer, viewed when read,
-    so an append or a crop only counts rows (every layer's views made anew took a sequence's round about
-    0.2 ms on a 2-core CPU, twice a round: figures in benchmarks/README.md, 'Measurements behind the
-    code'). Before the layer has a buffer, what Hugging Face's code assigned (None, an empty tensor)."""
+    so an append or a crop only counts rows: every layer's views made anew, twice a round, were a
+    visible share of a sequence's round (docs/decisions.md, "cache views made when read"). Before the
+    layer has a buffer, what Hugging Face's code assigned (None, an empty tensor)."""
 
     def __init__(self, buffer: str) -> None:
         self.buffer = buffer

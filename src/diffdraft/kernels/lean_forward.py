@@ -2,7 +2,7 @@
 
 A Hugging Face forward wraps every layer and module call in hooks, keyword plumbing, output
 recorders and mask preparation. On a small target on a CPU that glue is a visible share of a
-verification forward (figures: benchmarks/README.md, 'Measurements behind the code'), and a
+verification forward (docs/decisions.md, "the verification forward as one plain loop"), and a
 speculative round is mostly that forward. For the families of :data:`SUPPORTED_LAYERS` (Llama,
 Qwen2, Qwen3, Mistral, Phi-3, Gemma 2, Gemma 3) this loop calls the model's own module forwards and
 attention function in Hugging Face's order, so the logits, taps and cache are bit-identical (the

@@ -3,7 +3,7 @@
 A stock ``nn.Linear`` in bfloat16 on CPU hands oneDNN a plain row-major weight on every call, and
 oneDNN reorders it into its blocked layout each time. For a small model decoding one token at a
 time that reorder is most of the matmul, so reordering every weight once up front makes a decode
-step much faster (figures: benchmarks/README.md, 'Measurements behind the code'), with
+step much faster (docs/decisions.md, "weights packed once for oneDNN"), with
 bit-identical logits (the same oneDNN kernel runs on the same data; only the per-call reorder is
 gone).
 

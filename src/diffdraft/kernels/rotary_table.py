@@ -1,7 +1,7 @@
 """A rotary embedding's cos/sin looked up per position instead of computed every forward.
 
 Hugging Face's rotary module recomputes cos and sin for the forward's positions on every call, a
-dozen small ops (figures: benchmarks/README.md, 'Measurements behind the code'): once per target
+dozen small ops (docs/decisions.md, "rotary cos/sin from a table"): once per target
 forward and twice per drafting round.
 For the rope types whose frequencies never change each entry is one product of a position and a
 frequency, then cos / sin, scaling and rounding, all elementwise, so rows computed once for a range of

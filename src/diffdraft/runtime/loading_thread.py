@@ -3,8 +3,8 @@
 PyTorch's CPU kernels run on GNU OpenMP, which keeps a pool of threads for every thread that ran a
 parallel kernel. Once the pools' threads outnumber the cores, they sleep between kernels instead of
 spinning, and each of a decoding round's hundreds of kernels waits for them to wake: on a 2-core CPU
-a thread started after the load decoded 2.8x slower than the loading thread (figures:
-benchmarks/README.md, 'Measurements behind the code', ``scheduler.py``). Nothing inside the
+a thread started after the load decoded far slower than the loading thread (docs/decisions.md,
+"generate in the loading thread"). Nothing inside the
 library can undo another thread's pool, so the user is told once, with the fix.
 """
 

@@ -127,8 +127,8 @@ def run_serve(args: argparse.Namespace) -> int:
         generator = load_generator(args)
         scheduler = Scheduler(generator, args.max_batch_size, args.max_queue)
         # what is loaded now lives as long as the server: out of the collector's full passes, each of
-        # which walked all of it and stalled every request in flight (figures: benchmarks/README.md,
-        # 'Measurements behind the code')
+        # which walked all of it and stalled every request in flight (docs/decisions.md, "frozen
+        # garbage after the server's load")
         gc.freeze()
         name = served_model_name(args)
         server = uvicorn.Server(

@@ -2,7 +2,8 @@
 
 Loading a GGUF through transformers dequantizes every tensor into a dense model, on every load, and
 putting its linear layers back on their blocks lays every tensor out for the int8 kernel again: for a
-file of a billion parameters, minutes on a small CPU (figures: benchmarks/README.md, 'gguf-formats').
+file of a billion parameters, minutes on a small CPU (docs/decisions.md, "a GGUF target's layout
+cached once").
 The first load of a file on block kernels saves what those steps made that the file cannot give
 cheaply: the config, generation config and tokenizer, every tensor that stays dense (embeddings,
 norms, biases, buffers) and the kernel's tiles. A later load builds the model on the meta device,

@@ -163,8 +163,8 @@ def fastest_dtype(device: str | torch.device) -> str:
 def gguf_dtype(device: str | torch.device) -> str:
     """The dtype a GGUF target loads in by default: bfloat16 where the device computes it natively or
     where this CPU runs diffdraft's block kernels, which keep the file's quantized blocks and take
-    bfloat16 inputs (on an AVX2 CPU without native bfloat16 they decoded 5x as fast as dense float32;
-    figures: benchmarks/README.md, 'Measurements behind the code'), else float32."""
+    bfloat16 inputs (on an AVX2 CPU without native bfloat16 they decoded far faster than dense float32:
+    docs/decisions.md, "AVX-512 kernels emulated on AVX2"), else float32."""
     device = torch.device(device)
     return "bfloat16" if native_bfloat16(device) or (device.type == "cpu" and cpu_supported()) else "float32"
 
@@ -202,8 +202,8 @@ def _load(spec: str | os.PathLike, dtype: str, device: str | torch.device | None
 def default_model_dir() -> Path:
     """The default target as a Hugging Face directory, converting its GGUF on first use.
 
-    Dequantizing the GGUF is slow on every load, while a safetensors directory loads at once (figures:
-    benchmarks/README.md, 'Measurements behind the code'), so the GGUF is converted once into the
+    Dequantizing the GGUF is slow on every load, while a safetensors directory loads at once
+    (docs/decisions.md, "a GGUF target's layout cached once"), so the GGUF is converted once into the
     user cache and later loads read the cache. The
     weights are kept in float32, which holds the dequantized values exactly, so the cache computes the
     same logits as the GGUF.

@@ -117,8 +117,8 @@ class TargetModel:
 
         A target on fused block ops (:attr:`LeanForward.fused`) prefills through those ops,
         :data:`PREFILL_CHUNK` tokens a forward under a causal mask, so each prompt token gets what its
-        own decode step would (and sooner than Hugging Face's forward on the dense copy: figures in
-        benchmarks/README.md, 'Measurements behind the code'); others run Hugging Face's forward."""
+        own decode step would (and sooner than Hugging Face's forward on the dense copy:
+        docs/decisions.md, "prefill through the fused layers"); others run Hugging Face's forward."""
         if token_ids.shape[0] == 0:
             raise InvalidRequestError("a prefill needs at least one prompt token; got an empty prompt")
         positions = torch.arange(token_ids.shape[0], device=self.device)

@@ -3,8 +3,8 @@
 // Compiled for AVX-512 (with BF16 and VNNI), this is <immintrin.h> and a few helpers. Compiled for AVX2
 // (most CPUs without AVX-512: Zen 1-3, Intel client cores), each 512-bit register becomes two 256-bit
 // halves in a struct and each intrinsic a function with the instruction's own result, so the kernels'
-// sources stay one. Without it an AVX2 machine took dense weights, a third of the emulated kernels'
-// speed or less (benchmarks/README.md, 'Measurements behind the code'). Results equal the
+// sources stay one. Without it an AVX2 machine took dense weights, far slower than the emulated kernels
+// (docs/decisions.md, "AVX-512 kernels emulated on AVX2"). Results equal the
 // instructions' but for denormal inputs to the bfloat16 ones (the hardware reads them as zero) and
 // for _mm512_scalef_ps outside the exponents [-252, 254]. The sources name a few operations that are
 // no single intrinsic: as_bf16_pairs (a cast) and VPDPBUSD over narrower bytes (nibble_* chains and

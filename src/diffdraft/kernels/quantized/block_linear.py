@@ -27,8 +27,8 @@ copy made on the first such call, on oneDNN's blocked GEMM where it packs bfloat
 bandwidth: decoding never reads it). Those rows round differently from the kernel's. Decoding,
 verification and the fused layers' chunked prefill run inside :func:`kernel_rows_only`, so a batch of
 trees over 128 tokens still computes each token as its sequence's own decode step would; through the
-fused layers that prefill is also 1.4-2.2x as fast as Hugging Face's forward on the dense copy
-(figures: benchmarks/README.md, 'Measurements behind the code').
+fused layers that prefill is also faster than Hugging Face's forward on the dense copy
+(docs/decisions.md, "prefill through the fused layers").
 """
 
 from __future__ import annotations
@@ -322,8 +322,8 @@ def q4_1_linear(linear: torch.nn.Module) -> torch.nn.Module:
     LM head cut to a draft vocabulary), and its inputs come in whole blocks; else itself. For a drafter beside
     an int8 block target: its proposals only steer what the target verifies, so rounding its weights
     costs no losslessness, and a drafting round streams 5 bits a weight: on Q8_0's 8.5 the default
-    drafter's rounds took a fifth longer for proposals barely better, a loss at small budgets (figures:
-    benchmarks/README.md, 'Measurements behind the code')."""
+    drafter's rounds took longer for proposals barely better, a loss at small budgets (docs/decisions.md,
+    "a drafter beside a GGUF target drafts on Q4_1")."""
     if isinstance(linear, BlockQuantizedLinear):
         dense = linear.blocks.dequantize() if linear.blocks.format != FORMAT else None
     elif type(linear) is torch.nn.Linear and linear.weight.dtype == torch.bfloat16:

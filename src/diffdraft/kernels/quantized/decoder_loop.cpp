@@ -6,10 +6,10 @@
 // head: DFlashDrafter.propose).
 // Each step is the same op the Python loop calls (decoder_ops.cpp, int8_matmul.cpp), in the same order,
 // on the same tensors, so every output is bit for bit the Python loop's. What it saves is the loop
-// itself: nine op calls a layer from Python (dispatch, argument boxing, module lookups) cost a one-token
-// forward of SmolLM2-135M about a fifth of its time on a 2-core CPU, and a drafting round's two dozen
-// calls, each after the target's forward has left the caches cold, about a fifth of the round's drafting
-// (figures: benchmarks/README.md, 'Measurements behind the code').
+// itself: nine op calls a layer from Python (dispatch, argument boxing, module lookups) are a large share
+// of a small target's one-token forward on a CPU, and a drafting round's two dozen calls, each after the
+// target's forward has left the caches cold, a large share of the round's drafting (docs/decisions.md,
+// "the layer loop in one op").
 //
 // The ops are called through the dispatcher by name, as Python calls them, so each keeps its checks
 // and this file needs none of their code.
@@ -118,8 +118,8 @@ struct Layers {
 };
 
 // A layer's output rows [n, H] into column `index` of the taps [n, taps, H], row by row: a one-token forward
-// copied nine taps through a strided copy_ (a view and a dispatch each) in 30-50 us, 1-1.5% of its time on a
-// 2-core CPU, for a few kilobytes (figures: benchmarks/README.md, 'Measurements behind the code').
+// copied nine taps through a strided copy_ (a view and a dispatch each), a visible cost for a few
+// kilobytes (docs/decisions.md, "the layer loop in one op").
 void copy_tap(const Tensor& tapped, int64_t index, const Tensor& hidden) {
   const Tensor rows = hidden.contiguous();
   const int64_t count = rows.size(0), taps = tapped.size(1);
@@ -132,8 +132,8 @@ void copy_tap(const Tensor& tapped, int64_t index, const Tensor& hidden) {
 }
 
 // The outputs of the layers a loop taps (ascending indices), each copied out as the loop passes it, so
-// every layer's rows can reuse the freed (cache-warm) memory of the layer before, as without taps (figures:
-// benchmarks/README.md, 'Measurements behind the code').
+// every layer's rows can reuse the freed (cache-warm) memory of the layer before, as without taps
+// (docs/decisions.md, "the layer loop in one op").
 struct Taps {
   at::IntArrayRef layers;
   Tensor tapped;

@@ -452,8 +452,8 @@ class _CacheWrites:
     """Where a forward's layers write each segment's keys and values: every segment's shared cache
     buffer, room made for its tokens, so one ``attend_cached`` call a layer appends and attends for
     all segments. A cache ``update`` and an attention call per segment and layer (views, copies and a
-    parallel region each) had cost more than the attention's arithmetic at batch 8 (figures:
-    benchmarks/README.md, 'Measurements behind the code')."""
+    parallel region each) had cost more than the attention's arithmetic at batch 8 (docs/decisions.md,
+    "one cache-and-attention op a layer")."""
 
     buffers: list[SharedBuffer]
     tensors: list[torch.Tensor]

@@ -268,10 +268,9 @@ inline __m512i four_codes(const int8_t* codes) {
 }
 
 // A decoding forward streams every weight from memory once, in layout order, a few hundred KB a call:
-// the hardware prefetchers alone left the 1-row matmuls of SmolLM2's Q4_1 layers at ~14 GB/s on a Zen 3.
-// Asking for the bytes kPrefetchBytes ahead of each block took a forward's layer matmuls 6-11% faster at
-// 1-9 rows and the whole forward 4-6% (benchmarks/README.md, 'Measurements behind the code'); a
-// prefetch past a weight's end never faults.
+// the hardware prefetchers alone left the 1-row matmuls well below the memory's bandwidth. Asking for the
+// bytes kPrefetchBytes ahead of each block makes the layer matmuls and the whole forward faster
+// (docs/decisions.md, "prefetch ahead of each weight block"); a prefetch past a weight's end never faults.
 constexpr int64_t kPrefetchBytes = 2048;
 template <class F>
 inline void prefetch_ahead(const uint8_t* block) {
@@ -282,7 +281,7 @@ inline void prefetch_ahead(const uint8_t* block) {
 
 // kRows input rows from row0 against column tile t. One tile at a time, whatever the rows: taking two
 // or four tiles at once to hide the dot-product chains' latency for 1-4 rows made a whole decoding
-// forward of the default target 7-20% slower (benchmarks/README.md, 'Measurements behind the code').
+// forward slower (docs/decisions.md, "one column tile at a time").
 template <class F, int kRows>
 void tile_rows(const Job& job, int64_t row0, int64_t t) {
   const Activations& x = *job.x;

@@ -1,8 +1,8 @@
 // The index of each row's largest value, for float32 or bfloat16 rows on AVX-512: greedy decoding's
 // pick among the vocabulary's logits, for every node of a verified tree.
 //
-// torch's max over the last dimension reads about one element per nanosecond on a CPU, some 45 us
-// per 49k-token row: more than a tree's acceptance walk, and paid by every node. This reads whole
+// torch's max over the last dimension reads one element at a time: more than a tree's acceptance walk,
+// and paid by every node (docs/decisions.md, "greedy picks on the row-argmax kernel"). This reads whole
 // registers and gives the same index: the first among equal maxima (-0 and +0 equal), and the first
 // NaN where a row holds one (torch's max propagates NaN).
 

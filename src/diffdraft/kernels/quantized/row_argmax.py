@@ -1,9 +1,9 @@
 """Greedy decoding's pick on the CPU kernel (``row_argmax.cpp``): the same index as
-:func:`~diffdraft.runtime.sampling.greedy_tokens`, five to eight times sooner.
+:func:`~diffdraft.runtime.sampling.greedy_tokens`, several times sooner.
 
-Every verified tree node needs its row's argmax over the vocabulary; torch's reduction takes some
-45 us per row of SmolLM2's 49k logits on a 2-core CPU, a few percent of a round for a tree of a
-dozen nodes (figures: benchmarks/README.md, 'Measurements behind the code').
+Every verified tree node needs its row's argmax over the vocabulary; torch's reduction reads a row
+one element at a time, a visible share of a round for a tree of a dozen nodes (docs/decisions.md,
+"greedy picks on the row-argmax kernel").
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 // candidates, the likeliest tokens of every drafted position.
 //
 // torch's topk works through every element of a row one at a time, most of a DDTree round's tree
-// building on a CPU (figures: benchmarks/README.md). A row's k-th largest value so far is a threshold
+// building on a CPU (docs/decisions.md, "draft candidates on the row-top-k kernel"). A row's k-th largest value so far is a threshold
 // that almost every value stays below, so this compares whole registers against it and inserts only
 // the few values above it into a sorted list of k. Values come largest first, equal values in index
 // order (torch's order among ties is unspecified); NaN sorts above every number, as in torch.

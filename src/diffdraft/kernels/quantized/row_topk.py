@@ -2,7 +2,7 @@
 their indices, as ``torch.topk`` gives them, several times sooner.
 
 DDTree ranks the likeliest tokens of every drafted position each round, and on a CPU torch's topk
-was most of a round's tree building (figures: benchmarks/README.md, 'Measurements behind the code').
+was most of a round's tree building (docs/decisions.md, "draft candidates on the row-top-k kernel").
 """
 
 from __future__ import annotations
