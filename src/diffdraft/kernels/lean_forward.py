@@ -77,6 +77,8 @@ class LeanForward:
             self.rotaries = dict.fromkeys(kinds, self.rotary)
         """Per layer type, the table its layers rotate with (one table shared where the module has one)."""
         self.stacked_qkv = [_stacked_qkv(layer.self_attn) for layer in self.layers]
+        self.keywords = [_keywords(layer.self_attn) for layer in self.layers]
+        """Each layer's extra attention keywords, looked up once rather than in every forward."""
         self.gemma = type(self.layers[0]).__name__ in GEMMA_LAYERS
         attention_module = sys.modules[type(self.layers[0].self_attn).__module__]
         self.eager = getattr(attention_module, "eager_attention_forward", eager_attention_forward)
@@ -205,8 +207,8 @@ class LeanForward:
         wanted, taps = set(tapped), []
         windowed = self.windows.window is not None  # (a graphed forward's cache has no length)
         pasts = [segment.cache.get_seq_length() if windowed else 0 for segment in segments]
-        layers = zip(self.layers, self.stacked_qkv, self.windows.types, strict=True)
-        for index, (layer, stacked, kind) in enumerate(layers):
+        layers = zip(self.layers, self.stacked_qkv, self.keywords, self.windows.types, strict=True)
+        for index, (layer, stacked, keywords, kind) in enumerate(layers):
             window = self.windows.window if kind != FULL else None
             views = [
                 _Visible(segment, self._mask(segment.mask, kind, window, past), window_start(past, window))
@@ -215,7 +217,7 @@ class LeanForward:
             residual = hidden
             normed = layer.input_layernorm.forward(hidden)
             attended = _attention(
-                layer.self_attn, stacked, normed, rotary[kind], positions, views, rows, attend
+                layer.self_attn, stacked, normed, rotary[kind], positions, views, rows, attend, keywords
             )
             if self.gemma:
                 attended = layer.post_attention_layernorm.forward(attended)
@@ -307,8 +309,10 @@ def _attention(
     views: list[_Visible],
     rows: list[slice],
     attend,
+    keywords: dict,
 ) -> torch.Tensor:
-    """``attention.forward`` of the supported families, minus its keyword plumbing, per segment."""
+    """``attention.forward`` of the supported families, minus its keyword plumbing, per segment;
+    ``keywords``: the layer's :func:`_keywords`."""
     shape = (*hidden.shape[:-1], -1, attention.head_dim)
     if hasattr(attention, "qkv_proj"):  # Phi-3: one projection, split by columns; rope on a part
         qkv = attention.qkv_proj.forward(hidden)
@@ -340,7 +344,6 @@ def _attention(
             query, key = attention.q_norm.forward(query), attention.k_norm.forward(key)
         value = attention.v_proj.forward(hidden).view(shape).transpose(1, 2)
         query, key = apply_rotary_pos_emb(query, key, *rotary)
-    extra = _keywords(attention)
     outputs = []
     for view, part in zip(views, rows, strict=True):
         keys, values = view.cache.update(key[:, :, part], value[:, :, part], attention.layer_idx)
@@ -355,7 +358,7 @@ def _attention(
             dropout=0.0,
             scaling=attention.scaling,
             position_ids=positions[:, part],
-            **extra,
+            **keywords,
         )
         outputs.append(out)
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
