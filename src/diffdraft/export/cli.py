@@ -66,9 +66,8 @@ def launch_target(target: str | None) -> tuple[str, str]:
             "was trained on; pass --target to have it filled in"
         )
     if target == "default":
-        return str(
-            default_model_dir()
-        ), "the default target, as the Hugging Face directory diffdraft converted"
+        converted = default_model_dir()
+        return str(converted), "the default target, as the Hugging Face directory diffdraft converted"
     return str(Path(target).expanduser().resolve()), "the target given with --target"
 
 
