@@ -278,6 +278,54 @@ def test_fit_stopped_by_its_time_limit_names_the_checkpoint_not_a_final_drafter(
     assert f"no final drafter yet: step 1 of 8 is in {out / 'checkpoint-1'}; run the same command" in printed
 
 
+def test_fit_seeds_a_dflash_from_a_dflare_only_when_asked(responses, tmp_path, capsys):
+    from diffdraft.cli import main
+
+    target_dir, data = responses
+    fit = ["train", "fit", "--data", str(data), "--target", str(target_dir), "--held-out", "2"]
+    fit += ["--batch-size", "2", "--epochs", "1"]
+    dflare = tmp_path / "dflare"
+    new = ["--num-layers", "1", "--block-size", "4", "--mask-token-id", "5", "--target-layer-ids", "0", "1"]
+    assert main([*fit, "--output-dir", str(dflare), "--variant", "dflare", *new]) == 0
+    assert main([*fit, "--output-dir", str(tmp_path / "tuned"), "--init-drafter", str(dflare / "final")]) == 0
+    assert load_draft_model(tmp_path / "tuned" / "final").variant == "dflare"  # its own variant by default
+    seeded = tmp_path / "seeded"
+    assert (
+        main(
+            [
+                *fit,
+                "--output-dir",
+                str(seeded),
+                "--variant",
+                "dflash",
+                "--init-drafter",
+                str(dflare / "final"),
+            ]
+        )
+        == 0
+    )
+    drafter = load_draft_model(seeded / "final")
+    assert drafter.variant == "dflash" and drafter.target_layer_ids == [0, 1] and drafter.mask_token_id == 5
+    capsys.readouterr()
+    assert (
+        main(
+            [
+                *fit,
+                "--output-dir",
+                str(tmp_path / "x"),
+                "--variant",
+                "dart",
+                "--init-drafter",
+                str(dflare / "final"),
+            ]
+        )
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert "is a dflare drafter and cannot start a dart one (only a DFlare can seed a DFlash)" in err
+    assert not (tmp_path / "x").exists()
+
+
 def test_fit_and_eval_a_dart_drafter(responses, tmp_path, capsys):
     from diffdraft.cli import main
     from diffdraft.drafters.checkpoint import load_draft_model

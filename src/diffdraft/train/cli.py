@@ -30,7 +30,8 @@ from diffdraft.data.prompts import (
 )
 from diffdraft.data.samples import sharegpt_held_out
 from diffdraft.drafters.checkpoint import load_draft_model
-from diffdraft.drafters.families import family_of, variants
+from diffdraft.drafters.dflash_model import DFLARE, DFLASH
+from diffdraft.drafters.families import DraftModel, family_of, variants
 from diffdraft.drafters.mask_token import pick_mask_token
 from diffdraft.errors import InvalidRequestError
 from diffdraft.ngram.shipped import load_ngram
@@ -38,6 +39,7 @@ from diffdraft.target.loading import default_device, end_token_ids, fastest_dtyp
 from diffdraft.target.model import TargetModel
 from diffdraft.train.config import COMPUTE_DTYPES, INIT_LAYERS, LABELS, TrainConfig
 from diffdraft.train.dataset import load_responses
+from diffdraft.train.dflash_seed import dflash_from_dflare
 from diffdraft.train.draft_vocab import coverage
 from diffdraft.train.evaluate import DartTrees, evaluate_drafter
 from diffdraft.train.features import capture_features
@@ -333,11 +335,12 @@ def _add_fit_parser(steps: argparse._SubParsersAction) -> None:
     fit.add_argument(
         "--variant",
         choices=variants(),
-        default=defaults.variant,
+        default=None,
         help="dflash / dflare: block-diffusion drafters; dart: DART's one-layer shifted-logits drafter "
         "(--draft-length masks, annealed KL); deer: DEER's standalone diffusion LM (--num-layers of the "
         "target's first layers unless --init-drafter, e.g. from `diffdraft deer init`; --stage 1|2); "
-        "default: %(default)s",
+        f"default: {defaults.variant}, or the --init-drafter's own; dflash with a DFlare --init-drafter "
+        "seeds a DFlash from it (one that llama.cpp, vLLM and SGLang run)",
     )
     fit.add_argument(
         "--target-layer-ids",
@@ -602,6 +605,25 @@ def _join_process_group(device: str | None) -> str | None:
     return device
 
 
+def _initial_drafter(args: argparse.Namespace) -> DraftModel | None:
+    """The ``--init-drafter`` to start from, seeded as DFlash when ``--variant dflash`` asks that of a
+    DFlare; fills in ``args.variant`` (the drafter's own when not given)."""
+    if not args.init_drafter:
+        args.variant = args.variant or DFLASH
+        return None
+    initial = load_draft_model(args.init_drafter)
+    own = getattr(initial, "variant", None) or family_of(initial).variants[0]
+    if args.variant in (None, own):
+        args.variant = own
+        return initial
+    if (own, args.variant) == (DFLARE, DFLASH):
+        return dflash_from_dflare(initial)
+    raise InvalidRequestError(
+        f"--init-drafter {args.init_drafter} is a {own} drafter and cannot start a {args.variant} one "
+        f"(only a DFlare can seed a DFlash); drop --variant to fine-tune it as {own}"
+    )
+
+
 def _run_fit(args: argparse.Namespace) -> None:
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed:
@@ -611,10 +633,10 @@ def _run_fit(args: argparse.Namespace) -> None:
         args.dtype, args.compute_dtype = args.dtype or fastest, args.compute_dtype or fastest
         loaded = load_target(args.target, dtype=args.dtype, device=args.device)
         train, _ = _split(args, loaded.tokenizer)
+        initial = _initial_drafter(args)
         fields = {f.name for f in dataclasses.fields(TrainConfig)}
         config = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
         config.tokenizer_fingerprint = tokenizer_fingerprint(loaded.tokenizer)
-        initial = load_draft_model(args.init_drafter) if args.init_drafter else None
         recipe = recipe_for_variant(config.variant) if initial is None else recipe_for(initial)
         check_tokenizer = None if initial is None else family_of(initial).check_tokenizer
         if check_tokenizer is not None:
