@@ -122,3 +122,24 @@ def test_a_draft_vocabulary_goes_to_vllm_with_the_target_and_is_refused_by_sglan
     assert (torch.arange(4) + written["d2t"]).tolist() == [4, 8, 15, 16]
     assert written["lm_head.weight"].shape == (4, 32)
     assert json.loads((tmp_path / "vllm" / "config.json").read_text())["draft_vocab_size"] == 4
+
+
+def test_full_vocabulary_drops_the_draft_vocabulary_keeping_what_its_rows_score(tmp_path):
+    from diffdraft.drafters.dflash_model import draft_head
+    from diffdraft.export.layout import without_draft_vocabulary
+
+    target_dir = make_checkpoint(tmp_path / "target")
+    lm_head = load_target(target_dir).model.get_output_embeddings()
+    model = tiny_drafter(load_target(target_dir).model, target_layer_ids=[0], draft_vocab=[4, 8, 15, 16])
+    whole = without_draft_vocabulary(model)
+    assert whole.draft_vocab is None and model.draft_vocab is not None  # the drafter itself is kept
+    hidden = torch.randn(3, 32)
+    restricted, full = draft_head(lm_head, model.draft_vocab)(hidden), draft_head(lm_head, None)(hidden)
+    torch.testing.assert_close(full[:, [4, 8, 15, 16]], restricted)
+    for name, tensor in whole.state_dict().items():
+        torch.testing.assert_close(tensor, model.state_dict()[name], rtol=0, atol=0)
+    save_draft_model(model, tmp_path / "drafter")
+    export_drafter(
+        tmp_path / "drafter", "sglang", tmp_path / "sglang", target=target_dir, full_vocabulary=True
+    )
+    assert load_draft_model(tmp_path / "sglang").draft_vocab is None

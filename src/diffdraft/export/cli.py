@@ -38,12 +38,18 @@ def add_export_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
         "needed for vLLM when the drafter has a draft vocabulary (its LM head rows are exported); "
         "llama.cpp needs it always, as the .gguf it serves (the draft GGUF takes its tokenizer)",
     )
+    parser.add_argument(
+        "--full-vocabulary",
+        action="store_true",
+        help="drop the drafter's draft vocabulary, so it drafts over the target's whole vocabulary "
+        "(SGLang cannot restrict it; acceptance can change: measure it with `diffdraft train eval`)",
+    )
     return parser
 
 
 def run_export(args: argparse.Namespace) -> int:
     out = Path(args.out).expanduser()
-    export = export_drafter(args.drafter, args.format, out, args.force, args.target)
+    export = export_drafter(args.drafter, args.format, out, args.force, args.target, args.full_vocabulary)
     engine = ENGINES[args.format]
     config = export.config
     print(

@@ -14,7 +14,7 @@ from diffdraft.drafters.checkpoint import load_draft_model
 from diffdraft.drafters.families import check_compatible
 from diffdraft.errors import IncompatibleDrafterError
 from diffdraft.export import llamacpp, sglang, vllm
-from diffdraft.export.layout import Engine, Export, check_family, check_taps
+from diffdraft.export.layout import Engine, Export, check_family, check_taps, without_draft_vocabulary
 from diffdraft.export.output import check_out_dir, write_export
 from diffdraft.target.loading import load_target
 from diffdraft.target.model import TargetModel
@@ -29,6 +29,7 @@ def export_drafter(
     out: str | os.PathLike,
     force: bool = False,
     target: str | os.PathLike | None = None,
+    full_vocabulary: bool = False,
 ) -> Export:
     """Export ``drafter`` (a checkpoint directory or a shipped name) for ``engine`` into ``out``.
 
@@ -36,15 +37,18 @@ def export_drafter(
     the drafter is checked against the target it will serve, and the parts of the export that come
     from the target are filled in (vLLM: the draft vocabulary's LM head rows; SGLang: the mask
     token's text). llama.cpp needs it, as a .gguf file: its draft GGUF carries the target's tokenizer.
-    For llama.cpp ``out`` names the .gguf file to write; otherwise a directory.
+    For llama.cpp ``out`` names the .gguf file to write; otherwise a directory. ``full_vocabulary``
+    drops a draft vocabulary (:func:`~diffdraft.export.layout.without_draft_vocabulary`).
     Raises ExportError (the engine cannot run the drafter) or InvalidRequestError (bad ``out``).
     """
     spec = ENGINES[engine]
     out = Path(out).expanduser()
     if engine == llamacpp.FORMAT:
-        return _export_gguf(drafter, out, force, target)
+        return _export_gguf(drafter, out, force, target, full_vocabulary)
     check_out_dir(out, force)
     model = check_family(load_draft_model(drafter), spec.name)  # before loading a target
+    if full_vocabulary:
+        model = without_draft_vocabulary(model)
     loaded = load_target(target, "auto", "cpu") if target is not None else None
     depth = getattr(model.config, "num_target_layers", None)
     if loaded is not None:
@@ -58,12 +62,18 @@ def export_drafter(
 
 
 def _export_gguf(
-    drafter: str | os.PathLike, out: Path, force: bool, target: str | os.PathLike | None
+    drafter: str | os.PathLike,
+    out: Path,
+    force: bool,
+    target: str | os.PathLike | None,
+    full_vocabulary: bool,
 ) -> llamacpp.GGUFExport:
     """llama.cpp: the drafter and the target's GGUF (read directly, not loaded) into one GGUF file."""
     llamacpp.check_out_file(out, force)
     path = llamacpp.target_file(target)
     model = check_family(load_draft_model(drafter), llamacpp.FORMAT)
+    if full_vocabulary:
+        model = without_draft_vocabulary(model)
     gguf = llamacpp.read_target(path, need_head=model.draft_vocab is not None)
     vocab = model.config.vocab_size
     if gguf.vocab_size != vocab:

@@ -16,6 +16,7 @@ served (diffdraft reads it after the final norm, as Hugging Face's ``hidden_stat
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,3 +140,17 @@ def serving_weights(model: DFlashDraftModel) -> dict[str, torch.Tensor]:
         for name, tensor in model.state_dict().items()
         if name != "draft_vocab"
     }
+
+
+def without_draft_vocabulary(model: DFlashDraftModel) -> DFlashDraftModel:
+    """The same network scoring every row of the target's LM head instead of its draft vocabulary's
+    (``export --full-vocabulary``): SGLang drafts over the whole head and cannot restrict it. Training
+    ranked only the draft vocabulary's rows, so acceptance can change; ``diffdraft train eval``
+    measures it (the shipped DFlash drafter's card has its figures)."""
+    if model.draft_vocab is None:
+        return model
+    config = copy.deepcopy(model.config)
+    config.dflash_config = {**config.dflash_config, "draft_vocab_size": 0}
+    whole = DFlashDraftModel(config).to(next(model.parameters()).dtype)
+    whole.load_state_dict({k: v for k, v in model.state_dict().items() if k != "draft_vocab"})
+    return whole

@@ -39,8 +39,8 @@ def build(model: DFlashDraftModel, target: LoadedModel | None) -> Export:
     if model.draft_vocab is not None:
         raise ExportError(
             f"this drafter scores a draft vocabulary of {model.draft_vocab.shape[0]} tokens, but SGLang's "
-            "DFlash drafts over the target's full vocabulary: export it with --format vllm, or train without "
-            "one (--draft-vocab-size 0)"
+            "DFlash drafts over the target's full vocabulary: export it with --full-vocabulary (it then "
+            "drafts over every token), with --format vllm, or train without one (--draft-vocab-size 0)"
         )
     config = serving_config(model)
     token = _token_text(target, model.mask_token_id) if target is not None else None
