@@ -181,8 +181,8 @@ def _drafter_name(drafter: str | os.PathLike | DraftModel) -> str:
 
 def _budget_or_default(method: Method, budget: int | str | None) -> int | str | None:
     """``budget``, or for None the method's default (for the DDTree methods "auto": the best fixed
-    budget depends on the machine, 8 nodes ran fastest on a 2-core CPU where 32 ran slower than plain
-    AR)."""
+    budget depends on the machine, and a big one ran slower than plain AR on a small CPU;
+    docs/decisions.md, "the DDTree methods default to the auto budget")."""
     return method.default_budget if budget is None else budget
 
 

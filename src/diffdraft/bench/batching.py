@@ -53,8 +53,8 @@ class BatchPoint:
     @property
     def tokens_per_second(self) -> float:
         """Over the median repeat: on a shared machine a pass that another process slowed down (we saw
-        one take nearly twice as long as its twins) must not move the row (figures:
-        benchmarks/README.md, 'Measurements behind the code')."""
+        one take far longer than its twins) must not move the row (docs/decisions.md, "a batch-bench
+        row reads its median repeat")."""
         return self.tokens / float(np.median(self.seconds)) if self.seconds else float("nan")
 
     @property
@@ -250,8 +250,9 @@ def _auto_against_fixed(
     """The table of each auto budget against the best fixed choice at each batch size (``ar`` or a
     fixed budget, whichever the median repeats put first), repeat by repeat: what a user who tried
     every fixed choice by hand would have picked. Paired, as the table against ``ar``: the machine's
-    drift moves two methods' median repeats apart (a run read 0.95x from the medians where the
-    repeats paired at 0.99x; figures: benchmarks/README.md, smollm2-135m-batching-zen5)."""
+    drift moves two methods' median repeats apart (a run missed by its medians where its paired
+    repeats read even; docs/decisions.md, "auto budgets against the best fixed choice, paired per
+    repeat")."""
     autos = [m for m in methods if MethodSpec.parse(m).arg == "auto"]
     fixed = [m for m in methods if m not in autos]
     if not autos or len(fixed) < 2:

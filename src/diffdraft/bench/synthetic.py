@@ -164,9 +164,9 @@ class Settings:
     """Our loops verify through CUDA graphs (:class:`diffdraft.kernels.graphed_verify.GraphedVerify`)."""
     sdpa_backends: tuple[str, ...] = ()
     """The attention backends every loop may use (names of :class:`torch.nn.attention.SDPBackend`,
-    lower case); empty: torch's own choice. On GPUs the drafter's stage took 10 ms in some methods
-    and 33-84 in others at the same context; leaving cuDNN out tests whether its per-shape plans
-    are why."""
+    lower case); empty: torch's own choice. On GPUs the drafter's stage took several times as long in
+    some methods as in others at the same context; leaving cuDNN out tests whether its per-shape
+    plans are why (docs/decisions.md, "the synthetic bench can leave attention backends out")."""
     seed: int = 0
 
 

@@ -220,16 +220,17 @@ class RoundBudgetPlanner:
     interval, up to ``2 ** explore_backoff`` times, and its next voluntary drafting round resets it:
     where drafting does not pay (under load on a small CPU, and alone on some), each forced tree
     costs more than it gains, alone also the plain rounds after it (the drafter pushed the target's
-    weights out of the cache: exploring every 8 rounds cost a lone sequence 7% where drafting lost).
-    Alone the interval starts shorter: a sequence that stopped drafting on a hard stretch of text
-    must notice soon that drafting pays again (figures for both: benchmarks/README.md, 'Measurements
-    behind the code').
+    weights out of the cache, so exploring every 8 rounds lost a lone sequence time where drafting
+    lost). Alone the interval starts shorter: a sequence that stopped drafting on a hard stretch of
+    text must notice soon that drafting pays again (docs/decisions.md, "every tree of a round sized
+    together" and "plain rounds timed where they run steady").
 
     A sequence's acceptance estimate is refreshed after ``refresh`` drafted rounds, after any drafted
     round once it stopped drafting (an exploration is news), with each new surrogate and when a
     finished sequence taught the planner, not every round (it reads the sequence's latest rounds); a
     round whose inputs did not change but for contexts within ``context_step`` tokens reuses the last
-    plan (at batch 8 planning is a noticeable share of a round; figures as above), and a plan that
+    plan (at batch 8 planning is a noticeable share of a round; docs/decisions.md, "every tree of a
+    round sized together"), and a plan that
     left a batch all plain (no tree, no copy) stands ``plain_rounds`` rounds before it is made again,
     while several sequences share the round, whichever join or leave, and twice as long each time it
     is made plain again, up to ``2 ** plain_backoff`` times: under load nearly every round plans that,
@@ -244,7 +245,7 @@ class RoundBudgetPlanner:
     A sequence left alone right after sharing rounds (the others ended) decodes that round plainly:
     under load a waiting request joins it within a round or two, and its first tree would pay for
     taking in its whole context, which the plan does not count; still alone a round later, it is
-    planned as any lone sequence (figures for both: benchmarks/README.md, as above).
+    planned as any lone sequence (docs/decisions.md, "plans bounded and stood under load").
     """
 
     def __init__(
@@ -459,7 +460,8 @@ class RoundBudgetPlanner:
         (``plain_rounds``, doubled each time it is made plain again), and ``sequences`` (several)
         share this round: it then stands this round too, counted as one more, whichever sequences
         joined or left meanwhile (under load one does every few rounds, and a plan made anew for each
-        cost a visible share of the rounds; figures as :meth:`tree_scale`'s)."""
+        cost a visible share of the rounds; docs/decisions.md, "plans bounded and stood under
+        load")."""
         if self._plain is None or self._plain >= self._stand or sequences < 2:
             return False
         self._plain += 1

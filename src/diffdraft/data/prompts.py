@@ -5,8 +5,9 @@ Only prompts are trained on by default (DFlare A.1 keeps the original prompts an
 response with the target), so a prompt is every turn up to and including the first user turn; the
 source's own reply to it is kept beside it for the cheaper fixed-dataset route (``--source-replies``).
 With ``all_turns`` every user turn of a conversation is a prompt of its own (the history before it
-included): ShareGPT's later turns hold 3.5x its first replies' text. Every prompt carries a stable
-id: regeneration resumes by id, so the same source must give the same ids on every read.
+included): ShareGPT's later turns hold several times its first replies' text (docs/decisions.md,
+"every user turn as a prompt of its own"). Every prompt carries a stable id: regeneration resumes
+by id, so the same source must give the same ids on every read.
 """
 
 from __future__ import annotations

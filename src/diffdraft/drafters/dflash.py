@@ -75,9 +75,8 @@ class DFlashDrafter(ForksByCopy):
 
     def tolerates_gaps(self) -> bool:
         """Yes: every context row is projected at its own position, and a block attends to whatever
-        rows there are. A gap costs acceptance for the next few rounds only (about 3-5 tokens over
-        the ~10 drafting rounds after it, then none; figures: benchmarks/README.md,
-        smollm2-135m-batching-zen5)."""
+        rows there are. A gap costs acceptance for the next few drafting rounds only, then none
+        (docs/decisions.md, "shared plain rounds go untapped")."""
         return True
 
     def _pending_taps(self) -> torch.Tensor | None:
@@ -91,7 +90,8 @@ class DFlashDrafter(ForksByCopy):
         """The context keys/values of every draft layer, the pending states projected first. Block
         layers stay on their kernel however many states are pending (a prompt's, or those of many
         rounds without drafting): a dense copy computes other numbers than later rounds' kernel, and
-        on a CPU without bfloat16 matmuls (AVX2) takes nine times as long for a prompt."""
+        on a CPU without bfloat16 matmuls (AVX2) is far slower for a prompt (docs/decisions.md, "a
+        drafter's context projected on the kernel")."""
         hidden = self._pending_taps()
         if hidden is not None:
             spans = [range(start, start + rows.shape[0]) for rows, start in self._pending]

@@ -91,8 +91,8 @@ class FusedDraftLayers:
         if model.variant == DFLASH:
             self.fc, self.hidden_norm = model.fc, norm_weights(model.hidden_norm)
         else:  # DFlare's per-layer mix of the taps, its softmax taken once; mixed in float32 (a CPU
-            # without native bfloat16 matmuls takes 2-4x as long in bfloat16), then rounded as a
-            # bfloat16 matmul rounds its float32 sums
+            # without native bfloat16 matmuls is far slower in bfloat16: docs/decisions.md, "DFlare's
+            # tap mix in float32"), then rounded as a bfloat16 matmul rounds its float32 sums
             self.tap_weights = model.fusion.weight.float().softmax(-1).to(torch.bfloat16).float()
             self.context_norms = [norm_weights(layer.context_norm) for layer in model.layers]
         self.variant = model.variant

@@ -9,7 +9,7 @@ target confirmed (given the shallower ones were), starting from 1/2, or for a dr
 DDTree's tree is optimal for the marginals it is given, so marginals that say how often a copy
 really holds spend its budget better than a fixed w (1-gram matches are weak evidence, 3-gram ones
 strong); on the default drafter calibrated weights gained acceptance on code and held even on chat
-(figures: benchmarks/README.md, 'Measurements behind the code'). Every row stays a probability
+(docs/decisions.md, "copy weights calibrated per n-gram and depth"). Every row stays a probability
 distribution, so all verifiers stay exact whatever the weights.
 
 A copy may run past the drafter's block (some rounds fill the block, while prompt lookup alone goes
@@ -38,11 +38,11 @@ class CopyRecord:
     """What the target kept of the copies of every generation a drafter and its forks drafted, per
     matched n-gram length and depth: where a generation's calibration starts. A fixed 1/2 misjudged
     both ends: on the bench's prompts the default target kept the first token of a 3-gram match's
-    copy 72% of the time and of a 1-gram match's 20%, and an auto budget that starts each generation
-    from the record copies more and drafts less at batch 1 (figures: benchmarks/README.md,
-    'Measurements behind the code'). Each (n, d) keeps about its latest ``window`` checks: half of
-    them are forgotten once the window is full, so the record follows what the drafter is now asked
-    to continue."""
+    copy most of the time and of a 1-gram match's seldom, and an auto budget that starts each
+    generation from the record copies more and drafts less at batch 1 (docs/decisions.md, "copy
+    calibration starts from the drafter's record"). Each (n, d) keeps about its latest ``window``
+    checks: half of them are forgotten once the window is full, so the record follows what the
+    drafter is now asked to continue."""
 
     def __init__(self, shape: tuple[int, int], window: int = 256) -> None:
         self.confirmed = np.zeros(shape, dtype=np.float32)
@@ -171,7 +171,8 @@ class LookupBoostedDrafter:
         """:attr:`CopyOffer.expected` of a copy of ``length`` tokens after an ``ngram`` match: the same
         list object while no copy was scored since, so a round plan that compares copies by identity
         reuses its answer, and numpy is asked only when the calibration moved (its dozen small ops
-        cost ~35 us of a lone plain round's 3.3 ms, asked every round a copy is offered)."""
+        were a visible share of a lone plain round, asked every round a copy is offered;
+        docs/decisions.md, "an offer's expectations kept until a copy is scored")."""
         if self._expectations[0] != self._scorings:
             self._expectations = (self._scorings, {})
         table = self._expectations[1]

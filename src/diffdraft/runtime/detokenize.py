@@ -2,7 +2,7 @@
 
 Streaming and stop strings need the generated text after every round. Decoding the whole output
 each time costs O(length) per round, a noticeable share of a decoding round on a CPU once the
-output is long (figures: benchmarks/README.md, 'Measurements behind the code'). This decodes only
+output is long (docs/decisions.md, "streaming text decoded from the newest tokens"). This decodes only
 the newest tokens, with the previous round's tokens as context so tokenizers that drop a leading
 space at the start of a decode (SentencePiece) or merge bytes across tokens still give the same
 text as one full decode.

@@ -137,8 +137,8 @@ class GenerationStats:
         """Per node rank 1, 2, ... (as far as the longest of :attr:`surrogates` reaches), the mean over
         the surrogates of what each promised that rank adds (nothing past its own tree). Summed as
         surrogates come: the auto budget reads it every few rounds, and averaging every surrogate anew
-        each time took half of each re-estimate (figures: benchmarks/README.md, 'Measurements behind
-        the code')."""
+        each time was a large share of each re-estimate (docs/decisions.md, "the surrogate sums the
+        heap's scores")."""
         summed, count, sums = self._surrogate_sums or (self.surrogates, 0, [])
         if summed is not self.surrogates:
             count, sums = 0, []
@@ -179,9 +179,9 @@ class StageTimer:
     their stats, so each sequence's timings still add up to the wall time it is charged.
 
     Under ``torch.profiler`` each stage is also a range named ``diffdraft.<stage>``, so a profile of a
-    generation groups its operators by stage (a range costs time even with no profiler running, and
-    a batch times several stages per sequence every round; figures: benchmarks/README.md,
-    'Measurements behind the code')."""
+    generation groups its operators by stage. The range is opened only while a profiler records: a
+    range costs time even with no profiler running, and a batch times several stages per sequence
+    every round (docs/decisions.md, "profiler ranges only while a profiler records")."""
 
     def __init__(self, stats: GenerationStats | Sequence[GenerationStats], device: torch.device) -> None:
         self.shares = [stats] if isinstance(stats, GenerationStats) else list(stats)

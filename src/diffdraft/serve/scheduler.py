@@ -10,8 +10,7 @@ That thread should be the one that loaded the models (:meth:`Scheduler.run`), no
 runtime keeps a pool of threads per thread that ever ran a parallel kernel. Once the pools' threads
 outnumber the cores, they sleep between kernels instead of spinning, and a decoding round waits
 hundreds of times for them to wake: on a 2-core CPU a worker thread started after the load
-decoded at a third of the loading thread's speed (docs/decisions.md, "generate in the loading
-thread").
+decoded far slower than the loading thread (docs/decisions.md, "generate in the loading thread").
 """
 
 from __future__ import annotations

@@ -145,7 +145,8 @@ def default_device(device: str | torch.device | None = None) -> torch.device:
 
 def native_bfloat16(device: str | torch.device) -> bool:
     """Whether ``device`` computes bfloat16 in hardware (CUDA with bf16, a CPU with AVX-512 BF16 or
-    AMX): there bf16 trains about twice as fast as float32; elsewhere it is emulated and slower."""
+    AMX): there bf16 trains far faster than float32; elsewhere it is emulated and slower
+    (docs/decisions.md, "training precision follows the device")."""
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()

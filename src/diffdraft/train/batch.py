@@ -2,8 +2,8 @@
 forward each.
 
 One forward per sequence leaves a GPU idle: a 135M target over a few hundred tokens is a short run
-of tiny kernels, so training one sequence at a time is launch-bound (figures: benchmarks/README.md,
-'Measurements behind the code'). Right padding is safe for the target (causal attention: no real
+of tiny kernels, so training one sequence at a time is launch-bound (docs/decisions.md,
+"micro-batches for GPUs, 1 on a CPU"). Right padding is safe for the target (causal attention: no real
 position sees the padding after it); the drafter's objective masks the padding out itself.
 """
 

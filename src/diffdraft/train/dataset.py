@@ -28,8 +28,9 @@ def load_responses(
 
     Sequences longer than ``max_length`` keep their response and the *end* of their prompt: the
     prompt gets at least a quarter of the window, the response the rest (response tokens are what
-    the drafter learns from; dropping long-prompt samples lost a third of ShareGPT). Samples with
-    fewer than ``min_response_tokens`` response tokens teach nothing and are skipped.
+    the drafter learns from; dropping long-prompt samples lost a large share of ShareGPT:
+    docs/decisions.md, "long prompts cut from the front, not dropped"). Samples with fewer than
+    ``min_response_tokens`` response tokens teach nothing and are skipped.
     """
     path = Path(path)
     if not path.is_file():

@@ -95,7 +95,8 @@ def position_counts(block_positions: torch.Tensor, block_size: int) -> torch.Ten
 
 
 def top_one(logits: torch.Tensor) -> torch.Tensor:
-    """``logits.argmax(-1)`` (the first maximum too), several times faster on bfloat16 CPU tensors."""
+    """``logits.argmax(-1)`` (the first maximum too), several times faster on bfloat16 CPU tensors
+    (docs/decisions.md, "greedy tokens by max, not argmax")."""
     return logits.max(-1).indices
 
 

@@ -28,12 +28,13 @@ from diffdraft.util.progress import progress_bar
 # Batch 16 in bfloat16 regenerated fastest on our 2-core CPUs: bigger batches pad more and wait
 # longer for their longest response, and float32 was slower. HF generate also beat diffdraft's own
 # batch engine here (continuous batching, no padding, but attention per sequence), so regeneration
-# stays on generate (figures: benchmarks/README.md, 'Measurements behind the code').
+# stays on generate (docs/decisions.md, "regenerate at batch 16, and use source replies on a CPU").
 DEFAULT_BATCH_SIZE = 16
 DEFAULT_DTYPE = "bfloat16"
-# Responses of a few hundred tokens (about half end on their own before 384) give many 16-token draft
-# blocks per sample. Prompts up to 512 tokens keep 72% of ShareGPT and prompt + response within the
-# trainer's 1024-token sequences; longer prompts cost prefill and add no response tokens.
+# Responses of a few hundred tokens (many end on their own before 384) give many 16-token draft
+# blocks per sample. Prompts up to 512 tokens keep most of ShareGPT and prompt + response within the
+# trainer's 1024-token sequences; longer prompts cost prefill and add no response tokens
+# (docs/decisions.md, "regeneration caps: 384 new tokens, prompts up to 512").
 DEFAULT_MAX_NEW_TOKENS = 384
 DEFAULT_MAX_PROMPT_TOKENS = 512
 # Prompts are sorted by length inside windows of this many batches: less padding, yet the order of

@@ -51,7 +51,7 @@ class DDTreeBuilder:
     def ranked(self, tree_round: TreeRound) -> tuple[DraftTree, list[float]]:
         """:meth:`build`'s tree with each node's prefix log-probability under the drafter (root: 0),
         non-increasing along the nodes: the heap computed them, and the auto budget's surrogate is
-        their running sum (recomputing them from the tree took twice the tree's own time;
+        their running sum (recomputing them from the tree took longer than building the tree;
         docs/decisions.md, "the surrogate sums the heap's scores")."""
         root_token, proposal = tree_round.root_token, tree_round.proposal
         if not proposal.has_distributions:

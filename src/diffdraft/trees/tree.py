@@ -65,8 +65,9 @@ class DraftTree:
     def ancestor_mask(self) -> torch.Tensor:
         """[N + 1, N + 1] bool: entry (i, j) is True when node j is node i or one of its ancestors."""
         # each node's ancestors as the bits of a Python int, its parent's with its own bit (parents
-        # precede children), then unpacked at once: a few dozen microseconds even for hundreds of
-        # nodes, where a dozen small tensor ops cost as much for any tree
+        # precede children), then unpacked at once: cheap even for hundreds of nodes, where a dozen
+        # small tensor ops cost as much for any tree (docs/decisions.md, "tree masks and crops in a few
+        # host calls")
         bits: list[int] = []
         for node, parent in enumerate(self.parents.tolist()):
             bits.append((bits[parent] if parent >= 0 else 0) | 1 << node)

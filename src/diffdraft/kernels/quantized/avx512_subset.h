@@ -332,7 +332,7 @@ AVX2_INLINE i32x16 dpbusd_epi32(i32x16 src, i32x16 a, i32x16 b) {
 }
 // Ends GCC's view into a sum: without it GCC reassociates a row tile's chains of integer dot
 // products into trees of all the products, which spill out of the 16 ymm registers (a multi-row
-// matmul ran at half speed).
+// matmul ran far slower: docs/decisions.md, "AVX-512 kernels emulated on AVX2").
 AVX2_INLINE void keep_chain(__m256i& lo, __m256i& hi) { asm("" : "+x"(lo), "+x"(hi)); }
 
 // Chains over 4-bit codes: VPMADDUBSW's pairs of products stay far inside int16 (no saturation), so

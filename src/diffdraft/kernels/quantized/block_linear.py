@@ -9,11 +9,10 @@ all compute alike:
 - ``"int8"`` (the default, ``int8_matmul.cpp``): llama.cpp's arithmetic. Each input row is quantized
   per block of 32 to int8 with a float scale; a block's codes times the weight's codes sum exactly in
   int32 (AVX-512 VNNI, or its AVX2 emulation), then take both blocks' scales in float32 (every
-  format's arithmetic: ``int8_matmul.cpp``). On a 2-core
-  Zen 4 it runs SmolLM2's Q4_1 layers 1.5 to 3 times as fast as ``"bf16"`` at 1 to 16 rows, and its
-  Q8_0 head (the embedding's blocks) 2.5 times as fast as the dense bf16 head at 1 row. Rounding the
-  inputs costs accuracy: SmolLM2's logits differ from its float32 model's by 0.2 (median) and 0.8
-  (99th percentile), against 0.12 and 0.5-0.65 for ``"bf16"``.
+  format's arithmetic: ``int8_matmul.cpp``). It runs SmolLM2's Q4_1 layers much faster than
+  ``"bf16"`` at small row counts, and its Q8_0 head (the embedding's blocks) faster than the dense
+  bf16 head. Rounding the inputs costs accuracy: SmolLM2's logits sit further from its float32
+  model's than ``"bf16"``'s (docs/decisions.md, "GGUF blocks compute as llama.cpp does").
 - ``"bf16"`` (``q4_1_matmul.cpp``, Q4_1 only): dequantizes each block in registers to exactly the
   bfloat16 values a dense bf16 copy of the weight holds, so the model is the dense bf16 one up to the
   order of the float32 sums.

@@ -19,7 +19,8 @@ there), so a windowed layer too sums exactly the keys a token sees, in cache ord
 
 The loop over the layers runs in C++ too (``decoder_loop.cpp``: the same ops in the same order, so the
 same bits) when every projection is on the int8 kernel and the caches take the forward's rows in place;
-nine op calls a layer from Python had cost a one-token forward a fifth of its time.
+nine op calls a layer from Python had been a large share of a one-token forward (docs/decisions.md,
+"the layer loop in one op").
 """
 
 from __future__ import annotations
