@@ -28,6 +28,8 @@ DEFAULT_DRAFTER_DIR = Path(__file__).resolve().parent.parent / "default_drafter"
 """The drafter shipped for the embedded default target (SmolLM2-135M-Instruct); see its README."""
 DEFAULT_DART_DIR = Path(__file__).resolve().parent.parent / "default_dart"
 """The DART drafter shipped for the embedded default target; see its README."""
+DEFAULT_DFLASH_DIR = Path(__file__).resolve().parent.parent / "default_dflash"
+"""The DFlash drafter shipped for the default target, the one other engines run; see its README."""
 DEFAULT_DEER_DIR = Path(__file__).resolve().parent.parent / "default_deer"
 """The DEER drafter shipped for the embedded default target; see its README."""
 # Released DART checkpoints may carry the target's embedding; the drafter always borrows the target's.
@@ -37,10 +39,11 @@ INDEX_NAME = "model.safetensors.index.json"
 
 
 def resolve_drafter_path(spec: str | os.PathLike) -> Path:
-    """``"default"`` / ``"default-dart"`` / ``"default-deer"`` -> a drafter shipped for the default
-    target; anything else is a directory path."""
+    """``"default"`` / ``"default-dflash"`` / ``"default-dart"`` / ``"default-deer"`` -> a drafter
+    shipped for the default target; anything else is a directory path."""
     shipped = {
         "default": DEFAULT_DRAFTER_DIR,
+        "default-dflash": DEFAULT_DFLASH_DIR,
         "default-dart": DEFAULT_DART_DIR,
         "default-deer": DEFAULT_DEER_DIR,
     }.get(str(spec))

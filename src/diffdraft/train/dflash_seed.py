@@ -11,7 +11,7 @@ folds the fusion weights averaged over the draft layers into ``fc`` (tap ``j``'s
 ``mean_i softmax(fusion)[i, j]`` times the identity), and averages the context norms into
 ``hidden_norm``. One projection must serve both row kinds; it starts as DFlare's context projection,
 because the context rows carry the target's information (docs/decisions.md, "DFlash seeded from
-DFlare"). Training then adapts the rest.
+DFlare's context projections"). Training then adapts the rest.
 """
 
 from __future__ import annotations
