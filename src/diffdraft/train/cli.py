@@ -68,6 +68,7 @@ from diffdraft.train.regenerate import (
 from diffdraft.train.source_replies import write_source_replies
 from diffdraft.train.trainer import Trainer, saved_checkpoints, tokens_seen_at
 from diffdraft.util.fingerprint import tokenizer_fingerprint
+from diffdraft.util.heap import keep_freed_memory
 
 
 def load_config(path: str | Path) -> dict:
@@ -629,7 +630,10 @@ def _run_fit(args: argparse.Namespace) -> None:
     if distributed:
         args.device = _join_process_group(args.device)
     try:
-        fastest = fastest_dtype(default_device(args.device))
+        device = default_device(args.device)
+        if device.type == "cpu":
+            keep_freed_memory()  # the steps' tensors live in host memory: reuse it, don't fault it in
+        fastest = fastest_dtype(device)
         args.dtype, args.compute_dtype = args.dtype or fastest, args.compute_dtype or fastest
         loaded = load_target(args.target, dtype=args.dtype, device=args.device)
         train, _ = _split(args, loaded.tokenizer)
