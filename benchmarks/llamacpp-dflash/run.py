@@ -8,8 +8,10 @@ llama.cpp's plain decode (`llama-completion`) against our `ar`, and its n-gram s
 (`ngram-simple`, `ngram-mod`: defaults and tuned settings) against our `pld`.
 
 Acceptance is counted the same way on both sides: tokens committed per verification round, the
-bonus token included (llama.cpp's `accepted i/j draft tokens` debug line is one round). The report
-compares the mean acceptance length of llama.cpp's DFlash with our chain's (issue 75's bar: within 5%).
+bonus token included (llama.cpp's from its closing statistics). The report compares the mean
+acceptance length of llama.cpp's DFlash with our chain's (issue 75's bar: within 5%), then twice more
+where the two engines see the same context: over the text both generated alike (their greedy texts
+part where their kernels round a close call differently), and token by token in the first round.
 
     python benchmarks/llamacpp-dflash/run.py --out benchmarks/llamacpp-dflash/results
 """
