@@ -19,6 +19,7 @@ part where their kernels round a close call differently), and token by token in 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import re
@@ -33,6 +34,8 @@ gguf_run = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(gguf_run)  # its llama.cpp helpers, machine facts and contention-timed steps
 log, Step = gguf_run.log, gguf_run.Step
 
+DRAFT_LENGTH = 7
+"""Tokens a DFlash round drafts: the shipped drafter's block of 8 less its root, in both engines."""
 OUR_METHODS = ["ar", "chain", "ddtree:8", "ddtree:16", "pld"]
 """Our rows: plain decoding, the drafter's chain (what llama.cpp's DFlash drafts), DDTree trees from
 the same drafter, and prompt lookup."""
@@ -171,19 +174,19 @@ def run_ours(target: Path, methods: list[str], drafter: str, prompts: list[dict]
     return rows
 
 
-def our_first_drafts(target: Path, drafter: str, prompts: list[dict], depth: int) -> list[list[int]]:
+def our_first_drafts(dense_target, drafter: str, prompts: list[dict], depth: int) -> list[list[int]]:
     """Our drafter's top tokens for llama.cpp's first round: context = the prompt but its last token,
-    which is the block's root (the speculative example keeps it out of the prefill). Float32 on the
-    target file's dequantized weights, the reference the two engines' kernels approximate."""
+    which is the block's root (the speculative example keeps it out of the prefill). ``dense_target``:
+    the target file loaded in float32 (dequantized weights), the reference both engines' kernels
+    approximate."""
     import torch
 
     from diffdraft.drafters.checkpoint import load_draft_model, resolve_drafter_path
     from diffdraft.drafters.dflash import DFlashDrafter
-    from diffdraft.target.loading import load_target
     from diffdraft.target.model import TargetModel
     from diffdraft.train.features import OnlineFeatures
 
-    target_model = TargetModel(load_target(str(target), dtype="float32").model)
+    target_model = TargetModel(dense_target)
     model = DFlashDrafter(load_draft_model(resolve_drafter_path(drafter)), target_model)
     features = OnlineFeatures(target_model, model.target_layer_ids)
     drafts = []
@@ -429,7 +432,8 @@ def main() -> None:
     target = Path(gguf_run.shipped_gguf() if args.target == "SHIPPED" else args.target).resolve()
     drafter_gguf = out / "drafter.gguf"  # regenerable: git-ignored by the folder's .gitignore
     export_drafter(args.drafter, "llama.cpp", drafter_gguf, force=True, target=target)
-    tokenizer = load_target(str(target), dtype="float32").tokenizer
+    dense = load_target(str(target), dtype="float32")  # the tokenizer, and the first-round reference
+    tokenizer = dense.tokenizer
     prompts = chat_prompts(tokenizer, args.humaneval, args.mtbench)
     for prompt in prompts:
         prompt["ids"] = llama_token_ids(args.llama_bin, target, prompt["text"])
@@ -442,15 +446,19 @@ def main() -> None:
     rows: dict = {}
     steps: dict = {}
 
+    def speculative_runs(spec: list[str]) -> list[dict]:
+        run = functools.partial(
+            run_speculative, args.llama_bin, target, tokens=args.tokens, threads=args.threads
+        )
+        return [{"id": p["id"]} | run(text=p["text"], spec=spec) for p in prompts]
+
     with Step(steps, "llama-plain", "llama.cpp plain decode"):
         rows["llama.cpp plain"] = plain_llama(args.llama_bin, target, prompts, args.tokens, args.threads)
-    dflash_spec = ["-md", str(drafter_gguf), "--spec-type", "draft-dflash", "--spec-draft-n-max", "7"]
+    dflash_spec = [
+        "-md", str(drafter_gguf), "--spec-type", "draft-dflash", "--spec-draft-n-max", str(DRAFT_LENGTH),
+    ]  # fmt: skip
     with Step(steps, "llama-dflash", "llama.cpp DFlash"):
-        runs = [
-            {"id": p["id"]}
-            | run_speculative(args.llama_bin, target, p["text"], args.tokens, args.threads, dflash_spec)
-            for p in prompts
-        ]
+        runs = speculative_runs(dflash_spec)
         rows["llama.cpp dflash"] = {"runs": runs, "summary": summary(runs)}
     with Step(steps, "llama-dflash-rounds", "llama.cpp DFlash again, untimed, for its per-round lines"):
         for prompt, run in zip(prompts, runs, strict=True):
@@ -463,12 +471,7 @@ def main() -> None:
         tried = []
         with Step(steps, f"llama-{kind}", f"llama.cpp {kind}"):
             for setting in settings:
-                spec = ["--spec-type", kind, *setting]
-                runs = [
-                    {"id": p["id"]}
-                    | run_speculative(args.llama_bin, target, p["text"], args.tokens, args.threads, spec)
-                    for p in prompts
-                ]
+                runs = speculative_runs(["--spec-type", kind, *setting])
                 tried.append(
                     {"setting": " ".join(setting) or "defaults", "runs": runs, "summary": summary(runs)}
                 )
@@ -484,7 +487,7 @@ def main() -> None:
         rows[f"ours {label}"] = {"runs": runs, "summary": summary(runs)}
 
     results["same_text"] = same_text_acceptance(rows, prompts, tokenizer)
-    first = our_first_drafts(target, args.drafter, prompts, depth=7)
+    first = our_first_drafts(dense.model, args.drafter, prompts, depth=DRAFT_LENGTH)
     results["first_draft"] = first_draft_agreement(rows, first)
     results["rows"], results["steps"] = rows, steps
     results["machine"] = gguf_run.machine_info(args)
