@@ -42,45 +42,67 @@ def test_the_library_name_changes_with_the_source(fresh_build, monkeypatch, tmp_
     assert first.parent == fresh_build / "kernels"
 
 
-def _cpu(monkeypatch, dot_products: bool, capability: str) -> None:
-    """Make torch report a CPU with or without AVX-512's bfloat16 and VNNI dot products (and ask for no
-    instruction set: the AVX2 check below runs these tests with one asked for)."""
+def _cpu(monkeypatch, capability: str, bf16: bool = True, vnni: bool = True) -> None:
+    """Make torch report a CPU of ``capability`` with or without AVX-512's bfloat16 and VNNI dot products
+    (and ask for no build: the checks of the narrower builds below run these tests with one asked for)."""
     monkeypatch.delenv(kernel_build.ISA_VARIABLE, raising=False)
-    for probe in ("_is_avx512_bf16_supported", "_is_vnni_supported"):
-        monkeypatch.setattr(torch.cpu, probe, lambda: dot_products, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: vnni, raising=False)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
 
 
-@pytest.mark.parametrize("missing", ["_is_avx512_bf16_supported", "_is_vnni_supported"])
-def test_a_cpu_without_either_dot_product_builds_the_avx2_emulation(fresh_build, monkeypatch, missing):
-    _cpu(monkeypatch, dot_products=True, capability="AVX512")
-    assert kernel_build.instruction_set() == "avx512"
-    avx512_library = kernel_build._library_path()
-    monkeypatch.setattr(torch.cpu, missing, lambda: False, raising=False)
+def test_each_cpu_gets_the_widest_build_it_runs_each_cached_apart(fresh_build, monkeypatch):
+    libraries = set()
+    for features, build in [
+        ({"bf16": True, "vnni": True}, "avx512"),
+        ({"bf16": False, "vnni": True}, "avx512-vnni"),
+        ({"bf16": True, "vnni": False}, "avx2"),
+        ({"bf16": False, "vnni": False}, "avx2"),
+    ]:
+        _cpu(monkeypatch, "AVX512", **features)
+        assert kernel_build.instruction_set() == build, features
+        libraries.add(kernel_build._library_path())
+    assert len(libraries) == 3
+    _cpu(monkeypatch, "AVX2")
     assert kernel_build.instruction_set() == "avx2"
+
+
+def test_the_build_without_bf16_leaves_out_only_the_bf16_instructions(monkeypatch):
+    _cpu(monkeypatch, "AVX512", bf16=False)
+    assert set(kernel_build.ISA_FLAGS["avx512"]) - set(kernel_build.flags()) == {"-mavx512bf16"}
+    _cpu(monkeypatch, "AVX512", vnni=False)
     assert "-mavx2" in kernel_build.flags() and not any("avx512" in flag for flag in kernel_build.flags())
-    assert kernel_build._library_path() != avx512_library  # each build cached under its own name
 
 
-def test_the_avx2_emulation_can_be_asked_for_and_nothing_else(monkeypatch):
-    _cpu(monkeypatch, dot_products=True, capability="AVX512")
-    monkeypatch.setenv(kernel_build.ISA_VARIABLE, "avx2")
-    assert kernel_build.instruction_set() == "avx2"
+def test_a_narrower_build_can_be_asked_for_a_wider_one_or_another_name_cannot(monkeypatch):
+    _cpu(monkeypatch, "AVX512")
+    for build in ("avx512-vnni", "avx2"):
+        monkeypatch.setenv(kernel_build.ISA_VARIABLE, build)
+        assert kernel_build.instruction_set() == build
     monkeypatch.setenv(kernel_build.ISA_VARIABLE, "avx512f")
-    with pytest.raises(ValueError, match="may only be 'avx2'"):
+    with pytest.raises(ValueError, match="may only be one of avx512, avx512-vnni, avx2"):
+        kernel_build.instruction_set()
+    _cpu(monkeypatch, "AVX512", bf16=False)
+    monkeypatch.setenv(kernel_build.ISA_VARIABLE, "avx512")
+    with pytest.raises(ValueError, match="this CPU lacks; it runs avx512-vnni, avx2"):
         kernel_build.instruction_set()
 
 
-@pytest.mark.skipif(
-    kernel_build.instruction_set() != "avx512", reason="the AVX2 emulation is what this CPU runs anyway"
-)
-def test_the_kernel_tests_pass_on_the_avx2_emulation_too():
-    """A CPU with AVX-512 runs the native build everywhere else, so the emulation that every AVX2 CPU
-    runs is checked here: the kernel tests again, in a process that builds and loads it."""
+_BUILDS = kernel_build._available_builds()
+NARROWER_BUILDS = _BUILDS[_BUILDS.index(kernel_build.instruction_set()) + 1 :] if _BUILDS else []
+"""The builds this CPU runs narrower than the one these tests run on: each is what some other CPU runs."""
+
+
+@pytest.mark.parametrize("build", ["avx512-vnni", "avx2"])
+def test_the_kernel_tests_pass_on_each_narrower_build_too(build):
+    """A CPU runs its widest build everywhere else, so each narrower one that other CPUs run is checked
+    here: the kernel tests again, in a process that builds and loads it."""
+    if build not in NARROWER_BUILDS:
+        pytest.skip(f"these tests run on no build wider than {build}: the other tests ran it")
     folder = Path(__file__).parent
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(folder)],
-        env={**os.environ, kernel_build.ISA_VARIABLE: "avx2"},
+        env={**os.environ, kernel_build.ISA_VARIABLE: build},
         cwd=folder.parents[2],
         capture_output=True,
         text=True,
@@ -89,6 +111,6 @@ def test_the_kernel_tests_pass_on_the_avx2_emulation_too():
 
 
 def test_a_cpu_without_avx2_keeps_dense_weights(fresh_build, monkeypatch):
-    _cpu(monkeypatch, dot_products=False, capability="DEFAULT")
+    _cpu(monkeypatch, "DEFAULT", bf16=False, vnni=False)
     assert not kernel_build.cpu_supported()
     assert kernel_build.block_kernel() is None

@@ -1,6 +1,7 @@
 // The AVX-512 intrinsics the kernels use, on every x86-64 CPU with AVX2, FMA and F16C.
 //
-// Compiled for AVX-512 (with BF16 and VNNI), this is <immintrin.h> and a few helpers. Compiled for AVX2
+// Compiled for AVX-512 (with BF16 and VNNI), this is <immintrin.h> and a few helpers; for AVX-512 with VNNI
+// but no BF16, the two bfloat16 instructions the kernels use are made of AVX-512F ones. Compiled for AVX2
 // (most CPUs without AVX-512: Zen 1-3, Intel client cores), each 512-bit register becomes two 256-bit
 // halves in a struct and each intrinsic a function with the instruction's own result, so the kernels'
 // sources stay one. Without it an AVX2 machine took dense weights, far slower than the emulated kernels
@@ -32,6 +33,44 @@ inline __m512i nibble_total(nibble_sum sum) { return sum; }
 // the offset off; the AVX2 emulation multiplies a - 128 directly.
 inline int32_t dpbusd_offset128_start(int32_t b_sum) { return -128 * b_sum; }
 inline __m512i dpbusd_offset128_epi32(__m512i src, __m512i a, __m512i b) { return _mm512_dpbusd_epi32(src, a, b); }
+
+#if !defined(__AVX512BF16__)
+// AVX-512 with VNNI but without its bfloat16 instructions (Cascade Lake, Ice Lake, Tiger Lake): the two
+// the kernels use, made of AVX-512F instructions with the AVX2 emulation's results below (the
+// instructions' but for denormal inputs). Without this build such a CPU ran the AVX2 emulation of every
+// kernel, at half the vector width and with VNNI emulated too (docs/decisions.md, "AVX-512 without
+// BF16 gets its own build").
+namespace avx512_without_bf16 {
+
+// 16 float32 rounded to bfloat16, to nearest even; NaNs stay (quiet) NaNs.
+inline __m256bh cvtneps_pbh(__m512 a) {
+  const __m512i bits = _mm512_castps_si512(a);
+  const __m512i top = _mm512_srli_epi32(bits, 16);
+  const __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), _mm512_and_si512(top, _mm512_set1_epi32(1)));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
+  const __m512i nan = _mm512_or_si512(top, _mm512_set1_epi32(0x40));
+  const __m512i words = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q), rounded, nan);
+  return reinterpret_cast<__m256bh>(_mm512_cvtepi32_epi16(words));
+}
+
+// Per float lane, src + a_odd * b_odd + a_even * b_even over bfloat16 pairs (each product exact in
+// float32, so a fused multiply-add rounds as the instruction's add does).
+inline __m512 dpbf16_ps(__m512 src, __m512bh a, __m512bh b) {
+  const __m512i x = reinterpret_cast<__m512i>(a), y = reinterpret_cast<__m512i>(b);
+  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  const __m512 odd = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(x, high)),
+                                     _mm512_castsi512_ps(_mm512_and_si512(y, high)), src);
+  return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(x, 16)), _mm512_castsi512_ps(_mm512_slli_epi32(y, 16)),
+                         odd);
+}
+
+}  // namespace avx512_without_bf16
+
+#undef _mm512_cvtneps_pbh
+#define _mm512_cvtneps_pbh avx512_without_bf16::cvtneps_pbh
+#undef _mm512_dpbf16_ps
+#define _mm512_dpbf16_ps avx512_without_bf16::dpbf16_ps
+#endif
 
 #else
 

@@ -37,30 +37,54 @@ TOPK_SOURCE = Path(__file__).with_name("row_topk.cpp")
 COMMON_FLAGS = ["-O3", "-std=c++20", "-fPIC", "-fopenmp"]
 ISA_FLAGS = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma"],
+    "avx512-vnni": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma"],
     "avx2": ["-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-Wno-psabi"],
 }
-"""Per instruction set the kernels are built for. No -march=native: the cached library must not use
-instructions of the machine that compiled it beyond those :func:`instruction_set` checks. The AVX2
-build keeps a multiply and an add apart as the AVX-512 intrinsics do."""
-
+"""Per instruction set the kernels are built for, widest first. No -march=native: the cached library
+must not use instructions of the machine that compiled it beyond those :func:`instruction_set`
+checks. "avx512-vnni" is "avx512" less its bfloat16 instructions, which avx512_subset.h makes of others
+with the same results; the AVX2 build keeps a multiply and an add apart as the AVX-512 intrinsics do."""
 
 ISA_VARIABLE = "DIFFDRAFT_KERNEL_ISA"
-"""Set to "avx2" to build and run the AVX2 emulation on a CPU with AVX-512 too: the tests check it that
-way on either kind of machine, and it compares the two builds' speed."""
+"""Set to a narrower build than this CPU's best ("avx512-vnni" or "avx2") to build and run it on a wider
+CPU: the tests check every build that way, and the benchmarks measure what a narrower CPU runs."""
 
 
 def instruction_set() -> str | None:
-    """The instruction set this CPU runs the kernels with: "avx512" with the bfloat16 and the int8
-    (VNNI) dot products (Zen 4, Sapphire Rapids) unless :data:`ISA_VARIABLE` asks for "avx2", else
-    "avx2" (with FMA and F16C, which every AVX2 CPU has), else None."""
+    """The widest build this CPU runs, or the narrower one :data:`ISA_VARIABLE` asks for: "avx512" with
+    AVX-512's bfloat16 and int8 (VNNI) dot products (Zen 4, Sapphire Rapids), "avx512-vnni" with VNNI
+    but no bfloat16 ones (Cascade Lake, Ice Lake), "avx2" on any other CPU with AVX2 (with FMA and
+    F16C, which every AVX2 CPU has, and AVX-512 without VNNI: Skylake-SP), else None."""
     asked = os.environ.get(ISA_VARIABLE, "")
-    if asked not in ("", "avx2"):
-        raise ValueError(f"${ISA_VARIABLE} may only be 'avx2' (or unset, for this CPU's best); got {asked!r}")
-    avx2 = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-    probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_vnni_supported")]
-    if not asked and all(probe is not None and probe() for probe in probes):
-        return "avx512"
-    return "avx2" if avx2 else None
+    available = _available_builds()
+    if not asked:
+        return available[0] if available else None
+    if asked not in ISA_FLAGS:
+        raise ValueError(
+            f"${ISA_VARIABLE} may only be one of {', '.join(ISA_FLAGS)} (or unset, for this CPU's best); "
+            f"got {asked!r}"
+        )
+    if asked not in available:
+        raise ValueError(
+            f"${ISA_VARIABLE}={asked} asks for instructions this CPU lacks; it runs "
+            f"{', '.join(available) or 'none of the builds'}: unset it or ask for one of those"
+        )
+    return asked
+
+
+def _available_builds() -> list[str]:
+    """The builds this CPU can run, widest first (from torch's own CPU probes)."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "AVX512"):
+        return []
+    probes = {name: getattr(torch.cpu, f"_is_{name}_supported", None) for name in ("avx512_bf16", "vnni")}
+    has = {name: probe is not None and probe() for name, probe in probes.items()}
+    builds = ["avx2"]
+    if capability == "AVX512" and has["vnni"]:
+        builds.insert(0, "avx512-vnni")
+        if has["avx512_bf16"]:
+            builds.insert(0, "avx512")
+    return builds
 
 
 def flags() -> list[str]:
