@@ -76,3 +76,16 @@ def test_bad_inputs_name_the_fix(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"intact \.gguf"):
         dense_gguf(corrupt, "bf16", cache_dir=tmp_path / "cache")
     assert not list((tmp_path / "cache").glob("*"))  # nothing half-written left behind
+
+
+def test_a_damaged_or_unsealed_dense_copy_is_written_again(tmp_path: Path, capsys) -> None:
+    source = quantized_gguf(tmp_path / "model.gguf")
+    first = dense_gguf(source, "bf16", cache_dir=tmp_path / "cache")
+    clean = first.read_bytes()
+    first.write_bytes(clean[:-8] + bytes(8))  # the last tensor's bytes zeroed
+    capsys.readouterr()
+    assert dense_gguf(source, "bf16", cache_dir=tmp_path / "cache").read_bytes() == clean
+    assert f"failed its check ({first.name} digest mismatch); writing it again" in capsys.readouterr().err
+    first.with_name(f"{first.name}.manifest").unlink()  # killed after the rename, before its manifest
+    assert dense_gguf(source, "bf16", cache_dir=tmp_path / "cache").read_bytes() == clean
+    assert "failed its check (no manifest" in capsys.readouterr().err

@@ -102,3 +102,28 @@ def test_a_block_targets_cached_curve_is_not_reused_once_the_kernel_source_chang
     monkeypatch.setattr(kernel_build, "INT8_SOURCE", changed)
     assert cost.curve_key(TargetModel(block)) != before
     assert cost.curve_key(TargetModel(dense)) == plain  # no kernel runs in a dense target
+
+
+def test_a_damaged_cached_curve_is_named_and_measured_again(tmp_path, monkeypatch, capsys):
+    """A curve whose bytes changed on disk is not planned with: one line says so, and it is measured
+    again; an intact one is reused without a word."""
+    target = TargetModel(tiny_target(dtype=torch.float32, max_positions=64))
+    measured = []
+
+    def measure(target, sizes, contexts, progress=False):
+        measured.append(sizes)
+        return VerifyCostCurve(sizes=[1, 4], contexts=[8], seconds=[[0.001, 0.002]])
+
+    monkeypatch.setattr(cost, "measure_verify_cost", measure)
+    monkeypatch.setattr(cost, "still_valid", lambda curve, target: True)
+    first = load_or_measure(target, cache_dir=tmp_path)
+    assert load_or_measure(target, cache_dir=tmp_path) == first and len(measured) == 1
+    [file] = tmp_path.glob("*.json")
+    file.write_text(file.read_text().replace("0.002", "0.200"))  # the same size, another curve
+    capsys.readouterr()
+    assert load_or_measure(target, cache_dir=tmp_path).seconds == first.seconds
+    assert len(measured) == 2
+    assert capsys.readouterr().err == (
+        f"diffdraft: the cached verification cost curve at {file} failed its check "
+        f"({file.name} digest mismatch); measuring it again\n"
+    )

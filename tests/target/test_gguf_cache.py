@@ -95,3 +95,45 @@ def test_a_second_load_of_a_gguf_file_reads_its_cached_layout(tmp_path, monkeypa
     ids = first.tokenizer("def fibonacci(n):", return_tensors="pt").input_ids
     with torch.no_grad():
         assert torch.equal(first.model(ids).logits, second.model(ids).logits)
+
+
+def _scribble_after_the_header(path, size: int = 4 << 20) -> None:
+    """Random bytes over ``size`` bytes (or all) of a safetensors file's tensors, its header intact."""
+    with path.open("r+b") as file:
+        start = 8 + int.from_bytes(file.read(8), "little")
+        file.seek(start)
+        file.write(os.urandom(min(size, path.stat().st_size - start)))
+
+
+@needs_block_kernel
+@pytest.mark.parametrize("damage", ["garbage in dense.safetensors", "killed before its manifest"])
+def test_a_damaged_layout_is_named_never_loaded_and_written_anew(tmp_path, monkeypatch, capsys, damage):
+    """Issue 83's second row: garbage inside a layout's dense tensors (the file still parses, so only
+    the digest tells) once loaded and generated an empty string; a write killed before its manifest
+    is as untrusted. The entry load_target writes again then computes the model's logits."""
+    from safetensors.torch import load_file
+
+    monkeypatch.setattr(gguf_cache, "cache_root", lambda: tmp_path / "cache")
+    model, gguf, placements = _placed(tmp_path)
+    entry = entry_dir(gguf, torch.bfloat16, "int8")
+    save_entry(entry, model, tiny_tokenizer(), placements, "int8")
+    clean = load_file(entry / "dense.safetensors")
+    if damage == "killed before its manifest":
+        (entry / "manifest.json").unlink()
+        found = "no manifest: its write did not finish, or an older diffdraft wrote it"
+    else:
+        _scribble_after_the_header(entry / "dense.safetensors")
+        scribbled = load_file(entry / "dense.safetensors")  # what a load without the check would take
+        assert scribbled.keys() == clean.keys()
+        assert any(not torch.equal(scribbled[name], clean[name]) for name in clean)
+        found = "dense.safetensors digest mismatch"
+    capsys.readouterr()
+    assert load_entry(entry, gguf, torch.bfloat16) is None
+    [line] = capsys.readouterr().err.splitlines()
+    assert line == f"diffdraft: cannot read the cached layout at {entry} ({found}); loading {gguf.name} anew."
+    save_entry(entry, model, tiny_tokenizer(), placements, "int8")  # as load_target does after loading anew
+    loaded, _, _ = load_entry(entry, gguf, torch.bfloat16)
+    ids = torch.tensor([[5, 17, 3, 250, 9]])
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+    assert sorted(p.name for p in entry.parent.iterdir()) == [entry.name]  # the broken copy is gone

@@ -19,6 +19,7 @@ from gguf.quants import dequantize, quantize
 
 from diffdraft.errors import CheckpointError
 from diffdraft.util.cache import cache_root
+from diffdraft.util.cache_digest import intact, sealed_file
 
 DENSE_TYPES = {
     "bf16": (GGMLQuantizationType.BF16, LlamaFileType.MOSTLY_BF16),
@@ -31,8 +32,9 @@ _WRITER_KEYS = ("GGUF.", "general.architecture", "general.file_type")
 
 def dense_gguf(source: str | os.PathLike, precision: str, cache_dir: str | os.PathLike | None = None) -> Path:
     """``source`` as a dense GGUF of ``precision`` (one of :data:`DENSE_TYPES`), written once into
-    ``cache_dir`` (default: diffdraft's cache) and reused; written to a temporary name first, so a
-    killed run never leaves a half file in its place."""
+    ``cache_dir`` (default: diffdraft's cache) and reused while its digest matches; written to a
+    temporary name first and sealed (:func:`diffdraft.util.cache_digest.sealed_file`), so a killed run
+    or a damaged copy is written again, never used."""
     if precision not in DENSE_TYPES:
         raise CheckpointError(
             f"no dense GGUF precision {precision!r}: choose one of {', '.join(DENSE_TYPES)}"
@@ -42,15 +44,10 @@ def dense_gguf(source: str | os.PathLike, precision: str, cache_dir: str | os.Pa
     folder = Path(cache_dir) if cache_dir is not None else cache_root() / "gguf"
     # the source's size and mtime in the name: a changed source gets a fresh copy
     dest = folder / f"{source.stem}.{stat.st_size}-{int(stat.st_mtime)}.{precision}.gguf"
-    if dest.is_file():
+    if intact(dest, f"the cached {precision} copy of {source.name}", "writing it again"):
         return dest
-    folder.mkdir(parents=True, exist_ok=True)
-    partial = dest.with_name(f".{dest.name}.{os.getpid()}.partial")
-    try:
-        write_dense_gguf(source, partial, precision)
-        partial.replace(dest)
-    finally:
-        partial.unlink(missing_ok=True)
+    with sealed_file(dest) as written:
+        write_dense_gguf(source, written, precision)
     return dest
 
 

@@ -23,8 +23,8 @@ from diffdraft.budget.cost import curve_key, monotone_fit, passes_a_spot_check, 
 from diffdraft.decoding.verify import accept
 from diffdraft.runtime.sampling import SamplingParams
 from diffdraft.target.model import TargetModel, VerifyInput
-from diffdraft.util.atomic_write import write_text_atomically
 from diffdraft.util.cache import cache_root
+from diffdraft.util.cache_digest import intact, sealed_file
 from diffdraft.util.progress import progress_bar
 
 BATCHES = (2, 4, 8)
@@ -206,16 +206,16 @@ def load_or_measure_batch_cost(
     target: TargetModel, cache_dir: str | Path | None = None, progress: bool = False, refresh: bool = False
 ) -> BatchCostCurve:
     """The cached curve for this model shape and device, measured (and cached) when absent, when
-    ``refresh`` asks, when it was measured on another grid of points, or when a spot check no longer
-    matches it."""
+    ``refresh`` asks, when it fails its digest check (:mod:`diffdraft.util.cache_digest`), when it was
+    measured on another grid of points, or when a spot check no longer matches it."""
     folder = Path(cache_dir) if cache_dir is not None else cache_root() / "batch_verify_cost"
     file = folder / f"{curve_key(target)}-{MEASURED}.json"
-    if file.is_file() and not refresh:
+    if not refresh and intact(file, "the cached batch verification cost curve", "measuring it again"):
         cached = BatchCostCurve(**json.loads(file.read_text()))
         grid = (cached.batches, cached.sizes, cached.contexts)
         if grid == (list(BATCHES), list(SIZES), list(CONTEXTS)) and still_valid(cached, target):
             return cached
     curve = measure_batch_cost(target, BATCHES, SIZES, CONTEXTS, progress=progress)
-    folder.mkdir(parents=True, exist_ok=True)
-    write_text_atomically(file, json.dumps(curve.to_dict(), indent=1) + "\n")
+    with sealed_file(file) as written:
+        written.write_text(json.dumps(curve.to_dict(), indent=1) + "\n")
     return curve

