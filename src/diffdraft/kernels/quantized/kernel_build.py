@@ -4,12 +4,14 @@ greedy pick (``row_argmax.cpp``) and the rows' top k (``row_topk.cpp``) once per
 library and load it into torch.
 
 The kernels are written in AVX-512 intrinsics (with the bfloat16 and the int8 (VNNI) dot products);
-on a CPU with AVX2 but not those, ``avx512_subset.h`` emulates each intrinsic with AVX2, so every
-x86-64 CPU of the last decade runs them. They are compiled against the installed torch on first use
-(20 s to 2 minutes) into the diffdraft cache, keyed by the sources, torch version and compiler flags, so
-later processes just load them, once the library's digest matches the one recorded when it was built
-(:mod:`diffdraft.util.cache_digest`): a truncated or damaged library is compiled again, never loaded
-(loading one can die of a bus error). Where they cannot run, callers keep dense weights.
+``avx512_subset.h`` makes the bfloat16 ones of other AVX-512 instructions on a CPU without them, and
+emulates each intrinsic with AVX2 on a CPU without AVX-512 or VNNI, so every x86-64 CPU of the last
+decade runs them (:data:`ISA_FLAGS`). They are compiled against the installed torch on first use
+(1 to 4 minutes on 2 cores, a progress line as each source is done) into the diffdraft cache, keyed
+by the sources, torch version and compiler flags, so later processes just load them, once the
+library's digest matches the one recorded when it was built (:mod:`diffdraft.util.cache_digest`): a
+truncated or damaged library is compiled again, never loaded (loading one can die of a bus error).
+Where they cannot run, callers keep dense weights.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import os
 import shutil
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 import torch
@@ -28,6 +30,7 @@ import torch.utils.cpp_extension
 
 from diffdraft.util.cache import cache_root
 from diffdraft.util.cache_digest import intact, sealed_file
+from diffdraft.util.progress import progress_bar
 from diffdraft.util.staging import temp_dir_beside
 
 SOURCE = Path(__file__).with_name("q4_1_matmul.cpp")
@@ -156,17 +159,24 @@ def _compile(library: Path) -> None:
         cflags = flags()
         sources = [source for source in _sources() if source.suffix == ".cpp"]  # the header is included
         objects = [tmp / f"{source.stem}.o" for source in sources]
-        print("diffdraft: compiling the quantized CPU kernel (once, 20 s to 2 min) ...", file=sys.stderr)
-        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        steps = progress_bar(
+            total=len(sources) + 1,
+            desc=f"diffdraft: compiling the quantized CPU kernel for {instruction_set()} (once; "
+            "1 to 4 minutes on 2 cores, longer while other work runs)",
+            unit="step",
+        )
+        with steps, ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
             compiled = [
                 pool.submit(_run, [compiler, *cflags, abi, *includes, "-c", str(source), "-o", str(output)])
                 for source, output in zip(sources, objects, strict=True)
             ]
-            for job in compiled:
+            for job in as_completed(compiled):
                 job.result()
-        linked = [*map(str, objects), *libraries, "-lc10", "-ltorch_cpu"]
-        with sealed_file(library) as built:
-            _run([compiler, *cflags, "-shared", *linked, "-o", str(built)])
+                steps.update()
+            linked = [*map(str, objects), *libraries, "-lc10", "-ltorch_cpu"]
+            with sealed_file(library) as built:
+                _run([compiler, *cflags, "-shared", *linked, "-o", str(built)])
+            steps.update()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
