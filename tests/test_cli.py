@@ -149,3 +149,16 @@ def test_the_default_drafter_follows_the_method(monkeypatch, capsys, target, met
     assert main(["generate", "--target", target, "--method", method, "--prompt", "hi"]) == 2
     assert asked == {"target": target, "drafter": drafter, "method": method}
     assert capsys.readouterr().out == ""
+
+
+def test_a_gguf_cut_to_100_bytes_is_one_line_naming_the_file_and_the_fix(tmp_path, capsys):
+    from diffdraft.target.default_model import default_gguf_path
+
+    cut = tmp_path / "model.gguf"
+    with default_gguf_path().open("rb") as whole:
+        cut.write_bytes(whole.read(100))
+    assert main(["generate", "--target", str(cut), "--prompt", "hi"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith(f"diffdraft: error: {cut} is truncated or damaged")
+    assert captured.err.count("\n") == 1 and "download it again" in captured.err
