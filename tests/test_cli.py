@@ -162,3 +162,28 @@ def test_a_gguf_cut_to_100_bytes_is_one_line_naming_the_file_and_the_fix(tmp_pat
     assert captured.out == ""
     assert captured.err.startswith(f"diffdraft: error: {cut} is truncated or damaged")
     assert captured.err.count("\n") == 1 and "download it again" in captured.err
+
+
+def test_a_prompt_of_bytes_that_are_not_utf8_is_a_clear_error_and_utf8_text_generates(checkpoint, capsys):
+    args = ["generate", "--target", str(checkpoint), "--max-new-tokens", "3", "--json"]
+    assert main([*args, "--prompt", "hello \udcff"]) == 2  # how Python hands over argv byte 0xff
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "prompt is not valid UTF-8 text: it has a byte that is not UTF-8 (0xff" in captured.err
+    assert main([*args, "--prompt", "hello wörld"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 3
+
+
+def test_chat_on_stdin_that_is_not_utf8_is_a_clear_error(checkpoint, capsys, monkeypatch):
+    messages = json.dumps([{"role": "user", "content": "hi"}]).encode()
+    strict = io.TextIOWrapper(io.BytesIO(messages[:-2] + b"\xff" + messages[-2:]), encoding="utf-8")
+    monkeypatch.setattr("sys.stdin", strict)
+    assert main(["generate", "--target", str(checkpoint), "--chat"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert f"byte 0xff at offset {len(messages) - 2} of what it read is not UTF-8" in captured.err
+    escaped = json.dumps([{"role": "user", "content": "hi \udcff"}])  # a surrogateescape stdin's reading
+    monkeypatch.setattr("sys.stdin", io.StringIO(escaped))
+    assert main(["generate", "--target", str(checkpoint), "--chat"]) == 2
+    assert "messages[0]['content'] is not valid UTF-8 text" in capsys.readouterr().err
+

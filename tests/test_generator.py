@@ -490,3 +490,20 @@ def test_without_a_budget_ddtree_methods_plan_it_and_dart_takes_its_default_size
     drafter, trie = dart_and_trie
     dart = diffdraft.load(checkpoint, drafter=drafter, method="dart", ngram=trie)
     assert dart.engine.builder.settings.tree_size == METHODS["dart"].default_budget == 32
+
+
+@pytest.mark.parametrize(
+    ("request_options", "message"),
+    [
+        (dict(prompt="hello \udcff"), "prompt is not valid UTF-8 text"),
+        (dict(messages=[{"role": "user", "content": "hi \ud800"}]), r"messages\[0\]\[.content.\] is not"),
+    ],
+)
+def test_a_faulty_request_is_a_clear_error_and_the_generator_serves_the_next_exactly(
+    checkpoint, request_options, message
+):
+    generator = diffdraft.load(checkpoint, method="pld")
+    with pytest.raises(diffdraft.InvalidRequestError, match=message):
+        generator.generate(max_new_tokens=6, **request_options)
+    result = generator.generate("hello world", max_new_tokens=6, ignore_eos=True)
+    assert result.token_ids == hf_greedy(generator.loaded.model, result.prompt_token_ids, 6, eos=None)

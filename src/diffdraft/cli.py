@@ -43,7 +43,16 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _read_messages() -> list[dict]:
-    raw = sys.stdin.read()
+    """The --chat messages from stdin. Bytes that are not UTF-8 stop a strict stdin here; under a
+    locale that decodes them as surrogates, the messages' own check names them."""
+    try:
+        raw = sys.stdin.read()
+    except UnicodeDecodeError as err:
+        raise InvalidRequestError(
+            f"--chat reads UTF-8 text from stdin, but byte {err.object[err.start]:#04x} at offset "
+            f"{err.start} of what it read is not UTF-8; pass the messages as UTF-8 (e.g. convert them "
+            "with iconv -t UTF-8)"
+        ) from err
     try:
         messages = json.loads(raw)
     except json.JSONDecodeError as err:
