@@ -187,3 +187,28 @@ def test_chat_on_stdin_that_is_not_utf8_is_a_clear_error(checkpoint, capsys, mon
     assert main(["generate", "--target", str(checkpoint), "--chat"]) == 2
     assert "messages[0]['content'] is not valid UTF-8 text" in capsys.readouterr().err
 
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--temperature", "1e-300"], "temperature 1e-300 is too small to sample with: use 0 for greedy"),
+        (["--temperature", "nan"], "temperature must be a number, got nan"),
+        (["--temperature", "inf"], "temperature must be finite"),
+        (["--temperature=-1e-300"], "temperature must be >= 0"),
+        (["--temperature", "0.7", "--top-p", "1.5"], r"top_p must be in (0, 1]"),
+    ],
+)
+def test_degenerate_sampling_exits_2_before_loading_and_a_sound_temperature_samples(
+    checkpoint, capsys, monkeypatch, args, message
+):
+    def load(*given):
+        raise AssertionError("loaded a target for a request that was refused")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(diffdraft.commands.model_options, "load", load)
+        assert main(["generate", "--target", str(checkpoint), "--prompt", "hi", *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and message in captured.err
+    sampled = ["--temperature", "0.01", "--seed", "3", "--max-new-tokens", "4", "--json"]
+    assert main(["generate", "--target", str(checkpoint), "--prompt", "hi", *sampled]) == 0
+    assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 4

@@ -497,6 +497,10 @@ def test_without_a_budget_ddtree_methods_plan_it_and_dart_takes_its_default_size
     [
         (dict(prompt="hello \udcff"), "prompt is not valid UTF-8 text"),
         (dict(messages=[{"role": "user", "content": "hi \ud800"}]), r"messages\[0\]\[.content.\] is not"),
+        (dict(prompt="hello", temperature=1e-300), "temperature 1e-300 is too small to sample with"),
+        (dict(prompt="hello", temperature=float("inf")), "temperature must be finite"),
+        (dict(prompt="hello", temperature=float("nan")), "temperature must be a number"),
+        (dict(prompt="hello", temperature=1.0, top_p=float("nan")), r"top_p must be in \(0, 1\]"),
     ],
 )
 def test_a_faulty_request_is_a_clear_error_and_the_generator_serves_the_next_exactly(
