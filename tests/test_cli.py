@@ -212,3 +212,16 @@ def test_degenerate_sampling_exits_2_before_loading_and_a_sound_temperature_samp
     sampled = ["--temperature", "0.01", "--seed", "3", "--max-new-tokens", "4", "--json"]
     assert main(["generate", "--target", str(checkpoint), "--prompt", "hi", *sampled]) == 0
     assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 4
+
+
+@pytest.mark.parametrize("method", ["ddtree", "dart"])
+def test_a_budget_above_the_tree_bound_exits_2_before_loading_anything(monkeypatch, capsys, method):
+    def load(*given):
+        raise AssertionError("loaded a target for a budget that was refused")
+
+    monkeypatch.setattr(diffdraft.commands.model_options, "load", load)
+    with pytest.raises(SystemExit) as exited:
+        main(["generate", "--method", method, "--budget", "1000000000", "--prompt", "hi"])
+    assert exited.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "argument --budget: at most 4096 nodes" in captured.err

@@ -511,3 +511,15 @@ def test_a_faulty_request_is_a_clear_error_and_the_generator_serves_the_next_exa
         generator.generate(max_new_tokens=6, **request_options)
     result = generator.generate("hello world", max_new_tokens=6, ignore_eos=True)
     assert result.token_ids == hf_greedy(generator.loaded.model, result.prompt_token_ids, 6, eos=None)
+
+
+def test_a_budget_above_the_tree_bound_is_refused_and_the_bound_itself_decodes_exactly(
+    checkpoint, drafter_dir, dart_and_trie
+):
+    with pytest.raises(diffdraft.InvalidRequestError, match="ddtree budget must be at most 4096 nodes"):
+        diffdraft.load(checkpoint, drafter=drafter_dir, method="ddtree", budget=10**9)
+    with pytest.raises(diffdraft.InvalidRequestError, match="tree_size must be at most 4096 nodes"):
+        diffdraft.load(checkpoint, drafter=dart_and_trie[0], method="dart", budget=10**9)
+    generator = diffdraft.load(checkpoint, drafter=drafter_dir, method="ddtree", budget=4096)
+    result = generator.generate("hello world", max_new_tokens=6, ignore_eos=True)
+    assert result.token_ids == hf_greedy(generator.loaded.model, result.prompt_token_ids, 6, eos=None)
