@@ -149,3 +149,79 @@ def test_the_default_drafter_follows_the_method(monkeypatch, capsys, target, met
     assert main(["generate", "--target", target, "--method", method, "--prompt", "hi"]) == 2
     assert asked == {"target": target, "drafter": drafter, "method": method}
     assert capsys.readouterr().out == ""
+
+
+def test_a_gguf_cut_to_100_bytes_is_one_line_naming_the_file_and_the_fix(tmp_path, capsys):
+    from diffdraft.target.default_model import default_gguf_path
+
+    cut = tmp_path / "model.gguf"
+    with default_gguf_path().open("rb") as whole:
+        cut.write_bytes(whole.read(100))
+    assert main(["generate", "--target", str(cut), "--prompt", "hi"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith(f"diffdraft: error: {cut} is truncated or damaged")
+    assert captured.err.count("\n") == 1 and "download it again" in captured.err
+
+
+def test_a_prompt_of_bytes_that_are_not_utf8_is_a_clear_error_and_utf8_text_generates(checkpoint, capsys):
+    args = ["generate", "--target", str(checkpoint), "--max-new-tokens", "3", "--json"]
+    assert main([*args, "--prompt", "hello \udcff"]) == 2  # how Python hands over argv byte 0xff
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "prompt is not valid UTF-8 text: it has a byte that is not UTF-8 (0xff" in captured.err
+    assert main([*args, "--prompt", "hello wörld"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 3
+
+
+def test_chat_on_stdin_that_is_not_utf8_is_a_clear_error(checkpoint, capsys, monkeypatch):
+    messages = json.dumps([{"role": "user", "content": "hi"}]).encode()
+    strict = io.TextIOWrapper(io.BytesIO(messages[:-2] + b"\xff" + messages[-2:]), encoding="utf-8")
+    monkeypatch.setattr("sys.stdin", strict)
+    assert main(["generate", "--target", str(checkpoint), "--chat"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert f"byte 0xff at offset {len(messages) - 2} of what it read is not UTF-8" in captured.err
+    escaped = json.dumps([{"role": "user", "content": "hi \udcff"}])  # a surrogateescape stdin's reading
+    monkeypatch.setattr("sys.stdin", io.StringIO(escaped))
+    assert main(["generate", "--target", str(checkpoint), "--chat"]) == 2
+    assert "messages[0]['content'] is not valid UTF-8 text" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--temperature", "1e-300"], "temperature 1e-300 is too small to sample with: use 0 for greedy"),
+        (["--temperature", "nan"], "temperature must be a number, got nan"),
+        (["--temperature", "inf"], "temperature must be finite"),
+        (["--temperature=-1e-300"], "temperature must be >= 0"),
+        (["--temperature", "0.7", "--top-p", "1.5"], r"top_p must be in (0, 1]"),
+    ],
+)
+def test_degenerate_sampling_exits_2_before_loading_and_a_sound_temperature_samples(
+    checkpoint, capsys, monkeypatch, args, message
+):
+    def load(*given):
+        raise AssertionError("loaded a target for a request that was refused")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(diffdraft.commands.model_options, "load", load)
+        assert main(["generate", "--target", str(checkpoint), "--prompt", "hi", *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and message in captured.err
+    sampled = ["--temperature", "0.01", "--seed", "3", "--max-new-tokens", "4", "--json"]
+    assert main(["generate", "--target", str(checkpoint), "--prompt", "hi", *sampled]) == 0
+    assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 4
+
+
+@pytest.mark.parametrize("method", ["ddtree", "dart"])
+def test_a_budget_above_the_tree_bound_exits_2_before_loading_anything(monkeypatch, capsys, method):
+    def load(*given):
+        raise AssertionError("loaded a target for a budget that was refused")
+
+    monkeypatch.setattr(diffdraft.commands.model_options, "load", load)
+    with pytest.raises(SystemExit) as exited:
+        main(["generate", "--method", method, "--budget", "1000000000", "--prompt", "hi"])
+    assert exited.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "argument --budget: at most 4096 nodes" in captured.err

@@ -490,3 +490,36 @@ def test_without_a_budget_ddtree_methods_plan_it_and_dart_takes_its_default_size
     drafter, trie = dart_and_trie
     dart = diffdraft.load(checkpoint, drafter=drafter, method="dart", ngram=trie)
     assert dart.engine.builder.settings.tree_size == METHODS["dart"].default_budget == 32
+
+
+@pytest.mark.parametrize(
+    ("request_options", "message"),
+    [
+        (dict(prompt="hello \udcff"), "prompt is not valid UTF-8 text"),
+        (dict(messages=[{"role": "user", "content": "hi \ud800"}]), r"messages\[0\]\[.content.\] is not"),
+        (dict(prompt="hello", temperature=1e-300), "temperature 1e-300 is too small to sample with"),
+        (dict(prompt="hello", temperature=float("inf")), "temperature must be finite"),
+        (dict(prompt="hello", temperature=float("nan")), "temperature must be a number"),
+        (dict(prompt="hello", temperature=1.0, top_p=float("nan")), r"top_p must be in \(0, 1\]"),
+    ],
+)
+def test_a_faulty_request_is_a_clear_error_and_the_generator_serves_the_next_exactly(
+    checkpoint, request_options, message
+):
+    generator = diffdraft.load(checkpoint, method="pld")
+    with pytest.raises(diffdraft.InvalidRequestError, match=message):
+        generator.generate(max_new_tokens=6, **request_options)
+    result = generator.generate("hello world", max_new_tokens=6, ignore_eos=True)
+    assert result.token_ids == hf_greedy(generator.loaded.model, result.prompt_token_ids, 6, eos=None)
+
+
+def test_a_budget_above_the_tree_bound_is_refused_and_the_bound_itself_decodes_exactly(
+    checkpoint, drafter_dir, dart_and_trie
+):
+    with pytest.raises(diffdraft.InvalidRequestError, match="ddtree budget must be at most 4096 nodes"):
+        diffdraft.load(checkpoint, drafter=drafter_dir, method="ddtree", budget=10**9)
+    with pytest.raises(diffdraft.InvalidRequestError, match="tree_size must be at most 4096 nodes"):
+        diffdraft.load(checkpoint, drafter=dart_and_trie[0], method="dart", budget=10**9)
+    generator = diffdraft.load(checkpoint, drafter=drafter_dir, method="ddtree", budget=4096)
+    result = generator.generate("hello world", max_new_tokens=6, ignore_eos=True)
+    assert result.token_ids == hf_greedy(generator.loaded.model, result.prompt_token_ids, 6, eos=None)

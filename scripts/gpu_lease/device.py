@@ -18,7 +18,8 @@ import torch
 
 from diffdraft.drafters.checkpoint import load_draft_model, save_draft_model
 from diffdraft.target.loading import load_target
-from diffdraft.train.trainer import METRICS_FILE, latest_checkpoint
+from diffdraft.train.run_checkpoints import latest_checkpoint
+from diffdraft.train.trainer import METRICS_FILE
 
 SKIPPED_STEPS = 3
 """Probe steps left out of the rate: the first ones pay CUDA's warm-up (kernel choice, allocator)."""

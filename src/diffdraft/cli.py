@@ -14,6 +14,7 @@ from diffdraft.drafters.deer_cli import add_deer_parser, run_deer
 from diffdraft.errors import DiffdraftError, InvalidRequestError
 from diffdraft.export.cli import add_export_parser, run_export
 from diffdraft.ngram.cli import add_ngram_parser, run_ngram
+from diffdraft.runtime.sampling import MIN_TEMPERATURE, check_sampling
 from diffdraft.serve.cli import add_serve_load_parser, add_serve_parser, run_serve, run_serve_load
 from diffdraft.train.cli import add_train_parser, run_train
 
@@ -21,8 +22,14 @@ from diffdraft.train.cli import add_train_parser, run_train
 def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text from one prompt or chat")
     add_model_arguments(p)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help=f"0 = greedy (default); else at least {MIN_TEMPERATURE:g}: below it sampling is greedy in "
+        "all but name and its float32 scores head for overflow",
+    )
+    p.add_argument("--top-p", type=float, default=1.0, help="in (0, 1]; 1 (default) disables it")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -43,7 +50,16 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _read_messages() -> list[dict]:
-    raw = sys.stdin.read()
+    """The --chat messages from stdin. Bytes that are not UTF-8 stop a strict stdin here; under a
+    locale that decodes them as surrogates, the messages' own check names them."""
+    try:
+        raw = sys.stdin.read()
+    except UnicodeDecodeError as err:
+        raise InvalidRequestError(
+            f"--chat reads UTF-8 text from stdin, but byte {err.object[err.start]:#04x} at offset "
+            f"{err.start} of what it read is not UTF-8; pass the messages as UTF-8 (e.g. convert them "
+            "with iconv -t UTF-8)"
+        ) from err
     try:
         messages = json.loads(raw)
     except json.JSONDecodeError as err:
@@ -57,6 +73,7 @@ def _read_messages() -> list[dict]:
 def _run_generate(args: argparse.Namespace) -> None:
     if args.logprobs is not None and not args.json:
         raise InvalidRequestError("--logprobs goes into the JSON output: add --json")
+    check_sampling(args.temperature, args.top_k, args.top_p)  # before the (slow) load
     request = {"messages": _read_messages()} if args.chat else {"prompt": args.prompt}
     generator = load_generator(args)
     options = dict(

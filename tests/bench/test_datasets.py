@@ -72,3 +72,13 @@ def test_the_sharegpt_slice_is_the_tail_of_the_dump(tmp_path, monkeypatch):
     monkeypatch.setattr(diffdraft.data.samples, "sharegpt_path", lambda: dump)
     monkeypatch.setattr(diffdraft.data.samples, "SHAREGPT_HELD_OUT", 3)
     assert [s.id for s in load_samples("sharegpt")] == ["c5", "c6", "c7"]
+
+
+def test_a_line_that_is_not_utf8_is_an_error_naming_it_and_the_lines_before_are_fine(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    good = json.dumps({"prompt": "héllo"}).encode() + b"\n"
+    path.write_bytes(good + b'{"prompt": "caf\xe9"}\n')  # Latin-1, not UTF-8
+    with pytest.raises(InvalidRequestError, match=r"mine.jsonl:2: 'utf-8' codec can't decode byte 0xe9"):
+        load_samples(str(path))
+    path.write_bytes(good)
+    assert [s.prompt for s in load_samples(str(path))] == ["héllo"]

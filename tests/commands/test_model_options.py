@@ -7,6 +7,7 @@ import argparse
 import pytest
 
 from diffdraft.commands.model_options import add_model_arguments
+from diffdraft.trees.tree import MAX_TREE_NODES
 
 
 @pytest.mark.parametrize(("value", "budget"), [("auto", "auto"), ("6", 6)])
@@ -26,3 +27,15 @@ def test_a_bad_budget_names_the_accepted_forms(capsys, value):
     assert (
         f"argument --budget: expected a positive integer or 'auto', got '{value}'" in capsys.readouterr().err
     )
+
+
+def test_a_budget_above_the_tree_bound_is_refused_with_the_reason_and_the_bound_itself_is_taken(capsys):
+    parser = argparse.ArgumentParser()
+    add_model_arguments(parser)
+    assert parser.parse_args(["--budget", str(MAX_TREE_NODES)]).budget == MAX_TREE_NODES
+    with pytest.raises(SystemExit) as exited:
+        parser.parse_args(["--budget", "1000000000"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --budget: at most {MAX_TREE_NODES} nodes (a larger tree costs more to verify" in err
+    assert "got '1000000000'" in err

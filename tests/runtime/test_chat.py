@@ -127,3 +127,19 @@ def test_smollm2_chat_template_renders() -> None:
     assert text.startswith("<|im_start|>system\n")
     assert text.endswith("<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n")
     assert encode_prompt(smol, "What is 2+2?") == smol("What is 2+2?").input_ids
+
+
+@pytest.mark.parametrize(
+    ("text", "found"),
+    [
+        ("hello \udcff world", r"a byte that is not UTF-8 \(0xff; .*at character 6"),  # argv's bytes
+        ("hello \ud83d world", r"an unpaired surrogate '\\ud83d' .*at character 6"),  # JSON's "\ud83d"
+    ],
+)
+def test_text_without_a_utf8_form_is_named_and_valid_text_still_encodes(text: str, found: str) -> None:
+    with pytest.raises(InvalidRequestError, match=f"prompt is not valid UTF-8 text: it has {found}"):
+        encode_prompt(tokenizer(), text)
+    message = f"messages\\[1\\]\\['content'\\] is not valid UTF-8 text: it has {found}"
+    with pytest.raises(InvalidRequestError, match=message):
+        encode_chat(tokenizer(), [{"role": "system", "content": "hello"}, {"role": "user", "content": text}])
+    assert encode_prompt(tokenizer(), "hello wörld") == ids("hello <unk>")  # UTF-8 beyond ASCII is fine

@@ -235,3 +235,17 @@ def test_a_torch_without_the_cpu_probes_falls_back_to_float32(monkeypatch):
     monkeypatch.delattr(torch.cpu, "_is_avx512_bf16_supported", raising=False)
     monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported", raising=False)
     assert fastest_dtype("cpu") == "float32"
+
+
+@pytest.mark.parametrize("kept", [0, 3, 100, 2_000_000])
+def test_a_cut_gguf_is_named_truncated_before_transformers_reads_it(tmp_path: Path, kept: int) -> None:
+    """The default target's file cut within its header (100 bytes: once a struct.error traceback) or
+    within its tensor data (2 MB: once a reshape error after seconds of loading)."""
+    from diffdraft.target.default_model import default_gguf_path
+
+    cut = tmp_path / "model.gguf"
+    with default_gguf_path().open("rb") as whole:
+        cut.write_bytes(whole.read(kept))
+    with pytest.raises(CheckpointError, match="is truncated") as info:
+        load_target(cut)
+    assert str(info.value).startswith(str(cut)) and "download it again" in str(info.value)

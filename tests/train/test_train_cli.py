@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -461,3 +462,30 @@ def test_deer_fit_masks_with_an_unused_row_and_refuses_data_containing_the_mask(
 )
 def test_process_group_backend_needs_a_gpu_per_process_for_nccl(device, gpus, local_processes, backend):
     assert process_group_backend(torch.device(device), gpus, local_processes) == backend
+
+
+def test_eval_of_a_run_refuses_a_state_that_would_run_code_and_evaluates_once_it_is_deleted(
+    responses, tmp_path, capsys
+):
+    from test_run_checkpoints import RunsCode
+
+    from diffdraft.cli import main
+
+    target_dir, data = responses
+    common = ["--data", str(data), "--target", str(target_dir), "--held-out", "2"]
+    run, marker = tmp_path / "run", tmp_path / "ran"
+    fit = ["train", "fit", *common, "--output-dir", str(run), "--num-layers", "1", "--block-size", "4"]
+    fit += ["--batch-size", "2", "--max-steps", "4", "--mask-token-id", "5", "--save-every", "2"]
+    assert main(fit) == 0
+    torch.save({"state": RunsCode(marker)}, run / "checkpoint-2" / "training_state.pt")
+    evaluate = ["train", "eval", *common, "--drafter", str(run), "--budgets", "4", "--max-new-tokens", "4"]
+    capsys.readouterr()
+    assert main(evaluate) == 2
+    captured = capsys.readouterr()
+    assert not marker.exists()
+    assert f"{run / 'checkpoint-2' / 'training_state.pt'} holds Python objects" in captured.err
+    assert "learning curve" not in captured.out  # refused before any evaluation
+    shutil.rmtree(run / "checkpoint-2")  # as the error says
+    assert main([*evaluate, "--out", str(tmp_path / "curve.json")]) == 0
+    points = json.loads((tmp_path / "curve.json").read_text())["learning_curve"]
+    assert [p["checkpoint"] for p in points] == ["checkpoint-4"] and points[0]["tokens_seen"] > 0

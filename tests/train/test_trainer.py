@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import copy
+import io
 import json
 import os
+import shutil
 import socket
 
 import pytest
@@ -17,7 +19,7 @@ from diffdraft.drafters.dart_model import DART
 from diffdraft.drafters.deer_model import DEER
 from diffdraft.drafters.dflash_model import DFLARE, DFLASH
 from diffdraft.drafters.families import make_drafter
-from diffdraft.errors import InvalidRequestError, TrainingDivergedError
+from diffdraft.errors import CheckpointError, InvalidRequestError, TrainingDivergedError
 from diffdraft.target.model import TargetModel
 from diffdraft.train.config import TrainConfig
 from diffdraft.train.dataset import TrainingSample
@@ -372,3 +374,119 @@ def test_checkpoints_by_the_clock_as_well_as_by_steps(target, tmp_path):
     trainer.train()
     saved = sorted(int(p.name.split("-")[1]) for p in tmp_path.glob("checkpoint-*"))
     assert saved == list(range(1, trainer.total_steps + 1))
+
+
+def straight_and_half_written_runs(target, tmp_path, **settings):
+    """(an uninterrupted run, trained; the samples) and a second run killed after step 7 (the last
+    checkpoint before the kill is step 5): the two runs the resume tests compare."""
+    samples = make_samples(target, 16, seed=3)
+    straight = Trainer(config(tmp_path / "straight", **settings), TargetModel(target), samples)
+    straight.train()
+
+    def kill_at_step_7(step):
+        if step == 7:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(config(tmp_path / "resumed", **settings), TargetModel(target), samples).train(kill_at_step_7)
+    return straight, samples
+
+
+def assert_trained_alike(straight: Trainer, resumed: Trainer, run_dir) -> None:
+    for name, tensor in straight.drafter.state_dict().items():
+        torch.testing.assert_close(resumed.drafter.state_dict()[name], tensor, rtol=0, atol=0)
+    assert [r["loss"] for r in read_metrics(run_dir)] == [
+        r["loss"] for r in read_metrics(straight.output_dir)
+    ]
+    final = load_draft_model(run_dir / "final").state_dict()
+    assert all(torch.equal(final[k], v.to(final[k].dtype)) for k, v in straight.drafter.state_dict().items())
+
+
+def test_half_written_checkpoints_are_removed_on_resume_and_the_run_ends_like_one_run(
+    target, tmp_path, capsys
+):
+    straight, samples = straight_and_half_written_runs(target, tmp_path, epochs=4)
+    run = tmp_path / "resumed"
+    # what kills at other instants leave: an older writer's staging folder (with the part of its state
+    # file written so far), the present writer's, a checkpoint folder without its state, final/'s staging
+    (run / "checkpoint-10.tmp").mkdir()
+    (run / "checkpoint-10.tmp" / "training_state.pt").write_bytes(b"PK\x03\x04 cut")
+    (run / ".checkpoint-10.tmp-0123abcd").mkdir()
+    (run / "checkpoint-15").mkdir()
+    (run / "checkpoint-15" / "config.json").write_text("{}")
+    (run / ".final.tmp-0123abcd").mkdir()
+    capsys.readouterr()
+    resumed = Trainer(config(run, epochs=4), TargetModel(target), samples)
+    err = capsys.readouterr().err
+    assert err.startswith("diffdraft train: removed .checkpoint-10.tmp-0123abcd, .final.tmp-0123abcd, ")
+    assert "checkpoint-10.tmp, checkpoint-15 from" in err and err.count("\n") == 1
+    assert resumed.state.step == 5
+    resumed.train()
+    assert_trained_alike(straight, resumed, run)
+    assert not [p for p in run.iterdir() if "tmp" in p.name]
+
+
+def test_resume_refuses_a_state_that_would_run_code_and_resumes_once_it_is_deleted(target, tmp_path):
+    from test_run_checkpoints import RunsCode
+
+    straight, samples = straight_and_half_written_runs(target, tmp_path, epochs=2)
+    run, marker = tmp_path / "resumed", tmp_path / "ran"
+    torch.save({"state": RunsCode(marker)}, run / "checkpoint-5" / "training_state.pt")
+    with pytest.raises(CheckpointError, match="does not unpickle those"):
+        Trainer(config(run, epochs=2), TargetModel(target), samples)
+    assert not marker.exists()
+    shutil.rmtree(run / "checkpoint-5")  # as the error says: resume from the one before
+    resumed = Trainer(config(run, epochs=2), TargetModel(target), samples)
+    assert resumed.state.step == 0  # none before it: a fresh start, which trains alike too
+    resumed.train()
+    assert_trained_alike(straight, resumed, run)
+
+
+def _write_until_killed(out_dir: str, writing: mp.Event) -> None:
+    """Train 4 steps, checkpointing every 2, and stop for good halfway through writing checkpoint-4's
+    state file, then signal: the parent kills this process there."""
+    import time
+
+    torch.set_num_threads(1)
+    model = tiny_target("llama", seed=11, vocab=64, layers=3)
+    real_save = torch.save
+
+    def half_then_hang(state, path):
+        if path.parent.name.startswith(".checkpoint-4.tmp-"):
+            buffer = io.BytesIO()
+            real_save(state, buffer)
+            with open(path, "wb") as file:
+                file.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+            writing.set()
+            time.sleep(600)
+        real_save(state, path)
+
+    torch.save = half_then_hang
+    Trainer(
+        config(out_dir, max_steps=4, save_every=2), TargetModel(model), make_samples(model, 8, seed=3)
+    ).train()
+
+
+def test_a_writer_killed_mid_checkpoint_leaves_a_run_that_resumes_exactly(target, tmp_path, capsys):
+    run = tmp_path / "killed"
+    spawn = mp.get_context("spawn")
+    writing = spawn.Event()
+    writer = spawn.Process(target=_write_until_killed, args=(str(run), writing))
+    writer.start()  # importing takes the child seconds: the straight run trains meanwhile
+    samples = make_samples(target, 8, seed=3)
+    straight = Trainer(config(tmp_path / "straight", max_steps=4, save_every=2), TargetModel(target), samples)
+    straight.train()
+    try:
+        assert writing.wait(timeout=120), "the writer never reached checkpoint-4"
+    finally:
+        writer.kill()  # SIGKILL: nothing of the writer's own runs after it
+        writer.join()
+    staging = [p.name for p in run.glob(".checkpoint-4.tmp-*")]
+    assert len(staging) == 1 and not (run / "checkpoint-4").exists()
+    assert (run / staging[0] / "training_state.pt").stat().st_size > 0  # killed with half of it written
+    capsys.readouterr()
+    resumed = Trainer(config(run, max_steps=4, save_every=2), TargetModel(target), samples)
+    assert f"diffdraft train: removed {staging[0]} from {run}" in capsys.readouterr().err
+    assert resumed.state.step == 2
+    resumed.train()
+    assert_trained_alike(straight, resumed, run)

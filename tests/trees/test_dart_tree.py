@@ -11,6 +11,7 @@ from diffdraft.errors import InvalidRequestError
 from diffdraft.runtime.sampling import SamplingParams
 from diffdraft.trees import TreeBuilder, TreeRound
 from diffdraft.trees.dart import DartTreeBuilder, DartTreeSettings
+from diffdraft.trees.tree import MAX_TREE_NODES
 
 from conftest import PerContextLookups
 from test_ddtree import prefixes
@@ -94,7 +95,7 @@ def test_dart_tree_keeps_algorithm_1s_best_nodes(case) -> None:
             log_probs,
             history,
             ngram,
-            DartTreeSettings(tree_size=10**6, top_k=s.top_k, beam_width=s.beam_width),
+            DartTreeSettings(tree_size=MAX_TREE_NODES, top_k=s.top_k, beam_width=s.beam_width),
         )
     }
     got = sorted((reference_all[p] for p in paths), reverse=True)
@@ -135,3 +136,9 @@ def test_paper_defaults_give_a_59_node_tree() -> None:
     tree = DartTreeBuilder().build(TreeRound(1, Proposal(log_probs=log_probs), GREEDY, None))
     assert tree.num_nodes == 59
     assert int(tree.depths.max()) >= 2
+
+
+def test_a_tree_size_above_the_tree_bound_is_refused() -> None:
+    with pytest.raises(InvalidRequestError, match=f"tree_size must be at most {MAX_TREE_NODES} nodes"):
+        DartTreeSettings(tree_size=10**9)
+    assert DartTreeSettings(tree_size=MAX_TREE_NODES).tree_size == MAX_TREE_NODES

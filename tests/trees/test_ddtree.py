@@ -10,6 +10,7 @@ from diffdraft.drafters.base import Proposal
 from diffdraft.errors import InvalidRequestError
 from diffdraft.runtime.sampling import SamplingParams
 from diffdraft.trees import DDTreeBuilder, DraftTree, TreeBuilder, TreeRound
+from diffdraft.trees.tree import MAX_TREE_NODES
 
 GREEDY = SamplingParams()
 
@@ -190,3 +191,9 @@ def test_a_proposal_restricted_to_no_draft_vocabulary_is_its_full_rows() -> None
     assert proposal.log_probs is scored
     values, tokens = proposal.top(2)
     assert torch.equal(tokens, scored.topk(2, dim=-1).indices) and torch.equal(values, scored.topk(2).values)
+
+
+def test_a_budget_above_the_tree_bound_is_refused_before_any_tree_is_built() -> None:
+    with pytest.raises(InvalidRequestError, match=f"at most {MAX_TREE_NODES} nodes.*got 1000000000"):
+        DDTreeBuilder(10**9)
+    assert DDTreeBuilder(MAX_TREE_NODES).budget == MAX_TREE_NODES

@@ -39,3 +39,27 @@ def test_the_output_gets_the_umask_mode(tmp_path):
     finally:
         os.umask(previous)
     assert (tmp_path / "out").stat().st_mode & 0o777 == 0o750
+
+
+def test_a_durable_write_syncs_every_file_and_the_directories_before_and_after_the_rename(
+    tmp_path, monkeypatch
+):
+    out = tmp_path / "out"
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(
+        os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd))
+    )
+    with staged_directory(out, durable=True) as tmp:
+        (tmp / "sub").mkdir()
+        (tmp / "sub" / "a.txt").write_text("a")
+        (tmp / "b.txt").write_text("b")
+    names = [os.path.relpath(path, tmp) for path in synced[:-1]]
+    assert sorted(names[:-1]) == ["b.txt", "sub", os.path.join("sub", "a.txt")] and names[-1] == "."
+    assert names.index(os.path.join("sub", "a.txt")) < names.index("sub")  # a file before its folder
+    assert synced[-1] == str(tmp_path)  # the rename reaches the disk too
+    assert (out / "sub" / "a.txt").read_text() == "a"
+    synced.clear()
+    with staged_directory(out) as tmp:
+        (tmp / "c.txt").write_text("c")
+    assert synced == []  # the default stays as fast as it was

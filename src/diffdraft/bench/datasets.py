@@ -85,12 +85,12 @@ def read_jsonl(path: Path, dataset: str | None = None) -> list[Sample]:
             f"{path}: no such file; pass humaneval, mtbench, sharegpt or a jsonl file with {JSONL_SHAPE}"
         )
     samples = []
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
+    with path.open("rb") as lines:  # decoded line by line: a line that is not UTF-8 is named below
+        for number, raw in enumerate(lines, 1):
+            if not raw.strip():
                 continue
             try:
-                record = json.loads(line)
+                record = json.loads(raw.decode("utf-8"))
                 samples.append(sample_from_record(record, dataset or path.stem, f"{path.stem}:{number}"))
             except (json.JSONDecodeError, ValueError) as error:
                 raise InvalidRequestError(f"{path}:{number}: {error}; expected {JSONL_SHAPE}") from error

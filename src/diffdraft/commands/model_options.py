@@ -8,10 +8,13 @@ import argparse
 
 from diffdraft.decoding.method_table import METHODS, TreeRule
 from diffdraft.generator import SpeculativeGenerator, load
+from diffdraft.trees.tree import MAX_TREE_NODES
 
 
 def budget_argument(value: str) -> int | str:
-    """``--budget``'s value, a positive integer or 'auto': a bad one's error names both forms."""
+    """``--budget``'s value, an integer from 1 to :data:`~diffdraft.trees.tree.MAX_TREE_NODES` (where
+    a tree's verification grows past anything a round can gain) or 'auto': a bad one's error names
+    both forms, before anything loads."""
     if value == "auto":
         return value
     try:
@@ -20,6 +23,11 @@ def budget_argument(value: str) -> int | str:
         budget = None
     if budget is None or budget < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {value!r}")
+    if budget > MAX_TREE_NODES:
+        raise argparse.ArgumentTypeError(
+            f"at most {MAX_TREE_NODES} nodes (a larger tree costs more to verify than any round can gain), "
+            f"got {value!r}; pass e.g. 32, or 'auto'"
+        )
     return budget
 
 
@@ -41,7 +49,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         type=budget_argument,
         default=None,
         help="DDTree node budget (ddtree, ddtree+pld, deer-tree), or 'auto' (their default) to pick it from "
-        "this machine's verification cost, measured once; for dart the tree size (default: 32)",
+        f"this machine's verification cost, measured once; for dart the tree size (default: 32); at most "
+        f"{MAX_TREE_NODES}: a round verifies its whole tree in one forward whose mask and attention grow "
+        "with the nodes squared, and accepts at most the drafter's depth + 1 tokens",
     )
     p.add_argument(
         "--ngram",

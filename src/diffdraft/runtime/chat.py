@@ -34,6 +34,7 @@ def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[s
                 f"messages[{index}] must be a dict with a 'role' and a string 'content', as in {_SHAPE}; "
                 f"got {reprlib.repr(message)}"
             )
+        require_utf8(message["content"], f"messages[{index}]['content']")
     if not tokenizer.chat_template:
         raise InvalidRequestError(
             "this model's tokenizer has no chat template, so it cannot take chat messages; "
@@ -56,6 +57,7 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     """
     if not isinstance(text, str) or not text:
         raise InvalidRequestError(f"prompt must be a non-empty string; got {reprlib.repr(text)}")
+    require_utf8(text, "prompt")
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if not ids:
         raise InvalidRequestError(f"prompt {reprlib.repr(text)} encodes to no tokens; pass some text")
@@ -64,3 +66,21 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     if bos is not None and with_specials[:1] == [bos] and ids[:1] != [bos]:
         ids = [bos, *ids]
     return list(ids)
+
+
+def require_utf8(text: str, what: str) -> None:
+    """Refuse text that has no UTF-8 form, which the tokenizer rejected with a TypeError traceback:
+    lone surrogates, the form invalid bytes take in a command-line argument (Python decodes argv with
+    ``surrogateescape``) and what an unpaired ``\\udXXX`` escape in JSON decodes to."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        char = text[error.start]
+        if 0xDC80 <= ord(char) <= 0xDCFF:  # surrogateescape's stand-in for an undecodable byte
+            found = f"a byte that is not UTF-8 ({ord(char) - 0xDC00:#04x}; or an unpaired surrogate {char!r})"
+        else:
+            found = f"an unpaired surrogate {char!r} (half of a UTF-16 pair)"
+        raise InvalidRequestError(
+            f"{what} is not valid UTF-8 text: it has {found} at character {error.start}; pass the text "
+            "as UTF-8 (e.g. convert it with iconv -t UTF-8)"
+        ) from error

@@ -14,6 +14,35 @@ import torch
 
 from diffdraft.errors import InvalidRequestError
 
+MIN_TEMPERATURE = 1e-2
+"""The smallest temperature above 0 a request may ask for. Logits are divided by the temperature in
+float32, where a temperature under about 1e-38 rounds to 0 and ones not much larger overflow the
+scores of ordinary logits: 1e-300 gave inf and nan scores, and sampling failed with a traceback. The
+bound sits far above that edge because nothing is lost by it: at 1e-2 a token whose logit trails
+the best by 0.5 is already e^-50 (about 2e-22) times as likely, greedy in all but name, and
+temperature 0 is greedy exactly. vLLM raises smaller temperatures to the same 1e-2."""
+
+
+def check_sampling(temperature: float, top_k: int = 0, top_p: float = 1.0) -> None:
+    """Raise an :class:`InvalidRequestError` naming the first bad sampling parameter and what it
+    must be. The one check of every entry point (library requests, ``diffdraft generate`` before it
+    loads anything, the server): :class:`SamplingParams` runs it when made."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or math.isnan(temperature):
+        raise InvalidRequestError(f"temperature must be a number, got {temperature!r}")
+    if temperature < 0:
+        raise InvalidRequestError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
+    if not math.isfinite(temperature):
+        raise InvalidRequestError(f"temperature must be finite, got {temperature}; try 1.0")
+    if 0 < temperature < MIN_TEMPERATURE:
+        raise InvalidRequestError(
+            f"temperature {temperature:g} is too small to sample with: use 0 for greedy decoding (what "
+            f"tiny temperatures approach) or at least {MIN_TEMPERATURE:g}"
+        )
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise InvalidRequestError(f"top_k must be an integer >= 0 (0 disables it), got {top_k!r}")
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise InvalidRequestError(f"top_p must be in (0, 1] (1 disables it), got {top_p!r}")
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -24,14 +53,7 @@ class SamplingParams:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature):
-            raise InvalidRequestError(f"temperature must be a number, got {self.temperature!r}")
-        if self.temperature < 0:
-            raise InvalidRequestError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise InvalidRequestError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise InvalidRequestError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p!r}")
+        check_sampling(self.temperature, self.top_k, self.top_p)
 
     @property
     def greedy(self) -> bool:

@@ -34,6 +34,7 @@ from diffdraft.kernels.quantized.kernel_build import block_kernel, cpu_supported
 from diffdraft.target.attention_choice import attention_implementation
 from diffdraft.target.default_model import MODEL_NAME, default_cache_dir, default_gguf_path
 from diffdraft.target.gguf_cache import entry_dir, load_entry, save_entry
+from diffdraft.target.gguf_file import check_gguf_file
 from diffdraft.util.cache_digest import intact, sealed_directory
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -86,6 +87,9 @@ def load_target(
     (:mod:`diffdraft.target.gguf_cache`), so a later load of it reads the layout instead of
     dequantizing the file again.
     """
+    given = None if str(spec) == "default" else Path(spec).expanduser()
+    if given is not None and given.suffix.lower() == ".gguf" and given.is_file():
+        check_gguf_file(given)  # first: a cut file fails at once, not after a kernel build or a slow load
     gguf = _gguf_file(spec) if optimize and gguf_blocks else None
     entry = _cache_entry(spec, gguf, dtype, device, block_activations)
     cached = None if entry is None else load_entry(entry, gguf, torch.bfloat16)

@@ -65,8 +65,9 @@ from diffdraft.train.regenerate import (
     RegenerateReport,
     regenerate,
 )
+from diffdraft.train.run_checkpoints import saved_checkpoints, tokens_seen_at
 from diffdraft.train.source_replies import write_source_replies
-from diffdraft.train.trainer import Trainer, saved_checkpoints, tokens_seen_at
+from diffdraft.train.trainer import Trainer
 from diffdraft.util.fingerprint import tokenizer_fingerprint
 from diffdraft.util.heap import keep_freed_memory
 
@@ -700,11 +701,14 @@ def _run_capture(args: argparse.Namespace) -> None:
 
 
 def _run_eval(args: argparse.Namespace) -> None:
-    """One checkpoint, or every checkpoint of a run directory as a learning curve (tau vs tokens)."""
+    """One checkpoint, or every checkpoint of a run directory as a learning curve (tau vs tokens). A run
+    directory's training states are read (never unpickled beyond tensors and plain values) before
+    anything loads, so one that is refused costs nothing."""
+    checkpoints = saved_checkpoints(Path(args.drafter))
+    tokens_seen = [tokens_seen_at(c) for c in checkpoints]
     loaded = load_target(args.target, dtype=args.dtype, device=args.device)
     _, held_out = _split(args, loaded.tokenizer, for_eval=True)
     target = TargetModel(loaded.model)
-    checkpoints = saved_checkpoints(Path(args.drafter))
     dart = None
     if args.ngram is not None:
         dart = DartTrees(load_ngram(args.ngram, loaded.tokenizer))
@@ -715,11 +719,11 @@ def _run_eval(args: argparse.Namespace) -> None:
     else:
         print(f"learning curve: evaluating {len(checkpoints)} checkpoints of {args.drafter}", flush=True)
         result = {"learning_curve": []}
-        for checkpoint in checkpoints:
+        for checkpoint, tokens in zip(checkpoints, tokens_seen, strict=True):
             evaluation = evaluate_drafter(
                 load_draft_model(checkpoint), target, held_out, tuple(args.budgets), args.max_new_tokens, dart
             )
-            point = {"checkpoint": checkpoint.name, "tokens_seen": tokens_seen_at(checkpoint)}
+            point = {"checkpoint": checkpoint.name, "tokens_seen": tokens}
             result["learning_curve"].append(point | evaluation.to_dict())
             print(json.dumps(result["learning_curve"][-1]), flush=True)
     text = json.dumps(result, indent=2)

@@ -6,8 +6,9 @@ many anchored drafts trained in one drafter forward under a sparse mask (each fa
 DFlash its LM head) is shared and frozen; only the drafter learns (DEER owns its embedding and head).
 
 Everything random is derived from (seed, epoch, sample), so the run is reproducible, resumes
-exactly after a kill (optimizer, scheduler and data position are checkpointed), and gives the same
-weights on 1 or N processes with the same global batch.
+exactly after a kill at any instant (from its last complete checkpoint, which holds the optimizer,
+scheduler and data position: :mod:`diffdraft.train.run_checkpoints`), and gives the same weights on
+1 or N processes with the same global batch.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import sys
 import time
 import zlib
@@ -27,7 +27,7 @@ import torch
 from torch import distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from diffdraft.drafters.checkpoint import load_draft_model, save_draft_model
+from diffdraft.drafters.checkpoint import load_draft_model
 from diffdraft.drafters.families import DraftModel, check_compatible
 from diffdraft.errors import InvalidRequestError, TrainingDivergedError
 from diffdraft.target.model import TargetModel
@@ -39,10 +39,16 @@ from diffdraft.train.draft_vocab import frequent_tokens
 from diffdraft.train.features import CachedFeatures, OnlineFeatures
 from diffdraft.train.loss import gamma_at
 from diffdraft.train.objectives import make_objective, recipe_for, recipe_for_variant
+from diffdraft.train.run_checkpoints import (
+    latest_checkpoint,
+    load_training_state,
+    remove_incomplete,
+    save_checkpoint,
+    save_final,
+)
 from diffdraft.util.atomic_write import write_text_atomically
 from diffdraft.util.progress import progress_bar
 
-STATE_FILE = "training_state.pt"
 METRICS_FILE = "metrics.jsonl"
 
 
@@ -57,23 +63,6 @@ def _rank_and_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
-
-
-def saved_checkpoints(output_dir: Path) -> list[Path]:
-    """Complete ``checkpoint-<step>`` directories of a run, by step."""
-    candidates = [p for p in Path(output_dir).glob("checkpoint-*") if (p / STATE_FILE).is_file()]
-    return sorted(candidates, key=lambda p: int(p.name.split("-")[1]))
-
-
-def latest_checkpoint(output_dir: Path) -> Path | None:
-    checkpoints = saved_checkpoints(output_dir)
-    return checkpoints[-1] if checkpoints else None
-
-
-def tokens_seen_at(checkpoint: Path) -> int:
-    """Training tokens the run had consumed when ``checkpoint`` was written (memory-mapped: the
-    optimizer state in the same file is never read)."""
-    return int(torch.load(checkpoint / STATE_FILE, weights_only=False, mmap=True)["state"]["tokens_seen"])
 
 
 class Trainer:
@@ -108,6 +97,8 @@ class Trainer:
         for p in target.model.parameters():
             p.requires_grad_(False)
 
+        if self.rank == 0:  # the one writer: other ranks skip what is incomplete, as it does
+            remove_incomplete(self.output_dir)
         resume_from = latest_checkpoint(self.output_dir)
         if resume_from is not None:
             drafter = load_draft_model(resume_from)
@@ -134,16 +125,17 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.state = TrainState()
         if resume_from is not None:
-            saved = torch.load(resume_from / STATE_FILE, weights_only=False)
+            saved = load_training_state(resume_from)
             self.optimizer.load_state_dict(saved["optimizer"])
             self.scheduler.load_state_dict(saved["scheduler"])
             self.state = TrainState(**saved["state"])
-            if self.rank == 0:
-                self._forget_metrics_after(self.state.step)
+        if self.rank == 0:
+            self._forget_metrics_after(self.state.step)  # a fresh start (step 0): an aborted run's rows
 
     def _forget_metrics_after(self, step: int) -> None:
-        """Drop the log rows of the steps after the checkpoint resumed from (and a row half-written at
-        the kill): the run trains those steps again, and keeping both gave two rows per step."""
+        """Drop the log rows of the steps after the checkpoint resumed from, or on a fresh start all
+        rows of an earlier run stopped before its first checkpoint (and a row half-written at the
+        kill): the run trains those steps again, and keeping both gave two rows per step."""
         path = self.metrics_file
         if not path.is_file():
             return
@@ -340,7 +332,7 @@ class Trainer:
                 return self._finish_processes()
         progress.close()
         if self.rank == 0:
-            save_draft_model(self.drafter, self.output_dir / "final")
+            save_final(self.output_dir, self.drafter)
         return self._finish_processes()
 
     def _finish_processes(self) -> TrainState:
@@ -352,22 +344,16 @@ class Trainer:
         return self.state
 
     def save_checkpoint(self) -> Path:
-        """Drafter in the official layout plus what an exact resume needs; written atomically."""
+        """Drafter in the official layout plus what an exact resume needs, written whole
+        (:func:`~diffdraft.train.run_checkpoints.save_checkpoint`)."""
         path = self.output_dir / f"checkpoint-{self.state.step}"
-        tmp = path.with_name(path.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        save_draft_model(self.drafter, tmp)
-        torch.save(
-            {
-                "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(),
-                "state": asdict(self.state),
-                "config": asdict(self.config),
-            },
-            tmp / STATE_FILE,
-        )
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(tmp, path)
+        state = {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "state": asdict(self.state),
+            "config": asdict(self.config),
+        }
+        save_checkpoint(path, self.drafter, state)
         return path
 
 

@@ -24,7 +24,7 @@ import torch
 
 from diffdraft.errors import InvalidRequestError
 from diffdraft.trees.round import TreeRound
-from diffdraft.trees.tree import DraftTree
+from diffdraft.trees.tree import MAX_TREE_NODES, DraftTree
 
 if TYPE_CHECKING:
     from diffdraft.ngram import NgramTrie
@@ -50,6 +50,11 @@ class DartTreeSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidRequestError(f"DART tree {name} must be an integer >= 1, got {value!r}")
+        if self.tree_size > MAX_TREE_NODES:
+            raise InvalidRequestError(
+                f"DART tree tree_size must be at most {MAX_TREE_NODES} nodes (a larger tree costs more to "
+                f"verify than any round can gain), got {self.tree_size}; pass e.g. --budget 59"
+            )
 
 
 class DartTreeBuilder:

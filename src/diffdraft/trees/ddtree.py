@@ -17,7 +17,7 @@ import torch
 from diffdraft.errors import InvalidRequestError
 from diffdraft.runtime.stats import GenerationStats
 from diffdraft.trees.round import TreeRound
-from diffdraft.trees.tree import DraftTree
+from diffdraft.trees.tree import MAX_TREE_NODES, DraftTree
 
 
 class DDTreeBuilder:
@@ -34,6 +34,11 @@ class DDTreeBuilder:
             raise InvalidRequestError(
                 f"ddtree budget must be an integer >= 1 (the number of drafted nodes), got {budget!r}; "
                 "pass e.g. --budget 32"
+            )
+        if budget > MAX_TREE_NODES:
+            raise InvalidRequestError(
+                f"ddtree budget must be at most {MAX_TREE_NODES} nodes (a larger tree costs more to verify "
+                f"than any round can gain), got {budget}; pass e.g. --budget 32, or 'auto'"
             )
         self.budget = budget
 

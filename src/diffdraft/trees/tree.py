@@ -13,6 +13,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+MAX_TREE_NODES = 4096
+"""The most drafted nodes a tree may have (a DDTree budget, a DART tree size). A tree is verified in
+one target forward over its N + 1 tokens: its ancestor mask holds (N + 1)^2 entries and attention
+(N + 1) x (context + N + 1) scores per head, so memory grows with N^2 and every round costs what
+prefilling N tokens does. At 4096 nodes that is a 17 MB mask and 67 MB of float32 scores per head
+(2 GB for a 32-head layer where attention materializes them), far past what a round can gain: it
+accepts at most the drafter's depth + 1 tokens (17 for a block-16 DFlash drafter), and the auto
+budget plans no more than 256 nodes (:data:`diffdraft.budget.cost.MAX_BUDGET`). A budget of 1e9 was
+taken and built its tree node by node for minutes, memory growing by 25 MB/s, a tree no forward
+could verify."""
+
 
 @dataclass
 class DraftTree:

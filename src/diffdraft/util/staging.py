@@ -4,6 +4,7 @@ until the new one is complete."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import uuid
@@ -13,15 +14,40 @@ from pathlib import Path
 
 
 @contextmanager
-def staged_directory(out: Path) -> Iterator[Path]:
+def staged_directory(out: Path, durable: bool = False) -> Iterator[Path]:
     """A fresh directory ``.NAME.tmp-*`` beside ``out`` to write into; when the block succeeds it
-    replaces ``out``, and whatever happens it is gone afterwards."""
+    replaces ``out``, and whatever happens it is gone afterwards.
+
+    A killed process never leaves ``out`` half written, since the kernel still writes out what the
+    process wrote. ``durable`` also holds across a crash of the machine: every file is synced to disk
+    before the rename and the rename itself after it, so ``out`` never names a directory whose files
+    did not reach the disk. For what costs hours to make again (training checkpoints); a cache or an
+    export is cheaper to redo than to wait for."""
     tmp = temp_dir_beside(out)
     try:
         yield tmp
+        if durable:
+            _sync_tree(tmp)
         move_into_place(tmp, out)
+        if durable:
+            _sync(out.parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _sync_tree(root: Path) -> None:
+    """fsync every file and directory under ``root``, ``root`` last."""
+    for path in sorted(root.rglob("*"), key=lambda p: -len(p.parts)):
+        _sync(path)
+    _sync(root)
+
+
+def _sync(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 def temp_dir_beside(out: Path) -> Path:
