@@ -173,3 +173,10 @@ def test_the_api_docs_are_off_unless_asked_for(server, checkpoint):
     with LiveServer(create_app(scheduler, MODEL, docs=True)) as live:
         assert httpx.get(live.url + "/docs").status_code == 200
         assert "/v1/completions" in httpx.get(live.url + "/openapi.json").json()["paths"]
+
+
+def test_a_huge_n_is_refused_before_its_choices_are_built(server):
+    start = time.monotonic()
+    response = post(server, {**GREEDY, "n": 10**12})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "n"
+    assert time.monotonic() - start < 5

@@ -127,8 +127,8 @@ class _Api:
         endpoint = kind(self.model_name, self.method, self.token_text)
         try:
             body = self._parse(await read_body(request, self.limits), kind)
+            self._check_choices(body.n)  # before building them: n can be any size
             generations = endpoint.generation_requests(body, self._max_new_tokens(body))
-            self._check_choices(len(generations))
             check_prompt_chars(body.prompt_chars(), self.max_context, self.chars_per_token)
             loop = asyncio.get_running_loop()
             prepared = await loop.run_in_executor(self.tokenizing, self._prepare, generations)
