@@ -182,10 +182,17 @@ PLAIN = RoundPlan(0)
 
 
 def draft_round(sequences: Sequence[SequenceRun], plans: Sequence[RoundPlan]) -> list[VerifyInput]:
-    """Draft and build every sequence's tree of a round: one drafter call for all that draft (the
-    drafter's forks draft them in one forward where the family can, :func:`propose_together`), its
-    time shared evenly among them. Budget 0: the sequence verifies its free copy, if the plan gave it
-    one, else its pending token alone."""
+    """Draft and build every sequence's tree of a round (:func:`draft_proposals`, then
+    :meth:`SequenceRun.build` each)."""
+    proposals = draft_proposals(sequences, plans)
+    return [s.build(p, plan.budget) for s, p, plan in zip(sequences, proposals, plans, strict=True)]
+
+
+def draft_proposals(sequences: Sequence[SequenceRun], plans: Sequence[RoundPlan]) -> list[Proposal]:
+    """Every sequence's proposal for a round: one drafter call for all that draft (the drafter's
+    forks draft them in one forward where the family can, :func:`propose_together`), its time shared
+    evenly among them. Budget 0: the sequence's free copy, if the plan gave it one, else an empty
+    proposal (its pending token is verified alone)."""
     budgets = [plan.budget for plan in plans]
     depths = [s.tree_depth(budget) for s, budget in zip(sequences, budgets, strict=True)]
     drafting = [i for i, depth in enumerate(depths) if depth > 0]
@@ -203,7 +210,7 @@ def draft_round(sequences: Sequence[SequenceRun], plans: Sequence[RoundPlan]) ->
             proposals[i] = proposal
             if sequences[i].stats.first_draft_seconds is None:
                 sequences[i].stats.first_draft_seconds = share
-    return [s.build(p, budget) for s, p, budget in zip(sequences, proposals, budgets, strict=True)]
+    return proposals
 
 
 class SequenceRun:

@@ -6,16 +6,25 @@ disconnects (streaming or not) has its request cancelled, so its batch slot free
 The app does not own the scheduler: whoever started it closes it. With an API key, every ``/v1``
 route asks for it as ``Authorization: Bearer KEY`` (as OpenAI and vLLM do); /health and /metrics
 stay open for probes and scrapers.
+
+The event loop only reads, checks and answers: a body is read within :class:`ServerLimits` before it
+is parsed, and prompts are tokenized on a worker thread of the app's own, so a huge prompt never
+holds up /health or another client's stream. One thread, because a fast tokenizer used from two
+threads at once can fail ("Already borrowed"); the tokenizer releases the interpreter's lock
+while it works, so the loop runs meanwhile.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hmac
 import json
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -25,45 +34,20 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from diffdraft.errors import DiffdraftError, InvalidRequestError
-from diffdraft.generator import GenerationChunk, GenerationRequest, GenerationResult
+from diffdraft.generator import GenerationChunk, GenerationRequest, GenerationResult, PreparedRequest
+from diffdraft.serve.admission import check_max_tokens, check_prompt_chars, longest_token_chars, read_body
 from diffdraft.serve.endpoints import ChatEndpoint, CompletionEndpoint, Endpoint, usage_of
+from diffdraft.serve.limits import ServerLimits
 from diffdraft.serve.metrics import CLIENT_CLOSED, CONTENT_TYPE, ServerMetrics
 from diffdraft.serve.protocol import (
+    ApiError,
     ModelCard,
     ModelList,
     SamplingFields,
     describe_validation_error,
-    error_body,
     now,
 )
 from diffdraft.serve.scheduler import QueueFullError, RequestHandle, Scheduler, SchedulerClosedError
-
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "internal_server_error",
-    503: "service_unavailable_error",
-}
-
-
-class ApiError(Exception):
-    """A request that gets an OpenAI error body instead of a completion."""
-
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-
-    def body(self) -> dict:
-        return error_body(self.message, ERROR_TYPES.get(self.status, "api_error"), self.param, self.status)
-
-    def response(self) -> JSONResponse:
-        headers = {"Retry-After": "1"} if self.status in (429, 503) else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 def api_error(error: BaseException) -> ApiError:
@@ -123,14 +107,18 @@ async def _chunks(
 
 
 class _Api:
-    def __init__(self, scheduler: Scheduler, model_name: str) -> None:
+    def __init__(self, scheduler: Scheduler, model_name: str, limits: ServerLimits) -> None:
         self.scheduler = scheduler
         self.model_name = model_name
+        self.limits = limits
         self.method = scheduler.generator.method
         tokenizer = scheduler.generator.tokenizer
         self.token_text = functools.lru_cache(maxsize=1 << 16)(lambda token_id: tokenizer.decode([token_id]))
         """A token's text, for log-probabilities (special tokens shown as they are)."""
         self.max_context = scheduler.generator.target.max_context
+        self.chars_per_token = longest_token_chars(tokenizer)
+        self.tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffdraft-tokenize")
+        """Where prompts are tokenized, off the event loop (see the module docstring)."""
         self.metrics = ServerMetrics(scheduler)
         self.started = now()
 
@@ -138,8 +126,13 @@ class _Api:
         arrival = time.perf_counter()
         endpoint = kind(self.model_name, self.method, self.token_text)
         try:
-            body = self._parse(await request.body(), kind)
-            handles = self._submit(endpoint.generation_requests(body, self.max_context))
+            body = self._parse(await read_body(request, self.limits), kind)
+            self._check_choices(body.n)  # before building them: n can be any size
+            generations = endpoint.generation_requests(body, self._max_new_tokens(body))
+            check_prompt_chars(body.prompt_chars(), self.max_context, self.chars_per_token)
+            loop = asyncio.get_running_loop()
+            prepared = await loop.run_in_executor(self.tokenizing, self._prepare, generations)
+            handles = self._submit(prepared)
         except ClientDisconnect:  # gone while sending its body
             self.metrics.count(kind.path, CLIENT_CLOSED)
             return Response(status_code=CLIENT_CLOSED)
@@ -153,16 +146,35 @@ class _Api:
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
         return await self._collect(endpoint, handles, request, arrival)
 
-    def _submit(self, requests: list[GenerationRequest]) -> list[RequestHandle]:
-        """Every choice's request, or none: a choice refused (e.g. the queue is full) cancels those
-        already queued."""
-        if len(requests) > max(1, self.scheduler.max_queue):
+    def _max_new_tokens(self, body: SamplingFields) -> int:
+        """The completion tokens a request may generate: what it asks for, refused above
+        ``--max-tokens-cap``; without a limit of its own, the cap or the context, the smaller."""
+        cap = self.limits.max_tokens_cap
+        asked = body.max_new_tokens(min(cap, self.max_context))
+        check_max_tokens(asked, cap, body.max_tokens_field())
+        return asked
+
+    def _check_choices(self, choices: int) -> None:
+        if choices > max(1, self.scheduler.max_queue):
             raise ApiError(
                 400,
                 f"n is at most {self.scheduler.max_queue} on this server (the length of its queue, "
-                f"--max-queue), got {len(requests)}",
+                f"--max-queue), got {choices}",
                 "n",
             )
+
+    def _prepare(self, requests: list[GenerationRequest]) -> list[PreparedRequest]:
+        """Every choice encoded (on the tokenizing thread): the prompt once, the other choices
+        reuse its token ids."""
+        generator = self.scheduler.generator
+        first = generator.prepare(requests[0])
+        ids = first.spec.prompt_ids
+        same_prompt = {"prompt": None, "messages": None, "prompt_token_ids": ids}
+        return [first, *(generator.prepare(dataclasses.replace(r, **same_prompt)) for r in requests[1:])]
+
+    def _submit(self, requests: list[PreparedRequest]) -> list[RequestHandle]:
+        """Every choice's request, or none: a choice refused (e.g. the queue is full) cancels those
+        already queued."""
         handles: list[RequestHandle] = []
         try:
             for generation in requests:
@@ -174,6 +186,14 @@ class _Api:
         return handles
 
     def _parse(self, raw: bytes, kind: type[Endpoint]) -> SamplingFields:
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise ApiError(
+                400,
+                f"the request body is not valid UTF-8 (byte {raw[error.start]:#04x} at offset "
+                f"{error.start}): send the JSON encoded as UTF-8",
+            ) from None
         try:
             body = kind.body_model.model_validate_json(raw)
         except ValidationError as error:
@@ -276,10 +296,30 @@ def _sse(event: dict) -> str:
     return f"data: {json.dumps(event, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def create_app(scheduler: Scheduler, model_name: str, api_key: str | None = None) -> FastAPI:
-    """The ASGI app serving ``model_name`` through a started ``scheduler``; ``api_key`` guards /v1."""
-    api = _Api(scheduler, model_name)
-    app = FastAPI(title="diffdraft", summary="OpenAI-compatible lossless speculative decoding")
+def create_app(
+    scheduler: Scheduler,
+    model_name: str,
+    api_key: str | None = None,
+    limits: ServerLimits | None = None,
+    docs: bool = False,
+) -> FastAPI:
+    """The ASGI app serving ``model_name`` through a started ``scheduler``; ``api_key`` guards /v1,
+    ``limits`` bound each request (None: the defaults), ``docs`` serves /docs, /redoc and
+    /openapi.json (off by default: a public server need not describe itself to strangers)."""
+    api = _Api(scheduler, model_name, limits or ServerLimits())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        api.tokenizing.shutdown(wait=True, cancel_futures=True)
+
+    pages = {} if docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(
+        title="diffdraft",
+        summary="OpenAI-compatible lossless speculative decoding",
+        lifespan=lifespan,
+        **pages,
+    )
     app.state.api = api
 
     if api_key:

@@ -16,13 +16,19 @@ from typing import TYPE_CHECKING
 
 from diffdraft.commands.model_options import add_model_arguments, load_generator
 from diffdraft.errors import DiffdraftError
+from diffdraft.serve.limits import (
+    DEFAULT_BODY_SECONDS,
+    DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_MAX_TOKENS_CAP,
+    ServerLimits,
+)
 from diffdraft.target.default_model import MODEL_NAME
 
 if TYPE_CHECKING:
     import uvicorn
 
 API_KEY_VARIABLE = "DIFFDRAFT_API_KEY"
-"""Where ``serve`` and ``serve-load`` read the API key when no --api-key is given."""
+"""Where ``serve`` and ``serve-load`` read the API key when no --api-key (or --api-key-file) is given."""
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -51,11 +57,44 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         help=f"the model name clients send and /v1/models lists (default: {MODEL_NAME} for "
         "--target default, else --target as given, as vLLM names it)",
     )
-    p.add_argument(
+    key = p.add_mutually_exclusive_group()
+    key.add_argument(
         "--api-key",
-        default=os.environ.get(API_KEY_VARIABLE),
-        help=f"require this key on /v1 routes as 'Authorization: Bearer KEY' (default: ${API_KEY_VARIABLE}, "
-        "else none; /health and /metrics stay open)",
+        default=None,
+        help="require this key on /v1 routes as 'Authorization: Bearer KEY' (/health and /metrics stay "
+        "open); other users of this machine can read it in the process list: prefer --api-key-file or "
+        f"${API_KEY_VARIABLE}, which is the default (else no key)",
+    )
+    key.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="PATH",
+        help="read the API key from this file (its first line)",
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="larger request bodies get HTTP 413, before they are parsed (default: %(default)s, 4 MiB)",
+    )
+    p.add_argument(
+        "--max-tokens-cap",
+        type=int,
+        default=DEFAULT_MAX_TOKENS_CAP,
+        help="a request for more completion tokens gets HTTP 400; one that names none gets at most this "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=DEFAULT_BODY_SECONDS,
+        metavar="SECONDS",
+        help="a request body still arriving after this long gets HTTP 408 (default: %(default)s)",
+    )
+    p.add_argument(
+        "--docs",
+        action="store_true",
+        help="serve the interactive API docs at /docs, /redoc and /openapi.json (off by default)",
     )
     p.add_argument(
         "--log-level",
@@ -69,6 +108,33 @@ def served_model_name(args: argparse.Namespace) -> str:
     if args.served_model_name:
         return args.served_model_name
     return MODEL_NAME if args.target == "default" else str(args.target)
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """The key ``serve`` requires: --api-key, else --api-key-file's first line, else
+    $DIFFDRAFT_API_KEY, else none. Error messages never show it."""
+    if args.api_key_file is None:
+        return args.api_key or os.environ.get(API_KEY_VARIABLE) or None
+    try:
+        with open(args.api_key_file, encoding="utf-8") as file:
+            key = file.readline().strip()
+    except (OSError, UnicodeDecodeError) as error:
+        raise DiffdraftError(f"cannot read --api-key-file {args.api_key_file}: {error}") from None
+    if not key:
+        raise DiffdraftError(
+            f"--api-key-file {args.api_key_file} has no key on its first line: write the key there"
+        )
+    return key
+
+
+def server_limits(args: argparse.Namespace) -> ServerLimits:
+    try:
+        return ServerLimits(args.max_request_bytes, args.max_tokens_cap, args.body_timeout)
+    except ValueError:
+        raise DiffdraftError(
+            "need --max-request-bytes >= 1, --max-tokens-cap >= 1 and --body-timeout > 0, got "
+            f"{args.max_request_bytes}, {args.max_tokens_cap} and {args.body_timeout}"
+        ) from None
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -121,6 +187,8 @@ def run_serve(args: argparse.Namespace) -> int:
         raise DiffdraftError(
             f"need --max-batch-size >= 1 and --max-queue >= 0, got {args.max_batch_size} and {args.max_queue}"
         )
+    limits = server_limits(args)
+    key = api_key(args)
     sock = listen(args.host, args.port)
     try:
         print(f"diffdraft serve: loading {args.target} ({args.method})...", file=sys.stderr, flush=True)
@@ -131,9 +199,8 @@ def run_serve(args: argparse.Namespace) -> int:
         # garbage after the server's load")
         gc.freeze()
         name = served_model_name(args)
-        server = uvicorn.Server(
-            uvicorn.Config(create_app(scheduler, name, api_key=args.api_key), log_level=args.log_level)
-        )
+        app = create_app(scheduler, name, api_key=key, limits=limits, docs=args.docs)
+        server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level))
 
         def serve_http() -> None:
             try:
@@ -141,10 +208,10 @@ def run_serve(args: argparse.Namespace) -> int:
             finally:
                 scheduler.close()  # ends scheduler.run() below
 
-        key = ", API key required" if args.api_key else ""
+        guarded = ", API key required" if key else ""
         print(
             f"diffdraft serve: model {name!r} on http://{args.host}:{args.port}/v1 "
-            f"(batch {args.max_batch_size}, queue {args.max_queue}{key})",
+            f"(batch {args.max_batch_size}, queue {args.max_queue}{guarded})",
             file=sys.stderr,
             flush=True,
         )

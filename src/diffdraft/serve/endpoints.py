@@ -49,14 +49,13 @@ class Endpoint:
         self.id = new_id(self.id_prefix)
         self.created = now()
 
-    def generation_requests(self, body: Any, max_context: int) -> list[GenerationRequest]:
-        """The generations a validated body asks for, one per choice; no max_tokens means up to the
-        context's end."""
+    def generation_requests(self, body: Any, max_new_tokens: int) -> list[GenerationRequest]:
+        """The generations a validated body asks for, one per choice, each of up to ``max_new_tokens``."""
         return [
             GenerationRequest(
                 **self.prompt_input(body),
-                max_new_tokens=body.max_new_tokens(max_context),
-                temperature=body.temperature if body.temperature is not None else 1.0,
+                max_new_tokens=max_new_tokens,
+                temperature=body.sampling_temperature(),
                 top_p=body.top_p if body.top_p is not None else 1.0,
                 top_k=max(0, body.top_k or 0),
                 seed=seed,

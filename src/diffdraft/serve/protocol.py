@@ -13,6 +13,7 @@ import time
 import uuid
 from typing import Any, Literal
 
+from fastapi.responses import JSONResponse
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -33,6 +34,11 @@ FINISH_REASONS = {
 """diffdraft's stop reasons -> OpenAI's ``finish_reason``."""
 
 _TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+GREEDY_BELOW = 1e-5
+"""A ``temperature`` below this (0 < t < 1e-5) samples greedily, as vLLM treats it: dividing the
+logits by it would overflow float32 (1e-300 made every probability NaN and failed the request), and
+at such a temperature sampling is greedy but for logits that tie within about 1e-5."""
 
 
 class _Request(BaseModel):
@@ -65,8 +71,8 @@ class SamplingFields(_Request):
     model: str | None = None
     """The served model name; None means the one this server serves (as vLLM allows)."""
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0)
-    top_p: float | None = Field(default=None, gt=0, le=1)
+    temperature: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
     top_k: int | None = Field(default=None, ge=-1)
     """vLLM's extension; 0 and -1 both disable it."""
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
@@ -106,6 +112,21 @@ class SamplingFields(_Request):
     def max_new_tokens(self, default: int) -> int:
         return self.max_tokens if self.max_tokens is not None else default
 
+    def max_tokens_field(self) -> str:
+        """The name of the field that set :meth:`max_new_tokens` (for error messages)."""
+        return "max_tokens"
+
+    def sampling_temperature(self) -> float:
+        """The temperature to sample at: OpenAI's default 1 when unset, 0 (greedy) below
+        :data:`GREEDY_BELOW`."""
+        if self.temperature is None:
+            return 1.0
+        return 0.0 if self.temperature < GREEDY_BELOW else self.temperature
+
+    def prompt_chars(self) -> int:
+        """Characters of prompt text, counted before tokenizing it (token ids count none)."""
+        raise NotImplementedError
+
     def stop_strings(self) -> list[str]:
         if self.stop is None:
             return []
@@ -141,6 +162,12 @@ class ChatCompletionRequest(SamplingFields):
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens
         return super().max_new_tokens(default)
+
+    def max_tokens_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    def prompt_chars(self) -> int:
+        return sum(len(message["content"]) for message in self.chat_messages())
 
     def chat_messages(self) -> list[dict[str, str]]:
         """Messages as the chat template takes them: text parts joined, ``developer`` as ``system``."""
@@ -185,6 +212,10 @@ class CompletionRequest(SamplingFields):
             return {"prompt": prompt}
         return {"prompt_token_ids": prompt}
 
+    def prompt_chars(self) -> int:
+        prompt = self.prompt_input().get("prompt")
+        return 0 if prompt is None else len(prompt)
+
 
 def _is_prompt_list(prompt: object) -> bool:
     """A list of prompts (texts or token id lists), as opposed to one prompt's token ids."""
@@ -206,6 +237,36 @@ class ErrorResponse(_Response):
 
 def error_body(message: str, type: str, param: str | None = None, code: int | str | None = None) -> dict:
     return ErrorResponse(error=ErrorDetail(message=message, type=type, param=param, code=code)).model_dump()
+
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_server_error",
+    503: "service_unavailable_error",
+}
+
+
+class ApiError(Exception):
+    """A request that gets an OpenAI error body instead of a completion."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+    def body(self) -> dict:
+        return error_body(self.message, ERROR_TYPES.get(self.status, "api_error"), self.param, self.status)
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": "1"} if self.status in (429, 503) else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 def describe_validation_error(error: ValidationError) -> tuple[str, str | None]:

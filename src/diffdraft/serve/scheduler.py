@@ -5,6 +5,10 @@ One thread owns the models: between rounds it admits waiting requests into the b
 its tokens made visible. Clients submit from any thread; an ``async`` caller (the HTTP server)
 gets its chunks through its event loop, a plain caller by blocking iteration.
 
+A request that fails on its own (its prefill, its part of a round, the decoding of its text) ends
+with that error alone: the others in the batch and the rounds go on. Only a failure of what the
+batch shares, such as the target's forward running out of memory, ends every request in it.
+
 That thread should be the one that loaded the models (:meth:`Scheduler.run`), not a new one
 (:meth:`Scheduler.start`): PyTorch's CPU builds run their parallel kernels on OpenMP, whose GNU
 runtime keeps a pool of threads per thread that ever ran a parallel kernel. Once the pools' threads
@@ -16,6 +20,7 @@ decoded far slower than the loading thread (docs/decisions.md, "generate in the 
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 from collections import deque
@@ -26,6 +31,8 @@ from diffdraft.decoding.batching import BatchEngine
 from diffdraft.decoding.engine import SequenceRun
 from diffdraft.errors import DiffdraftError
 from diffdraft.generator import GenerationChunk, GenerationRequest, PreparedRequest, SpeculativeGenerator
+
+log = logging.getLogger(__name__)
 
 
 class QueueFullError(DiffdraftError):
@@ -172,9 +179,11 @@ class Scheduler:
         elif serving is not threading.current_thread():
             self._stopped.wait(timeout)  # run()'s caller goes on after it: nothing to join
 
-    def submit(self, request: GenerationRequest) -> RequestHandle:
-        """Queue a request; its errors (bad settings, a prompt over the context) raise here, at once."""
-        prepared = self.generator.prepare(request)
+    def submit(self, request: GenerationRequest | PreparedRequest) -> RequestHandle:
+        """Queue a request; its errors (bad settings, a prompt over the context) raise here, at once.
+        A :class:`PreparedRequest` (from ``generator.prepare``) is queued as it is: a caller that must
+        not wait for the tokenizer, such as an event loop, prepares it on another thread."""
+        prepared = request if isinstance(request, PreparedRequest) else self.generator.prepare(request)
         handle = RequestHandle(prepared)
         with self._wake:
             if self._closing:
@@ -203,8 +212,9 @@ class Scheduler:
                     self._admit(handle)
                 self._drop_cancelled()
                 try:
-                    committed = self._batch.step()
-                except Exception as error:  # e.g. out of memory: fail this batch, keep serving
+                    committed = self._batch.step(on_failure=self._fail)
+                except Exception as error:  # a shared part, e.g. out of memory: fail this batch, keep serving
+                    log.exception("a round failed: its %d requests end with the error", len(self._running))
                     self._fail_running(error)
                     continue
                 for sequence, new in committed:
@@ -229,6 +239,7 @@ class Scheduler:
         try:
             sequence, first = self._batch.add(prepared.spec)
         except Exception as error:
+            log.exception("a request failed in its prefill")
             handle.put(error)
             return
         self._running[sequence] = handle
@@ -236,12 +247,23 @@ class Scheduler:
 
     def _deliver(self, sequence: SequenceRun, new: list[int]) -> None:
         handle = self._running[sequence]
-        chunk = handle.prepared.add(new)
+        try:
+            chunk = handle.prepared.add(new)
+            last = self.generator.finish(handle.prepared) if sequence.done else None
+        except Exception as error:  # e.g. decoding its text
+            self._fail(sequence, error)
+            return
         if chunk is not None:
             handle.put(chunk)
-        if sequence.done:
+        if last is not None:
             del self._running[sequence]
-            handle.put(self.generator.finish(handle.prepared))
+            handle.put(last)
+
+    def _fail(self, sequence: SequenceRun, error: Exception) -> None:
+        """One request failed on its own: it leaves the batch and ends with ``error``; the rest go on."""
+        log.error("a request failed on its own; the batch goes on", exc_info=error)
+        self._batch.remove(sequence)
+        self._running.pop(sequence).put(error)
 
     def _drop_cancelled(self) -> None:
         for sequence, handle in list(self._running.items()):

@@ -1,0 +1,33 @@
+"""The server's limits on one request, with their defaults (``diffdraft serve``'s options); kept
+free of the web stack so the command line can name the defaults without importing it.
+:mod:`diffdraft.serve.admission` applies them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
+"""4 MiB: a 128k-token context of text is about 0.5 M characters, under 4 MiB even JSON-escaped
+(up to 6 bytes a character)."""
+DEFAULT_MAX_TOKENS_CAP = 4096
+DEFAULT_BODY_SECONDS = 30.0
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """The server's limits on one request (``diffdraft serve``'s options of the same names)."""
+
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    """A larger body gets 413, refused from its Content-Length or once that much has arrived."""
+    max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP
+    """A request asking for more completion tokens gets 400, as OpenAI's API answers a
+    ``max_tokens`` over a model's output limit; a request without ``max_tokens`` gets at most this."""
+    body_timeout: float = DEFAULT_BODY_SECONDS
+    """A body still arriving after this long gets 408 (a slow sender holds a connection, no more)."""
+
+    def __post_init__(self) -> None:
+        if self.max_request_bytes < 1 or self.max_tokens_cap < 1 or not self.body_timeout > 0:
+            raise ValueError(
+                "need max_request_bytes >= 1, max_tokens_cap >= 1 and body_timeout > 0, got "
+                f"{self.max_request_bytes}, {self.max_tokens_cap} and {self.body_timeout}"
+            )
