@@ -3,7 +3,6 @@ loader reads (src/models/dflash.cpp), the target's tokenizer, the refusals, the 
 
 from __future__ import annotations
 
-import os
 import shlex
 import subprocess
 from pathlib import Path
@@ -20,7 +19,9 @@ from diffdraft.errors import ExportError, InvalidRequestError
 from diffdraft.export import export_drafter
 from diffdraft.export.llamacpp import LAYER_NAMES, build, launch, read_target
 
-from conftest import tiny_drafter, tiny_target
+from diffdraft_testing.drafters import tiny_drafter
+from diffdraft_testing.llama_cpp import LLAMA_CPP_BIN
+from diffdraft_testing.targets import tiny_target
 
 VOCAB = 64
 
@@ -246,15 +247,6 @@ def test_the_cli_exits_2_with_one_line_and_writes_nothing(files, tmp_path, capsy
     err = capsys.readouterr().err
     assert err.startswith("diffdraft: error: ") and err.count("\n") == 1
     assert list(tmp_path.iterdir()) == []
-
-
-LLAMA_CPP_BIN = Path(
-    os.environ.get(
-        "DIFFDRAFT_LLAMA_CPP_BIN",
-        "/work/bench/sdist/llama_cpp_python-0.3.36/vendor/llama.cpp/build-noamx/bin",
-    )
-)
-"""Where llama.cpp's binaries are (built from the llama-cpp-python sdist's vendored source)."""
 
 
 @pytest.mark.real_model

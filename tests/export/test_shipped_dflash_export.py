@@ -17,7 +17,7 @@ from diffdraft.drafters.checkpoint import load_draft_model
 from diffdraft.errors import ExportError
 from diffdraft.export import export_drafter
 
-from test_llamacpp_export import LLAMA_CPP_BIN
+from diffdraft_testing.llama_cpp import LLAMA_CPP_BIN
 
 pytestmark = pytest.mark.real_model
 

@@ -21,8 +21,9 @@ from diffdraft.target.loading import LoadedModel, end_token_ids, fastest_dtype, 
 from diffdraft.target.model import TargetModel
 from diffdraft.trees import ChainBuilder
 
-from conftest import CHECKPOINT_VOCAB as VOCAB
-from conftest import FAMILIES, hf_greedy, make_checkpoint
+from diffdraft_testing.checkpoints import CHECKPOINT_VOCAB as VOCAB
+from diffdraft_testing.checkpoints import make_checkpoint
+from diffdraft_testing.targets import FAMILIES, hf_greedy
 
 
 def edit_config(path: Path, **changes: object) -> None:

@@ -15,7 +15,8 @@ from diffdraft.target.loading import fastest_dtype
 from diffdraft.train import cli as train_cli
 from diffdraft.train.cli import process_group_backend, run_train
 
-from conftest import CHECKPOINT_VOCAB, make_checkpoint, parse_train_args
+from diffdraft_testing.checkpoints import CHECKPOINT_VOCAB, make_checkpoint
+from diffdraft_testing.training import parse_train_args
 
 COPIED = " ".join(f"word{i}" for i in range(13))
 HELD_OUT = [Sample("p2", "sharegpt", messages=[{"role": "user", "content": "Q: " + COPIED}])]

@@ -27,7 +27,8 @@ from diffdraft.train.features import capture_features
 from diffdraft.train.trainer import Trainer
 from diffdraft.trees import DDTreeBuilder
 
-from conftest import hf_greedy, speculated_tokens, tiny_target, windowed_target
+from diffdraft_testing.engine import speculated_tokens
+from diffdraft_testing.targets import hf_greedy, tiny_target, windowed_target
 
 RESPONSE = 24
 

@@ -12,8 +12,8 @@ from diffdraft.runtime.sampling import SamplingParams
 from diffdraft.trees import TreeBuilder, TreeRound
 from diffdraft.trees.dart import DartTreeBuilder, DartTreeSettings
 
-from conftest import PerContextLookups
-from test_ddtree import prefixes
+from diffdraft_testing.ngram import PerContextLookups
+from diffdraft_testing.trees import prefixes
 
 GREEDY = SamplingParams()
 
