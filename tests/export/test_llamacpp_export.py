@@ -20,7 +20,7 @@ from diffdraft.export import export_drafter
 from diffdraft.export.llamacpp import LAYER_NAMES, build, launch, read_target
 
 from diffdraft_testing.drafters import tiny_drafter
-from diffdraft_testing.llama_cpp import LLAMA_CPP_BIN
+from diffdraft_testing.llama_cpp import llama_cpp_binary
 from diffdraft_testing.targets import tiny_target
 
 VOCAB = 64
@@ -251,11 +251,7 @@ def test_the_cli_exits_2_with_one_line_and_writes_nothing(files, tmp_path, capsy
 
 @pytest.mark.real_model
 def test_llama_cpp_runs_the_exported_drafter_beside_the_default_target(tmp_path):
-    speculative = LLAMA_CPP_BIN / "llama-speculative-simple"
-    if not speculative.is_file():
-        pytest.skip(
-            f"no {speculative}: build llama.cpp's llama-speculative-simple (or set DIFFDRAFT_LLAMA_CPP_BIN)"
-        )
+    speculative = llama_cpp_binary("llama-speculative-simple")
     from diffdraft.target.default_model import default_gguf_path
     from diffdraft.target.loading import load_target
 
