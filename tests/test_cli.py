@@ -15,7 +15,8 @@ from diffdraft.errors import CheckpointError
 from diffdraft.target.loading import load_target
 from diffdraft.util.fingerprint import tokenizer_fingerprint
 
-from conftest import make_checkpoint, tiny_drafter
+from diffdraft_testing.checkpoints import make_checkpoint
+from diffdraft_testing.drafters import tiny_drafter
 
 
 @pytest.fixture(scope="module")

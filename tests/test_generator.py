@@ -18,7 +18,9 @@ from diffdraft.drafters.deer_model import deer_from_causal_lm
 from diffdraft.target.loading import load_target
 from diffdraft.util.fingerprint import tokenizer_fingerprint
 
-from conftest import hf_greedy, make_checkpoint, save_tiny_drafter, tiny_dart, tiny_drafter
+from diffdraft_testing.checkpoints import make_checkpoint, save_tiny_drafter
+from diffdraft_testing.drafters import tiny_dart, tiny_drafter
+from diffdraft_testing.targets import hf_greedy
 
 
 @pytest.fixture(scope="module")

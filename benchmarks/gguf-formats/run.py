@@ -27,11 +27,11 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
-LLAMA_ROOT = Path("/work/bench/sdist/llama_cpp_python-0.3.36/vendor/llama.cpp")
-DEFAULT_LLAMA_BIN = LLAMA_ROOT / "build-noamx" / "bin"
-"""The build with GGML's AMX code left out: the default ``build`` (``-march=native`` with AMX) died of
-an illegal instruction on this machine's KVM guest as soon as it computed."""
-MODELS = Path("/work/bench/models")
+LLAMA_BIN_VARIABLE = "DIFFDRAFT_LLAMA_CPP_BIN"
+"""Names llama.cpp's bin folder (``--llama-bin``'s default); without it the binaries come from PATH."""
+MODELS_VARIABLE = "DIFFDRAFT_BENCH_MODELS"
+"""Names the folder of the GGUF files in :data:`DEFAULT_FILES` (default: ``models/`` in this folder)."""
+MODELS = Path(os.environ.get(MODELS_VARIABLE, HERE / "models"))
 DEFAULT_FILES = [
     "SHIPPED",  # the SmolLM2-135M-Instruct Q4_1 file shipped with diffdraft (its default target)
     str(MODELS / "SmolLM2-135M-Instruct.Q4_0.from-Q4_1.gguf"),
@@ -226,6 +226,22 @@ _PERF = {
     "eval": r"(?<!prompt )eval time =\s*([\d.]+) ms /\s*(\d+) runs",
     "total": r"total time =\s*([\d.]+) ms /\s*(\d+) tokens",
 }
+
+
+def default_llama_bin() -> Path | None:
+    """llama.cpp's bin folder: ``$DIFFDRAFT_LLAMA_CPP_BIN``, else the folder of ``llama-bench`` on PATH,
+    else None. Never a path of one machine: the binaries are built wherever their user builds them."""
+    if folder := os.environ.get(LLAMA_BIN_VARIABLE):
+        return Path(folder)
+    found = shutil.which("llama-bench")
+    return None if found is None else Path(found).parent
+
+
+def checked_llama_bin(bin_dir: Path | None) -> Path:
+    """``bin_dir`` (``--llama-bin``), or exit saying how to name llama.cpp's binaries."""
+    if bin_dir is None:
+        sys.exit(f"no llama.cpp binaries: pass --llama-bin DIR, set {LLAMA_BIN_VARIABLE} or put them on PATH")
+    return bin_dir
 
 
 def find_completion_binary(bin_dir: Path) -> Path | None:
@@ -976,7 +992,7 @@ def main() -> None:
     )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--ctx", type=int, default=2048, help="llama-completion -c")
-    parser.add_argument("--llama-bin", type=Path, default=DEFAULT_LLAMA_BIN)
+    parser.add_argument("--llama-bin", type=Path, default=default_llama_bin())
     parser.add_argument(
         "--file-timeout", type=float, default=3600, help="seconds for one file's diffdraft part"
     )
@@ -998,6 +1014,7 @@ def main() -> None:
     )
     log(f"{command}; out {out}")
     prompts = read_prompts()
+    args.llama_bin = checked_llama_bin(args.llama_bin)
     completion = find_completion_binary(args.llama_bin)
     if completion is None or not (args.llama_bin / "llama-bench").is_file():
         sys.exit(f"no llama-bench / llama-completion under {args.llama_bin}")

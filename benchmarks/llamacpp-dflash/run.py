@@ -418,8 +418,9 @@ def main() -> None:
     parser.add_argument("--mtbench", type=int, default=6)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--llama-bin", type=Path, default=gguf_run.DEFAULT_LLAMA_BIN)
+    parser.add_argument("--llama-bin", type=Path, default=gguf_run.default_llama_bin())
     args = parser.parse_args()
+    args.llama_bin = gguf_run.checked_llama_bin(args.llama_bin)
     import torch
 
     torch.set_num_threads(args.threads)

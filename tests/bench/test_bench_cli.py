@@ -6,7 +6,6 @@ import argparse
 import json
 
 import pytest
-from test_methods import save_dart_and_trie, save_deer
 
 from diffdraft.bench import methods
 from diffdraft.bench.cli import _deer_drafter, add_bench_parser, run_bench
@@ -16,7 +15,8 @@ from diffdraft.drafters.checkpoint import save_draft_model
 from diffdraft.errors import InvalidRequestError
 from diffdraft.target.loading import load_target
 
-from conftest import make_checkpoint, tiny_drafter
+from diffdraft_testing.checkpoints import make_checkpoint, save_dart_and_trie, save_deer
+from diffdraft_testing.drafters import tiny_drafter
 
 
 @pytest.fixture(scope="module")

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import pytest
-from test_runner import TEMPLATE, Stub, checker
 
 from diffdraft.bench.journal import JOURNAL, Journal
 from diffdraft.bench.runner import BenchOptions, run_benchmark
 from diffdraft.data.samples import Sample
 from diffdraft.errors import InvalidRequestError
 
-from conftest import tiny_tokenizer
+from diffdraft_testing.bench import TEMPLATE, Stub, checker
+from diffdraft_testing.checkpoints import tiny_tokenizer
 
 FINGERPRINT = {"command": "diffdraft bench --methods ar,pld", "cpu": "test cpu"}
 

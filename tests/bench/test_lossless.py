@@ -2,30 +2,11 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
-import torch
-from torch import nn
 
 from diffdraft.bench.lossless import LosslessChecker, first_divergence
 
-
-class FixedLogits(nn.Module):
-    """A 'float32 target' whose next-token logits are always the same."""
-
-    def __init__(self, logits: list[float]) -> None:
-        super().__init__()
-        self.logits = torch.tensor(logits)
-        self.seen: list[list[int]] = []
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cpu")
-
-    def forward(self, input_ids, logits_to_keep=0):
-        self.seen.append(input_ids[0].tolist())
-        return SimpleNamespace(logits=self.logits[None, None])
+from diffdraft_testing.bench import FixedLogits
 
 
 def test_first_divergence_counts_a_length_difference():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -20,35 +19,12 @@ from diffdraft.bench.methods import (
 )
 from diffdraft.budget.batch_cost import BatchCostCurve
 from diffdraft.drafters.checkpoint import save_draft_model
-from diffdraft.drafters.deer_model import deer_from_causal_lm
 from diffdraft.errors import InvalidRequestError
 from diffdraft.generator import GenerationRequest
-from diffdraft.ngram.build import build_from_sources
 from diffdraft.target.loading import load_target
-from diffdraft.util.fingerprint import tokenizer_fingerprint
 
-from conftest import make_checkpoint, tiny_dart, tiny_drafter
-
-
-def save_dart_and_trie(target: Path, root: Path) -> tuple[Path, Path]:
-    """A random DART drafter for a tiny saved target and a 3-gram trie built with its tokenizer."""
-    loaded = load_target(target)
-    save_draft_model(tiny_dart(loaded.model, draft_length=4).float(), root / "dart")
-    corpus = root / "corpus.jsonl"
-    texts = ["hello world, the quick", "the quick brown fox", "hello fox, the brown world"]
-    corpus.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
-    build_from_sources(
-        loaded.tokenizer, [str(corpus)], root / "trie", min_count=1, decontaminate=False, progress=False
-    )
-    return root / "dart", root / "trie"
-
-
-def save_deer(target: Path, path: Path) -> Path:
-    """A DEER drafter cut from a tiny saved target's first layer, recording its tokenizer."""
-    loaded = load_target(target)
-    fingerprint = tokenizer_fingerprint(loaded.tokenizer)
-    save_draft_model(deer_from_causal_lm(loaded.model, 1, 4, 0, fingerprint, "tiny target"), path)
-    return path
+from diffdraft_testing.checkpoints import make_checkpoint, save_dart_and_trie, save_deer
+from diffdraft_testing.drafters import tiny_drafter
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,8 @@ import torch
 
 from diffdraft.bench.probes import ForwardCall, ForwardProbe, TimedNgram, rounds_from_calls
 
-from conftest import PerContextLookups, tiny_target
+from diffdraft_testing.ngram import PerContextLookups
+from diffdraft_testing.targets import tiny_target
 
 
 def test_rounds_are_recovered_from_cache_lengths():

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 
-from test_summary import CURVE, record
-
 from diffdraft.bench.report import write_outputs
 from diffdraft.bench.runner import BenchRun
 from diffdraft.bench.summary import checks, summarize
 
-from conftest import tiny_tokenizer
+from diffdraft_testing.bench import CURVE, record
+from diffdraft_testing.checkpoints import tiny_tokenizer
 
 HEADER = {
     "command": "diffdraft bench --quick",

@@ -3,42 +3,13 @@
 from __future__ import annotations
 
 import pytest
-import torch
-from test_lossless import FixedLogits
 
-from diffdraft.bench.lossless import LosslessChecker
-from diffdraft.bench.methods import STAGE_NAMES, Completion, MethodSpec, Request
 from diffdraft.bench.runner import BenchOptions, run_benchmark
 from diffdraft.data.samples import Sample
 from diffdraft.errors import InvalidRequestError
 
-from conftest import tiny_tokenizer
-
-TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant: {% endif %}"
-)
-
-
-class Stub:
-    """A method that answers with fixed tokens, optionally one token off, and logs its calls."""
-
-    def __init__(self, label: str, log: list, reply: list[int], off_at: int | None = None) -> None:
-        self.spec = MethodSpec.parse(label)
-        self.dtype = torch.float32
-        self.log = log
-        self.reply = reply
-        self.off_at = off_at
-
-    def generate(self, request: Request) -> Completion:
-        self.log.append(
-            (self.spec.label, tuple(request.prompt_token_ids), request.max_new_tokens, request.seed)
-        )
-        tokens = list(self.reply[: request.max_new_tokens])
-        if self.off_at is not None and self.off_at < len(tokens):
-            tokens[self.off_at] += 1
-        stages = dict.fromkeys(STAGE_NAMES, 0.001)
-        return Completion(tokens, 0.01, [1] * (len(tokens) - 1), stages, [1] * (len(tokens) - 1))
+from diffdraft_testing.bench import TEMPLATE, Stub, checker
+from diffdraft_testing.checkpoints import tiny_tokenizer
 
 
 @pytest.fixture
@@ -46,10 +17,6 @@ def tokenizer():
     tok = tiny_tokenizer()
     tok.chat_template = TEMPLATE
     return tok
-
-
-def checker(tolerance: float = 0.0) -> LosslessChecker:
-    return LosslessChecker(lambda: FixedLogits([0.0, 5.0, 9.0, 8.0, 1.0]), tolerance)
 
 
 def test_methods_are_interleaved_per_prompt_after_a_warm_up(tokenizer):

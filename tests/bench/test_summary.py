@@ -4,40 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from diffdraft.bench.methods import STAGE_NAMES, Completion
-from diffdraft.bench.records import Record
 from diffdraft.bench.summary import checks, summarize
-from diffdraft.budget.cost import VerifyCostCurve
 
-
-def record(
-    method: str,
-    repeat: int,
-    seconds: float,
-    lengths: list[int],
-    sizes: int = 1,
-    draft: float = 0.0,
-    engine: str = "diffdraft",
-    prefill: float = 0.0,
-):
-    tokens = list(range(1 + sum(lengths)))
-    stages = dict.fromkeys(STAGE_NAMES, 0.0) | {"draft": draft, "prefill": prefill}
-    done = Completion(
-        tokens,
-        seconds,
-        lengths,
-        stages,
-        [sizes] * len(lengths),
-        [0.01] * len(lengths),
-        verify_contexts=[5 + sum(lengths[:i]) for i in range(len(lengths))],
-        draft_depths=[sizes - 1] * len(lengths),
-        engine=engine,
-    )
-    return Record("set", "s", 0, 0.0, repeat, method, 5, done, compared=method != "ar")
-
-
-# verifying gets dearer with the cache: +0.01 s per 100 cached tokens
-CURVE = VerifyCostCurve(sizes=[1, 64], contexts=[0, 100], seconds=[[0.01, 0.02], [0.02, 0.03]])
+from diffdraft_testing.bench import CURVE, record
 
 
 def test_speedup_is_per_repeat_with_spread_and_acceptance_is_counted():

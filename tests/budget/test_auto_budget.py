@@ -16,7 +16,7 @@ from diffdraft.runtime.sampling import SamplingParams
 from diffdraft.runtime.stats import GenerationStats
 from diffdraft.trees import DDTreeBuilder, RoundSequence, TreeRound
 
-from test_planner import _verified
+from diffdraft_testing.budget import verified
 
 
 def test_the_auto_builder_keeps_the_best_first_prefix_of_the_planned_size_and_explores_past_it():
@@ -33,16 +33,16 @@ def test_the_auto_builder_keeps_the_best_first_prefix_of_the_planned_size_and_ex
     expected = DDTreeBuilder(12).build(TreeRound(5, proposal, SamplingParams(), None))
     assert stats.budgets == [8] and len(stats.surrogates) == 1  # recorded in the sequence's own stats
     assert torch.equal(tree.tokens, expected.tokens) and torch.equal(tree.parents, expected.parents)
-    _verified(stats, tree.num_nodes, [1], context=300, seconds=0.02)
+    verified(stats, tree.num_nodes, [1], context=300, seconds=0.02)
     assert builder.plan([RoundSequence(stats, 302, can_draft=True)]) == [8]  # the last flat size
     assert builder.plan([RoundSequence(stats, 302, can_draft=False)]) == [0]
     tree = builder.build(TreeRound(5, proposal, SamplingParams(), None, context=302, stats=stats, budget=8))
     assert tree.num_nodes == 8
-    _verified(stats, tree.num_nodes, [], context=302, seconds=0.01)
+    verified(stats, tree.num_nodes, [], context=302, seconds=0.01)
     # the next refresh verifies a quarter of the budget less, to measure what a node costs around it
     tree = builder.build(TreeRound(5, proposal, SamplingParams(), None, context=304, stats=stats, budget=8))
     assert tree.num_nodes == 6
-    _verified(stats, tree.num_nodes, [2], context=304, seconds=0.01)
+    verified(stats, tree.num_nodes, [2], context=304, seconds=0.01)
     assert builder.planner.rank_gains()[1].sum() == 0  # nothing learned while the sequence runs
     builder.observe_generation(stats)
     assert stats.budgets == [8, 8, 8]

@@ -10,7 +10,8 @@ from diffdraft.budget import batch_cost
 from diffdraft.budget.batch_cost import BatchCostCurve, load_or_measure_batch_cost, measure_batch_cost
 from diffdraft.target.model import TargetModel
 
-from conftest import slow_after_bigger_forwards, tiny_target
+from diffdraft_testing.budget import slow_after_bigger_forwards
+from diffdraft_testing.targets import tiny_target
 
 
 def test_the_curve_shares_tokens_evenly_and_interpolates_every_axis():

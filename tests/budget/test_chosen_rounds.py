@@ -12,7 +12,7 @@ from diffdraft.budget.round_budget import RoundBudgetPlanner
 from diffdraft.runtime.stats import GenerationStats
 from diffdraft.trees import RoundSequence
 
-from budget.test_round_budget import drafted_once, losing_planner
+from diffdraft_testing.budget import drafted_once, losing_planner
 
 EXPECTED = [1.0, 2.0, 3.0, 4.0]
 """A plan's estimated acceptance length per budget 0..3."""

@@ -11,7 +11,10 @@ from diffdraft.budget import cost
 from diffdraft.budget.cost import VerifyCostCurve, load_or_measure, measure_verify_cost
 from diffdraft.target.model import TargetModel
 
-from conftest import needs_block_kernel, q4_1_target, slow_after_bigger_forwards, tiny_target
+from diffdraft_testing.budget import slow_after_bigger_forwards
+from diffdraft_testing.markers import needs_block_kernel
+from diffdraft_testing.quantized import q4_1_target
+from diffdraft_testing.targets import tiny_target
 
 
 def test_the_curve_interpolates_and_extrapolates_linearly_in_size_and_context():

@@ -22,6 +22,8 @@ from diffdraft.runtime.sampling import SamplingParams
 from diffdraft.runtime.stats import GenerationStats
 from diffdraft.trees import DDTreeBuilder, TreeRound
 
+from diffdraft_testing.budget import verified
+
 
 def test_the_surrogate_sums_the_best_prefix_probabilities():
     log_probs = torch.tensor([[0.6, 0.3, 0.1], [0.5, 0.4, 0.1]]).log()
@@ -43,18 +45,6 @@ def test_the_surrogate_of_a_restricted_proposal_reads_its_scored_columns_only():
 
 def _rounds(count: int, budget: int, accepted: list[int], seconds: float = 0.0) -> list[ObservedRound]:
     return [ObservedRound(budget, accepted, context=512, seconds=seconds) for _ in range(count)]
-
-
-def _verified(
-    stats: GenerationStats, nodes: int, accepted: list[int], context: int = 512, seconds: float = 0.0
-) -> None:
-    """Record a verified round in a sequence's stats, as the engine's commit does."""
-    stats.rounds += 1
-    stats.tree_sizes.append(nodes)
-    stats.accepted_nodes.append(accepted)
-    stats.verify_contexts.append(context)
-    stats.verify_seconds.append(seconds)
-    stats.verify_forwards.append((1, nodes + 1, context))
 
 
 def _linear_surrogate_planner(max_budget: int = 32) -> BudgetPlanner:
@@ -113,7 +103,7 @@ def test_a_running_sequence_is_planned_from_its_own_surrogates_and_rounds():
     assert planner.expected_tau()[10] == pytest.approx(2.0)
     # 16 of its own rounds at budget 10 accepted nodes 1 and 2 only: as heavy as the estimate before
     for _ in range(PRIOR_ROUNDS):
-        _verified(sequence, 10, [1, 2])
+        verified(sequence, 10, [1, 2])
     gains = np.diff(planner.expected_tau(sequence))
     assert gains[:2] == pytest.approx([(PRIOR_ROUNDS + PRIOR_ROUNDS * 0.3) / (2 * PRIOR_ROUNDS)] * 2)
     assert gains[2:10] == pytest.approx([0.15] * 8)
@@ -128,13 +118,13 @@ def test_a_running_sequence_reads_only_its_latest_drafted_rounds():
     planner = _linear_surrogate_planner()
     sequence = GenerationStats(surrogates=[[1.0 + 0.3 * b for b in range(40)]])
     for _ in range(OWN_ROUNDS):  # a stretch where the drafter's first guess was always wrong
-        _verified(sequence, 10, [])
+        verified(sequence, 10, [])
     assert np.diff(planner.expected_tau(sequence))[0] == pytest.approx(
         0.3 * PRIOR_ROUNDS / (OWN_ROUNDS + PRIOR_ROUNDS)
     )
     for _ in range(OWN_ROUNDS):  # then one where it was always right: the wrong stretch is forgotten
-        _verified(sequence, 10, [1])
-        _verified(sequence, 0, [])  # rounds that drafted nothing neither count nor push rounds out
+        verified(sequence, 10, [1])
+        verified(sequence, 0, [])  # rounds that drafted nothing neither count nor push rounds out
     assert np.diff(planner.expected_tau(sequence))[0] == pytest.approx(
         (OWN_ROUNDS + 0.3 * PRIOR_ROUNDS) / (OWN_ROUNDS + PRIOR_ROUNDS)
     )

@@ -24,9 +24,11 @@ from diffdraft.runtime.stats import GenerationStats
 from diffdraft.target.model import TargetModel
 from diffdraft.trees import ChainBuilder, DDTreeBuilder, RoundSequence, TreeRound
 
-from conftest import tiny_dart, tiny_target
-from decoding.test_batching import alone, batched, requests_for
-from decoding.test_engine import make_method
+from diffdraft_testing.batching import alone, batched, requests_for
+from diffdraft_testing.budget import drafted_once, losing_planner
+from diffdraft_testing.drafters import tiny_dart
+from diffdraft_testing.engine import make_method
+from diffdraft_testing.targets import tiny_target
 
 
 def concave_tau(largest: int, per_node: float) -> list[float]:
@@ -85,22 +87,6 @@ def test_a_sequence_alone_decodes_plainly_once_its_drafts_do_not_pay():
         BudgetPlanner(VerifyCostCurve(sizes=[1, 64], contexts=[512], seconds=[[0.01, 0.01]]))
     )
     assert cheap.plan([RoundSequence(GenerationStats(surrogates=stats.surrogates), 100, True)]) == [19]
-
-
-def losing_planner(explore_every: int = 4, explore_alone: int = 4) -> RoundBudgetPlanner:
-    """Drafting never pays: the forward costs 10 ms plus 10 ms per extra token, drafting 20 ms."""
-    curve = VerifyCostCurve(sizes=[1, 64], contexts=[512], seconds=[[0.01, 0.64]])
-    rounds = RoundBudgetPlanner(
-        BudgetPlanner(curve), explore_every=explore_every, explore_alone=explore_alone
-    )
-    rounds._draft_seconds.add(True, 0.02)
-    return rounds
-
-
-def drafted_once(plain_rounds: int) -> GenerationStats:
-    """A sequence that drafted one round, then decoded ``plain_rounds`` rounds plainly."""
-    surrogate = [1.0 + 0.3 * b for b in range(20)]
-    return GenerationStats(surrogates=[surrogate], tree_sizes=[3] + [0] * plain_rounds)
 
 
 def test_a_batch_explores_about_once_per_explore_every_rounds_and_a_sequence_alone_more_often():

@@ -10,8 +10,9 @@ from diffdraft.drafters.prompt_lookup import PromptLookupDrafter
 from diffdraft.target.model import TargetModel
 from diffdraft.trees import ChainBuilder
 
-from conftest import hf_greedy, tiny_drafter, tiny_target
-from decoding.test_engine import OracleDrafter, run_engine
+from diffdraft_testing.drafters import tiny_drafter
+from diffdraft_testing.engine import OracleDrafter, run_engine
+from diffdraft_testing.targets import hf_greedy, tiny_target
 
 WARNING = "drafted tokens a round: this drafter does not fit this target"
 

@@ -22,8 +22,9 @@ from diffdraft.target.model import TargetModel
 from diffdraft.trees import ChainBuilder, DDTreeBuilder
 from diffdraft.trees.dart import DartTreeBuilder, DartTreeSettings
 
-from conftest import ignore_windows, tiny_dart, tiny_drafter, tiny_target, windowed_target
-from test_engine import run_engine
+from diffdraft_testing.drafters import tiny_dart, tiny_drafter
+from diffdraft_testing.engine import run_engine
+from diffdraft_testing.targets import ignore_windows, tiny_target, windowed_target
 
 VOCAB = 8
 PROMPT = [1, 2, 3, 1, 2]

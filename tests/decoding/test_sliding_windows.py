@@ -19,9 +19,10 @@ from diffdraft.target.model import TargetModel
 from diffdraft.trees import DDTreeBuilder
 from diffdraft.trees.dart import DartTreeBuilder, DartTreeSettings
 
-from conftest import WINDOWED_FAMILIES, hf_greedy, ignore_windows, tiny_dart, windowed_target
-from decoding.test_batching import alone, batched, requests_for
-from decoding.test_engine import METHODS, make_method, run_engine
+from diffdraft_testing.batching import alone, batched, requests_for
+from diffdraft_testing.drafters import tiny_dart
+from diffdraft_testing.engine import METHODS, make_method, run_engine
+from diffdraft_testing.targets import WINDOWED_FAMILIES, hf_greedy, ignore_windows, windowed_target
 
 
 def motif_prompt(target, seed: int, length: int) -> list[int]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -20,8 +19,10 @@ from diffdraft.target.model import TargetModel
 from diffdraft.trees import ChainBuilder, DDTreeBuilder
 from diffdraft.trees.dart import DartTreeBuilder, DartTreeSettings
 
-from conftest import PerContextLookups, hf_greedy, tiny_dart, tiny_target
-from decoding.test_engine import OracleDrafter, run_engine
+from diffdraft_testing.drafters import tiny_dart
+from diffdraft_testing.engine import OracleDrafter, run_engine
+from diffdraft_testing.ngram import TrigramTable
+from diffdraft_testing.targets import hf_greedy, tiny_target
 
 RELEASED_KEYS = {
     "fc.weight",
@@ -41,20 +42,6 @@ RELEASED_KEYS = {
     "d2t",
     "t2d",
 }
-
-
-class TrigramTable(PerContextLookups):
-    """An N-gram stand-in with the trie's interface, random but fixed per context."""
-
-    order = 3
-
-    def __init__(self, vocab: int, seed: int) -> None:
-        self.vocab, self.seed = vocab, seed
-
-    def log_probs(self, context, tokens) -> np.ndarray:
-        key = hash((self.seed, *context[-2:])) % 2**32
-        table = np.log(np.random.default_rng(key).dirichlet(np.full(self.vocab, 0.5)) + 1e-30)
-        return table[np.asarray(tokens)].astype(np.float32)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

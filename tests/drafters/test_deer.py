@@ -12,7 +12,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
-from test_dart import TrigramTable
 from transformers import AutoModelForCausalLM
 
 from diffdraft.drafters.checkpoint import load_draft_model, save_draft_model
@@ -25,8 +24,10 @@ from diffdraft.trees import ChainBuilder, DDTreeBuilder
 from diffdraft.trees.dart import DartTreeBuilder, DartTreeSettings
 from diffdraft.util.fingerprint import tokenizer_fingerprint
 
-from conftest import hf_greedy, tiny_target, tiny_tokenizer
-from decoding.test_engine import run_engine
+from diffdraft_testing.checkpoints import tiny_tokenizer
+from diffdraft_testing.engine import run_engine
+from diffdraft_testing.ngram import TrigramTable
+from diffdraft_testing.targets import hf_greedy, tiny_target
 
 DEER_CONFIG_KEYS = {
     "block_size",

@@ -11,7 +11,9 @@ from diffdraft.drafters.checkpoint import load_draft_model, save_draft_model
 from diffdraft.drafters.deer_model import DEERDraftModel
 from diffdraft.util.fingerprint import tokenizer_fingerprint
 
-from conftest import CHECKPOINT_VOCAB, make_checkpoint, tiny_drafter, tiny_target
+from diffdraft_testing.checkpoints import CHECKPOINT_VOCAB, make_checkpoint
+from diffdraft_testing.drafters import tiny_drafter
+from diffdraft_testing.targets import tiny_target
 
 
 @pytest.fixture(scope="module")

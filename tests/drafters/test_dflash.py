@@ -14,7 +14,8 @@ from diffdraft.drafters.dflash_model import DFLARE, DFLASH, default_target_layer
 from diffdraft.errors import CheckpointError, IncompatibleDrafterError
 from diffdraft.target.model import TargetModel
 
-from conftest import tiny_drafter, tiny_target
+from diffdraft_testing.drafters import forks_with_contexts, tiny_drafter
+from diffdraft_testing.targets import tiny_target
 
 OFFICIAL_LAYER_KEYS = {
     "self_attn.q_proj.weight",
@@ -271,21 +272,6 @@ def test_a_draft_vocabulary_beyond_the_target_vocabulary_is_rejected():
         DFlashDrafter(model, TargetModel(target))
 
 
-def _forks_with_contexts(drafter, lengths: list[int], seed: int, hidden_size: int) -> tuple[list, list]:
-    """Forks of ``drafter`` (tapping 2 float64 layers) with contexts of the given lengths, and each
-    one's committed tokens."""
-    g = torch.Generator().manual_seed(seed)
-    forks, token_ids = [], []
-    for length in lengths:
-        fork = drafter.fork()
-        hidden = torch.randn(length, 2, hidden_size, generator=g, dtype=torch.float64)
-        fork.extend_context(hidden[: length // 2], 0)  # in two steps, as rounds commit
-        fork.extend_context(hidden[length // 2 :], length // 2)
-        forks.append(fork)
-        token_ids.append(torch.randint(0, 60, (length + 1,), generator=g))
-    return forks, token_ids
-
-
 @pytest.mark.parametrize("variant", [DFLASH, DFLARE])
 @pytest.mark.parametrize("draft_vocab", [None, list(range(0, 64, 2))])
 def test_one_forward_drafts_every_fork_as_each_drafts_alone(variant, draft_vocab):
@@ -298,7 +284,7 @@ def test_one_forward_drafts_every_fork_as_each_drafts_alone(variant, draft_vocab
         tiny_drafter(target, layers=2, block_size=6, variant=variant, draft_vocab=draft_vocab),
         TargetModel(target),
     )
-    forks, token_ids = _forks_with_contexts(drafter, [7, 2, 12, 5], 3, target.config.hidden_size)
+    forks, token_ids = forks_with_contexts(drafter, [7, 2, 12, 5], 3, target.config.hidden_size)
     depths = [5, 3, 1, 5]  # sequences near their end draft shorter blocks
     together = propose_together(forks, token_ids, depths)
     for fork, ids, depth, proposal in zip(forks, token_ids, depths, together, strict=True):

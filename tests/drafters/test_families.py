@@ -39,7 +39,9 @@ from diffdraft.train.config import TrainConfig
 from diffdraft.train.objectives import make_objective, recipe_for, recipe_for_variant
 from diffdraft.train.recipe import TrainingRecipe
 
-from conftest import make_checkpoint, tiny_dart, tiny_drafter, tiny_target
+from diffdraft_testing.checkpoints import make_checkpoint
+from diffdraft_testing.drafters import tiny_dart, tiny_drafter
+from diffdraft_testing.targets import tiny_target
 
 TOY = "toy"
 TOY_ARCHITECTURE = "ToyDraftModel"

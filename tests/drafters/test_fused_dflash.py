@@ -14,7 +14,9 @@ from diffdraft.kernels.fused_projections import fuse_projections
 from diffdraft.kernels.quantized.block_linear import BlockQuantizedLinear, Q8Weight
 from diffdraft.target.model import TargetModel
 
-from conftest import needs_block_kernel, q4_1_target, tiny_drafter
+from diffdraft_testing.drafters import tiny_drafter
+from diffdraft_testing.markers import needs_block_kernel
+from diffdraft_testing.quantized import q4_1_target
 
 pytestmark = needs_block_kernel
 

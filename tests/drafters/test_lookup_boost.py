@@ -11,6 +11,9 @@ import torch
 from diffdraft.drafters.base import Proposal, vocab_columns
 from diffdraft.drafters.lookup_boost import LookupBoostedDrafter
 
+from diffdraft_testing.drafters import forks_with_contexts, tiny_drafter
+from diffdraft_testing.targets import tiny_target
+
 
 class FixedDrafter:
     target_layer_ids: list[int] = []  # noqa: RUF012
@@ -175,13 +178,10 @@ def test_boosted_forks_draft_together_as_each_alone():
     from diffdraft.drafters.dflash import DFlashDrafter
     from diffdraft.target.model import TargetModel
 
-    from conftest import tiny_drafter, tiny_target
-    from drafters.test_dflash import _forks_with_contexts
-
     target = tiny_target("llama", seed=4)
     boosted = LookupBoostedDrafter(DFlashDrafter(tiny_drafter(target, block_size=4), TargetModel(target)))
-    forks, token_ids = _forks_with_contexts(boosted, [11, 6], 4, target.config.hidden_size)
-    alone, _ = _forks_with_contexts(boosted, [11, 6], 4, target.config.hidden_size)
+    forks, token_ids = forks_with_contexts(boosted, [11, 6], 4, target.config.hidden_size)
+    alone, _ = forks_with_contexts(boosted, [11, 6], 4, target.config.hidden_size)
     token_ids[0] = torch.tensor([5, 6, 7, 8, 1, 2, 3, 4, 9, 5, 6, 7])  # "5 6 7" repeats: "8 1 2 ..." copied
     together = propose_together(forks, token_ids, [5, 3])
     for drafter, ids, depth, proposal in zip(alone, token_ids, [5, 3], together, strict=True):

@@ -8,7 +8,7 @@ import torch
 from diffdraft.drafters.mask_token import pick_mask_token
 from diffdraft.errors import InvalidRequestError
 
-from conftest import tiny_tokenizer
+from diffdraft_testing.checkpoints import tiny_tokenizer
 
 QWEN2_ADDED = [
     "<|fim_prefix|>",

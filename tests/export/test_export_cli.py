@@ -11,7 +11,8 @@ from diffdraft.drafters.dflash_model import DFLARE
 from diffdraft.export import cli as export_cli
 from diffdraft.export.cli import launch_target
 
-from conftest import tiny_drafter, tiny_target
+from diffdraft_testing.drafters import tiny_drafter
+from diffdraft_testing.targets import tiny_target
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,9 @@ from diffdraft.errors import ExportError, IncompatibleDrafterError, InvalidReque
 from diffdraft.export import ENGINES, export_drafter
 from diffdraft.target.loading import load_target
 
-from conftest import make_checkpoint, tiny_dart, tiny_drafter, tiny_target
+from diffdraft_testing.checkpoints import make_checkpoint
+from diffdraft_testing.drafters import tiny_dart, tiny_drafter
+from diffdraft_testing.targets import tiny_target
 
 DIRECTORY_ENGINES = sorted(set(ENGINES) - {"llama.cpp"})
 """The engines that load a directory (llama.cpp's one GGUF file is tested in test_llamacpp_export.py)."""

@@ -11,7 +11,8 @@ from diffdraft.drafters.dflash_model import DFlashDraftModel
 from diffdraft.errors import ExportError
 from diffdraft.export.layout import capture_point, check_taps, serving_config, serving_weights
 
-from conftest import tiny_drafter, tiny_target
+from diffdraft_testing.drafters import tiny_drafter
+from diffdraft_testing.targets import tiny_target
 
 
 def engine_captures(target: torch.nn.Module, config: dict, input_ids: torch.Tensor) -> list[torch.Tensor]:

@@ -3,7 +3,6 @@ loader reads (src/models/dflash.cpp), the target's tokenizer, the refusals, the 
 
 from __future__ import annotations
 
-import os
 import shlex
 import subprocess
 from pathlib import Path
@@ -20,7 +19,9 @@ from diffdraft.errors import ExportError, InvalidRequestError
 from diffdraft.export import export_drafter
 from diffdraft.export.llamacpp import LAYER_NAMES, build, launch, read_target
 
-from conftest import tiny_drafter, tiny_target
+from diffdraft_testing.drafters import tiny_drafter
+from diffdraft_testing.llama_cpp import llama_cpp_binary
+from diffdraft_testing.targets import tiny_target
 
 VOCAB = 64
 
@@ -248,22 +249,9 @@ def test_the_cli_exits_2_with_one_line_and_writes_nothing(files, tmp_path, capsy
     assert list(tmp_path.iterdir()) == []
 
 
-LLAMA_CPP_BIN = Path(
-    os.environ.get(
-        "DIFFDRAFT_LLAMA_CPP_BIN",
-        "/work/bench/sdist/llama_cpp_python-0.3.36/vendor/llama.cpp/build-noamx/bin",
-    )
-)
-"""Where llama.cpp's binaries are (built from the llama-cpp-python sdist's vendored source)."""
-
-
 @pytest.mark.real_model
 def test_llama_cpp_runs_the_exported_drafter_beside_the_default_target(tmp_path):
-    speculative = LLAMA_CPP_BIN / "llama-speculative-simple"
-    if not speculative.is_file():
-        pytest.skip(
-            f"no {speculative}: build llama.cpp's llama-speculative-simple (or set DIFFDRAFT_LLAMA_CPP_BIN)"
-        )
+    speculative = llama_cpp_binary("llama-speculative-simple")
     from diffdraft.target.default_model import default_gguf_path
     from diffdraft.target.loading import load_target
 

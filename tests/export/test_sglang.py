@@ -12,7 +12,9 @@ from diffdraft.errors import ExportError
 from diffdraft.export.sglang import build, launch
 from diffdraft.target.loading import load_target
 
-from conftest import make_checkpoint, tiny_drafter, tiny_target
+from diffdraft_testing.checkpoints import make_checkpoint
+from diffdraft_testing.drafters import tiny_drafter
+from diffdraft_testing.targets import tiny_target
 
 
 def test_config_and_weights_hold_what_sglang_reads():

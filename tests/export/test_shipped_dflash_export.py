@@ -17,7 +17,7 @@ from diffdraft.drafters.checkpoint import load_draft_model
 from diffdraft.errors import ExportError
 from diffdraft.export import export_drafter
 
-from test_llamacpp_export import LLAMA_CPP_BIN
+from diffdraft_testing.llama_cpp import llama_cpp_binary
 
 pytestmark = pytest.mark.real_model
 
@@ -71,11 +71,7 @@ def test_llama_cpp_gets_one_gguf_with_the_taps_plus_one_and_d2t(shipped, tmp_pat
 def test_llama_cpp_accepts_the_shipped_drafter_s_drafts(tmp_path):
     """A wrong tap, layer or head mapping leaves a trained drafter near zero acceptance; llama.cpp's
     DFlash must accept a good share of what this one drafts on a chat prompt."""
-    speculative = LLAMA_CPP_BIN / "llama-speculative-simple"
-    if not speculative.is_file():
-        pytest.skip(
-            f"no {speculative}: build llama.cpp's llama-speculative-simple (or set DIFFDRAFT_LLAMA_CPP_BIN)"
-        )
+    speculative = llama_cpp_binary("llama-speculative-simple")
     from diffdraft.target.default_model import default_gguf_path
 
     export_drafter("default-dflash", "llama.cpp", tmp_path / "d.gguf", target="default")

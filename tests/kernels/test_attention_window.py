@@ -7,7 +7,7 @@ from transformers import DynamicCache
 
 from diffdraft.kernels.attention_window import FULL, SLIDING, LayerWindows, window_start
 
-from conftest import WINDOWED_FAMILIES, tiny_target, windowed_target
+from diffdraft_testing.targets import WINDOWED_FAMILIES, tiny_target, windowed_target
 
 
 def test_every_family_reads_the_windows_its_own_cache_keeps():

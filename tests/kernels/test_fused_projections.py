@@ -11,7 +11,8 @@ from torch import nn
 from diffdraft.kernels.fused_projections import ProjectionSlice, StackedProjection, fuse_projections
 from diffdraft.kernels.packed_linear import PackedLinear, pack_linear_layers
 
-from conftest import needs_packing, tiny_target
+from diffdraft_testing.markers import needs_packing
+from diffdraft_testing.targets import tiny_target
 
 
 def _packed(rows: int, inputs: int, bias: bool, seed: int) -> PackedLinear:

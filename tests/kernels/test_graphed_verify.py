@@ -16,7 +16,8 @@ from diffdraft.runtime.stopping import StopConditions
 from diffdraft.target.model import TargetModel
 from diffdraft.trees import ChainBuilder, DDTreeBuilder, DraftTree
 
-from conftest import hf_greedy, tiny_drafter, tiny_target
+from diffdraft_testing.drafters import tiny_drafter
+from diffdraft_testing.targets import hf_greedy, tiny_target
 
 PROMPT = [3, 9, 4, 1, 7, 7, 2, 5, 8]
 TREE = DraftTree(

@@ -13,7 +13,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from diffdraft.kernels.grouped_attention import NAME, grouped_sdpa_attention, use_grouped_attention
 from diffdraft.target.model import TargetModel
 
-from conftest import tiny_target
+from diffdraft_testing.targets import tiny_target
 
 
 class _Attention(nn.Module):

@@ -14,7 +14,7 @@ from diffdraft.kernels.grouped_attention import use_grouped_attention
 from diffdraft.kernels.kv_cache import GrowableLayer, growable_cache
 from diffdraft.target.model import TargetModel
 
-from conftest import tiny_target
+from diffdraft_testing.targets import tiny_target
 
 
 @pytest.mark.parametrize(

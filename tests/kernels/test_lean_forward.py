@@ -6,62 +6,34 @@ import copy
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, GPT2Config
+from transformers import AutoModelForCausalLM, GPT2Config
 
-from diffdraft.kernels.attention_window import SLIDING, window_start
+from diffdraft.kernels.attention_window import SLIDING
 from diffdraft.kernels.fused_projections import fuse_projections
 from diffdraft.kernels.grouped_attention import use_grouped_attention
 from diffdraft.kernels.lean_forward import LeanForward
 from diffdraft.kernels.packed_linear import pack_linear_layers
 from diffdraft.target.model import TargetModel, VerifyInput
-from diffdraft.trees import DraftTree
 
-from conftest import WINDOWED_FAMILIES, needs_packing, tiny_target, windowed_target
-from decoding.test_engine import make_method, run_engine
-
-PROMPT = [3, 9, 4, 1, 7, 7, 2, 5, 8]
-TREE = DraftTree(
-    tokens=torch.tensor([5, 11, 12, 13, 14, 15, 16]),
-    parents=torch.tensor([-1, 0, 0, 1, 2, 2, 4]),
-    depths=torch.tensor([0, 1, 1, 2, 2, 2, 3]),
+from diffdraft_testing.engine import make_method, run_engine
+from diffdraft_testing.hugging_face import (
+    PROMPT,
+    TREE,
+    assert_same_as_hugging_face,
+    assert_windowed_same_as_hugging_face,
 )
-
-
-def _hugging_face_verify(target: TargetModel, cache, tree: DraftTree | None, layer_ids: list[int]):
-    """The verification forward through the model's own ``forward``."""
-    tokens = tree.tokens if tree is not None else torch.tensor([5])
-    start = cache.get_seq_length()
-    mask = target.attention_mask(cache, tree.ancestor_mask()) if tree is not None else None
-    with torch.inference_mode():
-        return target._forward(cache, tokens, torch.arange(start, start + len(tokens)), mask, layer_ids, 0)
-
-
-def _assert_same_as_hugging_face(model: torch.nn.Module, layer_ids: list[int]) -> None:
-    target = TargetModel(model)
-    assert target.lean is not None
-    for tree in (TREE, None):  # a tree under a mask, and one token over the whole cache
-        ours, theirs = target.new_cache(), target.new_cache()
-        for cache in (ours, theirs):
-            target.prefill(cache, torch.tensor(PROMPT), [])
-        start = len(PROMPT)
-        tokens = tree.tokens if tree is not None else torch.tensor([5])
-        mask = target.attention_mask(ours, tree.ancestor_mask()) if tree is not None else None
-        out = target.verify(ours, tokens, torch.arange(start, start + len(tokens)), mask, layer_ids)
-        expected = _hugging_face_verify(target, theirs, tree, layer_ids)
-        assert torch.equal(out.logits, expected.logits)
-        assert torch.equal(out.hidden, expected.hidden) if layer_ids else out.hidden is None
-        for mine, reference in zip(ours.layers, theirs.layers, strict=True):
-            assert torch.equal(mine.keys, reference.keys) and torch.equal(mine.values, reference.values)
+from diffdraft_testing.markers import needs_packing
+from diffdraft_testing.targets import WINDOWED_FAMILIES, tiny_target, windowed_target
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_logits_taps_and_cache_equal_hugging_face(family, dtype):
     # the last layer's tap is reported after the final norm, as Hugging Face does
-    _assert_same_as_hugging_face(tiny_target(family, seed=3, dtype=dtype), layer_ids=[0, 2, 3])
-    _assert_same_as_hugging_face(tiny_target(family, seed=4, dtype=dtype), layer_ids=[])
+    assert_same_as_hugging_face(tiny_target(family, seed=3, dtype=dtype), layer_ids=[0, 2, 3])
+    assert_same_as_hugging_face(tiny_target(family, seed=4, dtype=dtype), layer_ids=[])
     # the forward stacks its taps in ascending order: other orders and repeats are picked from them
-    _assert_same_as_hugging_face(tiny_target(family, seed=6, dtype=dtype), layer_ids=[3, 0, 2, 0])
+    assert_same_as_hugging_face(tiny_target(family, seed=6, dtype=dtype), layer_ids=[3, 0, 2, 0])
 
 
 @needs_packing
@@ -74,7 +46,7 @@ def test_equal_on_the_optimized_cpu_kernels_too(family):
     # Llama rotates q and k straight from the stacked projection; Qwen3 norms each head first
     stacked = LeanForward(model).stacked_qkv
     assert all(s is not None for s in stacked) if family == "llama" else all(s is None for s in stacked)
-    _assert_same_as_hugging_face(model, layer_ids=[1, 3])
+    assert_same_as_hugging_face(model, layer_ids=[1, 3])
 
 
 def test_families_it_does_not_know_keep_hugging_face_forward():
@@ -96,81 +68,12 @@ def test_a_prefill_without_a_mask_is_refused():
 S, F = SLIDING, "full_attention"
 
 
-def _visible(mask, windows, past: int):
-    """``mask`` with a windowed layer's columns from :func:`window_start` on: the keys Hugging Face's
-    own sliding cache holds (its last ``window - 1`` rows) and the new ones."""
-    start = window_start(past, windows.window)
-    if isinstance(mask, dict):
-        return {kind: m[..., start:] if kind == SLIDING else m for kind, m in mask.items()}
-    return mask[..., start:]
-
-
-def _assert_same_rows(ours, theirs) -> None:
-    """Every row Hugging Face's cache holds (a sliding layer: its last rows) equals ours."""
-    for mine, reference in zip(ours.layers, theirs.layers, strict=True):
-        rows = reference.keys.shape[-2]
-        assert torch.equal(mine.keys[:, :, -rows:], reference.keys)
-        assert torch.equal(mine.values[:, :, -rows:], reference.values)
-
-
-def _assert_windowed_same_as_hugging_face(model, layer_ids: list[int]) -> None:
-    """A prefill longer than the window, one-token steps past it, then a tree: the lean forward over
-    diffdraft's cache against stock transformers over its own ``DynamicCache`` (sliding layers that
-    drop old rows), logits, taps and cache rows bit for bit."""
-    target = TargetModel(model)
-    assert target.lean is not None and target.windows.window is not None
-    assert target.lean.fused is None
-    ours, theirs = target.new_cache(), DynamicCache(config=model.config)
-    assert any(getattr(layer, "is_sliding", False) for layer in theirs.layers)
-
-    def theirs_forward(tokens, positions, mask):
-        with torch.inference_mode():
-            out = model(
-                input_ids=tokens[None],
-                position_ids=positions[None],
-                attention_mask=mask,
-                cache=theirs,
-                use_cache=True,
-                output_hidden_states=bool(layer_ids),
-            )
-        taps = torch.stack([out.hidden_states[i + 1][0] for i in layer_ids], dim=1) if layer_ids else None
-        return out.logits[0], taps
-
-    def check(tokens, mine, reference):
-        logits, taps = mine
-        assert logits.shape[0] == tokens.shape[0] and torch.equal(logits, reference[0])
-        assert torch.equal(taps, reference[1]) if layer_ids else taps is None
-        _assert_same_rows(ours, theirs)
-
-    prompt = torch.tensor(PROMPT)
-    positions = torch.arange(len(PROMPT))
-    causal = torch.ones(len(PROMPT), len(PROMPT), dtype=torch.bool).tril()
-    with torch.inference_mode():  # Hugging Face builds its own causal masks for the prefill and steps
-        mine = target.lean(ours, prompt, positions, target.attention_mask(ours, causal), layer_ids)
-    check(prompt, mine, theirs_forward(prompt, positions, None))
-    for token in (5, 11, 2, 7):
-        step, at = torch.tensor([token]), torch.tensor([ours.get_seq_length()])
-        with torch.inference_mode():
-            mine = target.lean(ours, step, at, None, layer_ids)
-        check(step, mine, theirs_forward(step, at, None))
-    past = ours.get_seq_length()
-    mask = target.attention_mask(ours, TREE.ancestor_mask())
-    assert isinstance(mask, dict) == target.windows.by_type
-    positions = past + TREE.depths
-    out = target.verify(ours, TREE.tokens, positions, mask, layer_ids)
-    check(
-        TREE.tokens,
-        (out.logits, out.hidden),
-        theirs_forward(TREE.tokens, positions, _visible(mask, target.windows, past)),
-    )
-
-
 @pytest.mark.parametrize("family", WINDOWED_FAMILIES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_windowed_families_equal_hugging_face_over_its_sliding_cache(family, dtype):
     model = windowed_target(family, 4, seed=3, dtype=dtype)
-    _assert_windowed_same_as_hugging_face(model, layer_ids=[0, 2, 3])
-    _assert_windowed_same_as_hugging_face(model, layer_ids=[])
+    assert_windowed_same_as_hugging_face(model, layer_ids=[0, 2, 3])
+    assert_windowed_same_as_hugging_face(model, layer_ids=[])
 
 
 def test_gemma3_layers_rotate_with_their_own_types_base():

@@ -22,7 +22,9 @@ from diffdraft.runtime.stopping import StopConditions
 from diffdraft.target.model import TargetModel
 from diffdraft.trees import DDTreeBuilder
 
-from conftest import needs_packing, tiny_drafter, tiny_target
+from diffdraft_testing.drafters import tiny_drafter
+from diffdraft_testing.markers import needs_packing
+from diffdraft_testing.targets import tiny_target
 
 
 @needs_packing

@@ -22,7 +22,7 @@ from diffdraft.ngram.build import (
 )
 from diffdraft.ngram.trie import EPS
 
-from conftest import tiny_tokenizer
+from diffdraft_testing.checkpoints import tiny_tokenizer
 
 RECORDS = [
     {

@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 from diffdraft.cli import main
 from diffdraft.ngram import NgramTrie
 
-from conftest import make_checkpoint
+from diffdraft_testing.checkpoints import make_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from diffdraft.ngram import shipped, tokenizer_fingerprint
 from diffdraft.ngram.build import TrieSettings, build_trie
 from diffdraft.ngram.trie import tokens_file
 
-from conftest import tiny_tokenizer
+from diffdraft_testing.checkpoints import tiny_tokenizer
 
 CHECK = "diffdraft: the cached default N-gram trie at {} failed its check ({}); building it again"
 

@@ -16,7 +16,7 @@ from diffdraft.ngram import NgramTrie, tokenizer_fingerprint
 from diffdraft.ngram.build import TrieSettings, build_trie
 from diffdraft.ngram.trie import ALPHA, EPS, META_FILE
 
-from conftest import tiny_tokenizer
+from diffdraft_testing.checkpoints import tiny_tokenizer
 
 VOCAB = 24
 

@@ -10,7 +10,7 @@ from transformers import PreTrainedTokenizerFast
 
 from diffdraft.runtime.detokenize import IncrementalDecoder
 
-from conftest import tiny_tokenizer
+from diffdraft_testing.checkpoints import tiny_tokenizer
 
 CORPUS = ["héllo wörld, the quick brown fox 日本語 😀", "def f(x):\n    return x ** 2  # naïve café"]
 

@@ -12,7 +12,7 @@ import torch
 import diffdraft
 from diffdraft.runtime.loading_thread import SLOW_THREAD_WARNING
 
-from conftest import make_checkpoint
+from diffdraft_testing.checkpoints import make_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from diffdraft.errors import InvalidRequestError
 from diffdraft.generator import GenerationRequest
 from diffdraft.runtime.logprobs import LogprobRecorder
 
-from conftest import make_checkpoint, save_tiny_drafter
+from diffdraft_testing.checkpoints import make_checkpoint, save_tiny_drafter
 
 PROMPT = "hello world, the quick"
 

@@ -17,8 +17,8 @@ import diffdraft
 from diffdraft.serve.app import create_app
 from diffdraft.serve.scheduler import Scheduler
 
-from conftest import save_tiny_drafter
-from live_server import LiveServer, make_chat_checkpoint, serving
+from diffdraft_testing.checkpoints import save_tiny_drafter
+from diffdraft_testing.serving import LiveServer, make_chat_checkpoint, serving
 
 MODEL = "tiny-test-model"
 METHOD = "ddtree+pld"

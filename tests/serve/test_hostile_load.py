@@ -10,7 +10,7 @@ from diffdraft.serve.hostile_load import HOSTILE_KINDS, MixSettings, run_mix
 from diffdraft.serve.limits import ServerLimits
 from diffdraft.serve.scheduler import Scheduler
 
-from live_server import LiveServer, make_chat_checkpoint
+from diffdraft_testing.serving import LiveServer, make_chat_checkpoint
 
 EXPECTED_OUTCOMES = {
     "huge body": {"413", "closed while the body was sent"},

@@ -18,7 +18,7 @@ from diffdraft.serve.app import create_app
 from diffdraft.serve.limits import ServerLimits
 from diffdraft.serve.scheduler import Scheduler
 
-from live_server import LiveServer, make_chat_checkpoint
+from diffdraft_testing.serving import LiveServer, make_chat_checkpoint
 
 MODEL = "tiny"
 LIMITS = ServerLimits(max_request_bytes=4096, max_tokens_cap=40, body_timeout=1.0)

@@ -13,7 +13,7 @@ from diffdraft.cli import main
 from diffdraft.errors import DiffdraftError
 from diffdraft.serve.load import LoadSettings, check_url, format_report, percentile, read_prompts, run_load
 
-from live_server import make_chat_checkpoint, serving
+from diffdraft_testing.serving import make_chat_checkpoint, serving
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import diffdraft
 from diffdraft import GenerationRequest
 from diffdraft.serve.scheduler import Scheduler
 
-from conftest import make_checkpoint
+from diffdraft_testing.checkpoints import make_checkpoint
 
 REQUESTS = [
     GenerationRequest("hello world", max_new_tokens=12, ignore_eos=True),

@@ -17,7 +17,8 @@ from diffdraft.budget.planner import BudgetPlanner
 from diffdraft.drafters.checkpoint import save_draft_model
 from diffdraft.serve.scheduler import QueueFullError, RequestCancelledError, Scheduler, SchedulerClosedError
 
-from conftest import make_checkpoint, tiny_drafter
+from diffdraft_testing.checkpoints import make_checkpoint
+from diffdraft_testing.drafters import tiny_drafter
 
 
 @pytest.fixture(scope="module")

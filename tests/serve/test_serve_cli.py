@@ -23,7 +23,7 @@ from diffdraft.errors import CheckpointError
 from diffdraft.serve.cli import add_serve_parser, served_model_name
 from diffdraft.target.model import TargetModel
 
-from live_server import make_chat_checkpoint
+from diffdraft_testing.serving import make_chat_checkpoint
 
 
 def parse(*args: str) -> argparse.Namespace:

@@ -14,9 +14,9 @@ from diffdraft.errors import UnsupportedModelError
 from diffdraft.target.families import CLAIMED_MODEL_TYPES
 from diffdraft.target.model import TargetModel
 
-from conftest import hf_greedy, tiny_target, windowed_target
-from decoding.test_engine import make_method, run_engine
-from kernels.test_lean_forward import _assert_same_as_hugging_face, _assert_windowed_same_as_hugging_face
+from diffdraft_testing.engine import make_method, run_engine
+from diffdraft_testing.hugging_face import assert_same_as_hugging_face, assert_windowed_same_as_hugging_face
+from diffdraft_testing.targets import hf_greedy, tiny_target, windowed_target
 
 CASES = {
     "llama": ("llama", None),
@@ -46,9 +46,9 @@ def test_a_claimed_family_decodes_identically_with_every_method(case):
     assert wrapped.lean is not None  # the fast forward runs it
     assert wrapped.windows.window == window
     if window is not None:  # against transformers over its own sliding cache
-        _assert_windowed_same_as_hugging_face(target, layer_ids=[0, 3])
+        assert_windowed_same_as_hugging_face(target, layer_ids=[0, 3])
     else:
-        _assert_same_as_hugging_face(target, layer_ids=[0, 3])
+        assert_same_as_hugging_face(target, layer_ids=[0, 3])
     reference = hf_greedy(target, PROMPT, NEW_TOKENS, None)
     plain, _ = run_engine(
         target, None, make_method("ar", target, [], PROMPT, 5, 7)[1], PROMPT, NEW_TOKENS, 10_000

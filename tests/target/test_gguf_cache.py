@@ -12,7 +12,10 @@ from diffdraft.kernels.quantized.gguf_weights import use_gguf_blocks
 from diffdraft.target import gguf_cache
 from diffdraft.target.gguf_cache import entry_dir, load_entry, save_entry
 
-from conftest import needs_block_kernel, tiny_target, tiny_tokenizer, write_random_gguf
+from diffdraft_testing.checkpoints import tiny_tokenizer
+from diffdraft_testing.markers import needs_block_kernel
+from diffdraft_testing.quantized import write_random_gguf
+from diffdraft_testing.targets import tiny_target
 
 FORMATS = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q5_0", "ffn_gate": "Q8_0"}
 """ffn_up and ffn_down stay dense (F32 in the file): the cache keeps dense layers too."""

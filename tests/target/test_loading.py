@@ -12,6 +12,7 @@ import torch
 from diffdraft.decoding.engine import SpeculativeEngine
 from diffdraft.decoding.sequence_spec import SequenceSpec
 from diffdraft.errors import CheckpointError, InvalidRequestError
+from diffdraft.generator import SpeculativeGenerator
 from diffdraft.kernels.fused_projections import ProjectionSlice
 from diffdraft.kernels.grouped_attention import NAME
 from diffdraft.kernels.packed_linear import has_packed_layers, packing_supported
@@ -21,8 +22,9 @@ from diffdraft.target.loading import LoadedModel, end_token_ids, fastest_dtype, 
 from diffdraft.target.model import TargetModel
 from diffdraft.trees import ChainBuilder
 
-from conftest import CHECKPOINT_VOCAB as VOCAB
-from conftest import FAMILIES, hf_greedy, make_checkpoint
+from diffdraft_testing.checkpoints import CHECKPOINT_VOCAB as VOCAB
+from diffdraft_testing.checkpoints import make_checkpoint
+from diffdraft_testing.targets import FAMILIES, hf_greedy
 
 
 def edit_config(path: Path, **changes: object) -> None:
@@ -196,26 +198,50 @@ def test_end_token_ids_of_a_loaded_model(llama_dir: Path) -> None:
     assert end_token_ids(loaded.model, loaded.tokenizer) == [2, 4]
 
 
+DEFAULT_PROMPT = [1, 9690, 198, 2683, 314, 253, 5356, 11173, 30, 2]
+"""Token ids of a short chat prompt for the default target."""
+
+
 @pytest.mark.real_model
-def test_the_optimized_default_target_decodes_exactly_like_stock_transformers() -> None:
-    """On the bf16 block kernel, which is the stock bf16 model up to the order of sums (the int8 default
-    rounds activations as llama.cpp does, so it is lossless against our own AR, not stock)."""
-    stock = load_target("default", dtype="bfloat16").model
-    optimized = load_target("default", dtype="bfloat16", optimize=True, block_activations="bf16").model
+def test_the_optimized_default_target_decodes_exactly_like_stock_transformers_in_float32() -> None:
+    """In float32 optimizing keeps stock transformers' numbers (no packed or block layers, attention as
+    SDPA computes it), so logits and tokens equal stock's bit for bit on any CPU. bfloat16 is compared
+    with diffdraft's own decoding instead (the next test): its kernels sum in another order than stock
+    transformers' bfloat16 matmuls, whose order depends on the CPU's bfloat16 instructions."""
+    stock = load_target("default", dtype="float32").model
+    optimized = load_target("default", dtype="float32", optimize=True).model
+    assert optimized.config._attn_implementation == NAME
+    assert not has_packed_layers(optimized)
+    ids = torch.tensor([DEFAULT_PROMPT])
+    with torch.inference_mode():
+        assert torch.equal(optimized(ids).logits, stock(ids).logits)
+    expected = hf_greedy(stock, DEFAULT_PROMPT, 24, eos=None)
+    assert hf_greedy(optimized, DEFAULT_PROMPT, 24, eos=None) == expected
+    # diffdraft's own loop adds its in-place KV cache to the kernels
+    engine = SpeculativeEngine(TargetModel(optimized), None, ChainBuilder())
+    stop = StopConditions([], 24, optimized.config.max_position_embeddings, len(DEFAULT_PROMPT))
+    assert [t for chunk in engine.run(SequenceSpec(DEFAULT_PROMPT, stop)) for t in chunk] == expected
+
+
+@pytest.mark.real_model
+def test_the_optimized_bf16_default_target_speculates_exactly_like_its_own_plain_decoding() -> None:
+    """On the bf16 block kernel the model is the stock bf16 one up to the order of its float32 sums, so
+    the exact reference is diffdraft's own plain decoding of the same optimized target: the shipped
+    drafter's trees, verified many tokens a forward, commit exactly its tokens."""
+    loaded = load_target("default", dtype="bfloat16", optimize=True, block_activations="bf16")
+    optimized = loaded.model
     # laid-out (and so stacked) weights need oneDNN bfloat16 or our block kernels (AVX2), absent on some
     # CPUs; grouped attention not
     packs = packing_supported(torch.bfloat16, torch.device("cpu")) or cpu_supported()
     assert has_packed_layers(optimized) == packs
     assert isinstance(optimized.model.layers[0].mlp.up_proj, ProjectionSlice) == packs
     assert optimized.config._attn_implementation == NAME
-    prompt = [1, 9690, 198, 2683, 314, 253, 5356, 11173, 30, 2]
-    expected = hf_greedy(stock, prompt, 24, eos=None)
-    assert hf_greedy(optimized, prompt, 24, eos=None) == expected
-    # diffdraft's own loop adds its in-place KV cache to the kernels
-    engine = SpeculativeEngine(TargetModel(optimized), None, ChainBuilder())
-    stop = StopConditions([], 24, optimized.config.max_position_embeddings, len(prompt))
-    chunks = engine.run(SequenceSpec(prompt, stop))
-    assert [t for chunk in chunks for t in chunk] == expected
+    request = dict(prompt_token_ids=DEFAULT_PROMPT, max_new_tokens=24, ignore_eos=True)
+    plain = SpeculativeGenerator(loaded, "ar").generate(**request)
+    drafted = SpeculativeGenerator(loaded, "ddtree", drafter="default", budget=16).generate(**request)
+    assert len(plain.token_ids) == 24
+    assert drafted.token_ids == plain.token_ids
+    assert max(drafted.stats.acceptance_lengths) > 1  # it verified drafts, not one token a round
 
 
 @pytest.mark.parametrize(

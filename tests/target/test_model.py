@@ -10,7 +10,7 @@ from diffdraft.kernels.attention_window import FULL, SLIDING, layer_mask
 from diffdraft.target.model import TargetModel
 from diffdraft.trees import DraftTree
 
-from conftest import tiny_target, windowed_target
+from diffdraft_testing.targets import tiny_target, windowed_target
 
 PROMPT = [3, 9, 4, 1, 7, 7, 2]
 

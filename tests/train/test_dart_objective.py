@@ -9,7 +9,9 @@ from diffdraft.drafters.dart import DARTDrafter
 from diffdraft.target.model import TargetModel
 from diffdraft.train.dart_objective import DARTObjective, dart_weights, prefix_shared_mask
 
-from conftest import assert_batch_matches_each_sequence, sequences_batch, tiny_dart, tiny_target
+from diffdraft_testing.drafters import tiny_dart
+from diffdraft_testing.targets import tiny_target
+from diffdraft_testing.training import assert_batch_matches_each_sequence, sequences_batch
 
 
 def test_prefix_shared_mask_isolates_each_anchor_with_its_prefix():

@@ -11,7 +11,8 @@ from diffdraft.drafters.deer_model import deer_from_causal_lm
 from diffdraft.target.model import TargetModel
 from diffdraft.train.deer_objective import DEERObjective, _block_rows, _visibility
 
-from conftest import assert_batch_matches_each_sequence, sequences_batch, tiny_target
+from diffdraft_testing.targets import tiny_target
+from diffdraft_testing.training import assert_batch_matches_each_sequence, sequences_batch
 
 
 def tiny_deer(seed: int = 3, block_size: int = 4, vocab: int = 32):

@@ -11,7 +11,8 @@ from diffdraft.train.batch import TrainingBatch, pad_right
 from diffdraft.train.blocks import make_blocks
 from diffdraft.train.dflash_objective import BlockObjective
 
-from conftest import tiny_drafter, tiny_target
+from diffdraft_testing.drafters import tiny_drafter
+from diffdraft_testing.targets import tiny_target
 
 
 def one_sequence(ids, anchors, taps, target_logits=None) -> TrainingBatch:

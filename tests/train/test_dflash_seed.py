@@ -9,7 +9,8 @@ from diffdraft.drafters.dflash_model import DFLARE, DFLASH
 from diffdraft.errors import InvalidRequestError
 from diffdraft.train.dflash_seed import dflash_from_dflare
 
-from conftest import tiny_drafter, tiny_target
+from diffdraft_testing.drafters import tiny_drafter
+from diffdraft_testing.targets import tiny_target
 
 
 def _dflare(layers: int = 2, shared_fusion: bool = False):

@@ -8,7 +8,7 @@ import torch
 from diffdraft.target.model import TargetModel
 from diffdraft.train.features import CachedFeatures, OnlineFeatures, capture_features
 
-from conftest import tiny_target
+from diffdraft_testing.targets import tiny_target
 
 
 @pytest.fixture(scope="module")

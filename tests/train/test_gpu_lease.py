@@ -16,7 +16,7 @@ from diffdraft.drafters.checkpoint import load_draft_model
 from diffdraft.target.loading import load_target
 from diffdraft.util.fingerprint import tokenizer_fingerprint
 
-from conftest import make_checkpoint, save_tiny_drafter
+from diffdraft_testing.checkpoints import make_checkpoint, save_tiny_drafter
 
 LEASE = Path(__file__).resolve().parents[2] / "scripts" / "gpu_lease"
 KIB = 1024

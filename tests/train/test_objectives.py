@@ -18,7 +18,7 @@ from diffdraft.train.deer_objective import DEERObjective
 from diffdraft.train.dflash_objective import BlockObjective
 from diffdraft.train.objectives import family_recipe, make_objective, recipe_for, recipe_for_variant
 
-from conftest import tiny_target
+from diffdraft_testing.targets import tiny_target
 
 
 def test_every_family_has_a_recipe_in_its_own_objective_module():

@@ -19,7 +19,8 @@ from diffdraft.train.cli import run_train
 from diffdraft.train.dataset import load_responses
 from diffdraft.train.pack import check_packed_for, read_packed
 
-from conftest import make_checkpoint, parse_train_args
+from diffdraft_testing.checkpoints import make_checkpoint
+from diffdraft_testing.training import parse_train_args
 
 HELD_OUT = [Sample("bench-1", "sharegpt", messages=[{"role": "user", "content": "a bench prompt"}])]
 

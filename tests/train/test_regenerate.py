@@ -23,7 +23,7 @@ from diffdraft.train.regenerate import (
     regenerate,
 )
 
-from conftest import make_checkpoint
+from diffdraft_testing.checkpoints import make_checkpoint
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"

@@ -17,15 +17,7 @@ from diffdraft.train.run_checkpoints import (
     tokens_seen_at,
 )
 
-
-class RunsCode:
-    """Pickled, it creates ``marker`` when unpickled: what a hostile state file could do instead."""
-
-    def __init__(self, marker) -> None:
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (exec, (f"open({self.marker!r}, 'w').close()",))
+from diffdraft_testing.pickles import RunsCode
 
 
 def write_checkpoint(path, step: int, state: object = None) -> None:

@@ -9,7 +9,8 @@ from diffdraft.drafters.dflash_model import DFLARE, DFlashDraftModel, make_draft
 from diffdraft.errors import InvalidRequestError
 from diffdraft.train.target_init import copy_target_layers
 
-from conftest import tiny_drafter, tiny_target
+from diffdraft_testing.drafters import tiny_drafter
+from diffdraft_testing.targets import tiny_target
 
 
 def test_draft_layers_compute_what_the_target_s_last_layers_compute_in_their_mlps_and_norms():

@@ -16,7 +16,9 @@ from diffdraft.target.loading import fastest_dtype
 from diffdraft.train import cli as train_cli
 from diffdraft.train.cli import process_group_backend, run_train
 
-from conftest import CHECKPOINT_VOCAB, make_checkpoint, parse_train_args
+from diffdraft_testing.checkpoints import CHECKPOINT_VOCAB, make_checkpoint
+from diffdraft_testing.pickles import RunsCode
+from diffdraft_testing.training import parse_train_args
 
 COPIED = " ".join(f"word{i}" for i in range(13))
 HELD_OUT = [Sample("p2", "sharegpt", messages=[{"role": "user", "content": "Q: " + COPIED}])]
@@ -467,8 +469,6 @@ def test_process_group_backend_needs_a_gpu_per_process_for_nccl(device, gpus, lo
 def test_eval_of_a_run_refuses_a_state_that_would_run_code_and_evaluates_once_it_is_deleted(
     responses, tmp_path, capsys
 ):
-    from test_run_checkpoints import RunsCode
-
     from diffdraft.cli import main
 
     target_dir, data = responses

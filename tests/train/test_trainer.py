@@ -29,7 +29,9 @@ from diffdraft.train.features import capture_features
 from diffdraft.train.trainer import Trainer
 from diffdraft.trees import DDTreeBuilder
 
-from conftest import hf_greedy, speculated_tokens, tiny_target, windowed_target
+from diffdraft_testing.engine import speculated_tokens
+from diffdraft_testing.pickles import RunsCode
+from diffdraft_testing.targets import hf_greedy, tiny_target, windowed_target
 
 RESPONSE = 24
 
@@ -427,8 +429,6 @@ def test_half_written_checkpoints_are_removed_on_resume_and_the_run_ends_like_on
 
 
 def test_resume_refuses_a_state_that_would_run_code_and_resumes_once_it_is_deleted(target, tmp_path):
-    from test_run_checkpoints import RunsCode
-
     straight, samples = straight_and_half_written_runs(target, tmp_path, epochs=2)
     run, marker = tmp_path / "resumed", tmp_path / "ran"
     torch.save({"state": RunsCode(marker)}, run / "checkpoint-5" / "training_state.pt")

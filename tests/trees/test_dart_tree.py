@@ -13,8 +13,8 @@ from diffdraft.trees import TreeBuilder, TreeRound
 from diffdraft.trees.dart import DartTreeBuilder, DartTreeSettings
 from diffdraft.trees.tree import MAX_TREE_NODES
 
-from conftest import PerContextLookups
-from test_ddtree import prefixes
+from diffdraft_testing.ngram import PerContextLookups
+from diffdraft_testing.trees import prefixes
 
 GREEDY = SamplingParams()
 

@@ -9,23 +9,12 @@ from hypothesis import strategies as st
 from diffdraft.drafters.base import Proposal
 from diffdraft.errors import InvalidRequestError
 from diffdraft.runtime.sampling import SamplingParams
-from diffdraft.trees import DDTreeBuilder, DraftTree, TreeBuilder, TreeRound
+from diffdraft.trees import DDTreeBuilder, TreeBuilder, TreeRound
 from diffdraft.trees.tree import MAX_TREE_NODES
 
+from diffdraft_testing.trees import prefixes
+
 GREEDY = SamplingParams()
-
-
-def prefixes(tree: DraftTree) -> list[tuple[int, ...]]:
-    """Token sequence from the root's child down to each drafted node, found by walking parents."""
-    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
-    out = []
-    for node in range(1, len(tokens)):
-        seq = []
-        while node > 0:
-            seq.append(tokens[node])
-            node = parents[node]
-        out.append(tuple(reversed(seq)))
-    return out
 
 
 def score(prefix: tuple[int, ...], log_probs: list[list[float]]) -> float:

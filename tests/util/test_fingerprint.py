@@ -6,7 +6,7 @@ from transformers import AutoTokenizer
 
 from diffdraft.util.fingerprint import tokenizer_fingerprint
 
-from conftest import tiny_tokenizer
+from diffdraft_testing.checkpoints import tiny_tokenizer
 
 
 def test_fingerprint_is_stable_across_loads_and_differs_between_tokenizers(tmp_path):

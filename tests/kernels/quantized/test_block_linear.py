@@ -22,7 +22,8 @@ from diffdraft.kernels.quantized.block_linear import (
 from diffdraft.kernels.quantized.gguf_blocks import GGUFBlocks
 from diffdraft.kernels.quantized.tile_layout import INT8_FORMATS
 
-from conftest import int8_rounded_inputs, needs_block_kernel, q4_1_blocks, q4_1_target, random_gguf_bytes
+from diffdraft_testing.markers import needs_block_kernel
+from diffdraft_testing.quantized import int8_rounded_inputs, q4_1_blocks, q4_1_target, random_gguf_bytes
 
 
 def _weight(rows: int, inputs: int, seed: int = 0) -> torch.Tensor:

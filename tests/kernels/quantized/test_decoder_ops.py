@@ -21,7 +21,9 @@ from diffdraft.target import model as model_module
 from diffdraft.target.model import TargetModel, VerifyInput
 from diffdraft.trees import ChainBuilder, DDTreeBuilder, DraftTree
 
-from conftest import needs_block_kernel, q4_1_target, tiny_drafter
+from diffdraft_testing.drafters import tiny_drafter
+from diffdraft_testing.markers import needs_block_kernel
+from diffdraft_testing.quantized import q4_1_target
 
 pytestmark = needs_block_kernel
 

@@ -19,7 +19,8 @@ from diffdraft.kernels.segment import Segment
 from diffdraft.target.model import TargetModel
 from diffdraft.trees import DraftTree
 
-from conftest import needs_block_kernel, q4_1_target
+from diffdraft_testing.markers import needs_block_kernel
+from diffdraft_testing.quantized import q4_1_target
 
 pytestmark = needs_block_kernel
 

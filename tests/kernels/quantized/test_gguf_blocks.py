@@ -17,7 +17,8 @@ from diffdraft.kernels.quantized.block_linear import BlockQuantizedLinear, q4_1_
 from diffdraft.kernels.quantized.gguf_blocks import GGUF_FORMATS, GGUFBlocks
 from diffdraft.kernels.quantized.tile_layout import INT8_OPS
 
-from conftest import GGUF_FLOAT16_FIELDS, int8_rounded_inputs, needs_block_kernel, random_gguf_bytes
+from diffdraft_testing.markers import needs_block_kernel
+from diffdraft_testing.quantized import GGUF_FLOAT16_FIELDS, int8_rounded_inputs, random_gguf_bytes
 
 
 def random_blocks(format: str, out: int, inputs: int, seed: int = 0) -> GGUFBlocks:

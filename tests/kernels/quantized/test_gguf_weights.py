@@ -12,7 +12,8 @@ from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 from diffdraft.kernels.quantized.block_linear import BlockQuantizedLinear
 from diffdraft.kernels.quantized.gguf_weights import LAYER_TENSORS, _unpermuted_rows, use_gguf_blocks
 
-from conftest import needs_block_kernel, tiny_target
+from diffdraft_testing.markers import needs_block_kernel
+from diffdraft_testing.targets import tiny_target
 
 
 def test_q_and_k_rows_are_reordered_as_transformers_reorders_them():

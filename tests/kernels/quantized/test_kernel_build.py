@@ -12,7 +12,7 @@ import torch
 
 from diffdraft.kernels.quantized import kernel_build
 
-from conftest import needs_block_kernel
+from diffdraft_testing.markers import needs_block_kernel
 
 
 @pytest.fixture

@@ -15,7 +15,11 @@ from diffdraft.kernels.quantized.gguf_weights import use_gguf_blocks
 from diffdraft.target.model import TargetModel
 from diffdraft.trees import ChainBuilder, DDTreeBuilder
 
-from conftest import needs_block_kernel, speculated_tokens, tiny_drafter, tiny_target, write_random_gguf
+from diffdraft_testing.drafters import tiny_drafter
+from diffdraft_testing.engine import speculated_tokens
+from diffdraft_testing.markers import needs_block_kernel
+from diffdraft_testing.quantized import write_random_gguf
+from diffdraft_testing.targets import tiny_target
 
 MIXES = {
     # each projection its own format: q|k|v and gate|up stacked across formats

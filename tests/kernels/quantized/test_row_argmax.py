@@ -9,7 +9,7 @@ import torch
 from diffdraft.kernels.quantized.row_argmax import greedy_rows
 from diffdraft.runtime.sampling import greedy_tokens
 
-from conftest import needs_block_kernel
+from diffdraft_testing.markers import needs_block_kernel
 
 pytestmark = needs_block_kernel
 

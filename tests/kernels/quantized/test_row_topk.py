@@ -9,7 +9,7 @@ import torch
 
 from diffdraft.kernels.quantized.row_topk import MAX_K, top_rows
 
-from conftest import needs_block_kernel
+from diffdraft_testing.markers import needs_block_kernel
 
 pytestmark = needs_block_kernel
 

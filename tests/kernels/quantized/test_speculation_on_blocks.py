@@ -16,7 +16,10 @@ from diffdraft.kernels.quantized.block_linear import BlockQuantizedLinear, Block
 from diffdraft.target.model import TargetModel
 from diffdraft.trees import ChainBuilder, DDTreeBuilder
 
-from conftest import needs_block_kernel, q4_1_target, speculated_tokens, tiny_drafter
+from diffdraft_testing.drafters import tiny_drafter
+from diffdraft_testing.engine import speculated_tokens
+from diffdraft_testing.markers import needs_block_kernel
+from diffdraft_testing.quantized import q4_1_target
 
 
 @needs_block_kernel

@@ -20,7 +20,8 @@ from diffdraft.kernels.quantized.gguf_blocks import GGUFBlocks
 from diffdraft.kernels.quantized.stacked_blocks import StackedBlocks
 from diffdraft.kernels.quantized.tile_layout import INT8_FORMATS, STACKED
 
-from conftest import needs_block_kernel, random_gguf_bytes
+from diffdraft_testing.markers import needs_block_kernel
+from diffdraft_testing.quantized import random_gguf_bytes
 
 
 def _weight(format: str, out: int, inputs: int, seed: int):

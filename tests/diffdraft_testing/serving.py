@@ -17,7 +17,7 @@ from diffdraft.serve.app import create_app
 from diffdraft.serve.cli import listen
 from diffdraft.serve.scheduler import Scheduler
 
-from conftest import make_checkpoint
+from diffdraft_testing.checkpoints import make_checkpoint
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<s>{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
@@ -27,7 +27,7 @@ CHAT_TEMPLATE = (
 
 def make_chat_checkpoint(path: Path) -> Path:
     """make_checkpoint's tiny Llama with peaked next-token distributions (weights drawn with std 0.2,
-    as conftest's tiny_target does), so greedy outputs have no float32 near-ties that batched and
+    as tiny_target does), so greedy outputs have no float32 near-ties that batched and
     single verification could break differently, and with a chat template for /v1/chat/completions."""
     make_checkpoint(path, "llama")
     model = AutoModelForCausalLM.from_pretrained(path)

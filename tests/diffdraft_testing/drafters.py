@@ -1,0 +1,72 @@
+"""Random drafters for a tiny target, and forks of one with committed contexts."""
+
+from __future__ import annotations
+
+import torch
+
+from diffdraft.drafters.dart_model import DARTDraftModel, make_dart_config
+from diffdraft.drafters.dflash_model import DFLASH, DFlashDraftModel, make_draft_config
+
+
+def tiny_drafter(
+    target: torch.nn.Module,
+    seed: int = 0,
+    layers: int = 1,
+    block_size: int = 4,
+    variant: str = DFLASH,
+    target_layer_ids: list[int] | None = None,
+    draft_vocab: list[int] | None = None,
+) -> DFlashDraftModel:
+    """A random drafter; ``draft_vocab`` restricts it to scoring only those target tokens."""
+    config = make_draft_config(
+        target.config,
+        num_layers=layers,
+        block_size=block_size,
+        mask_token_id=target.config.vocab_size - 2,
+        target_layer_ids=target_layer_ids or [0, target.config.num_hidden_layers - 1],
+        variant=variant,
+        draft_vocab_size=len(draft_vocab or []),
+    )
+    torch.manual_seed(seed)
+    model = DFlashDraftModel(config).to(target.dtype)
+    if draft_vocab:
+        model.draft_vocab.copy_(torch.tensor(sorted(draft_vocab)))
+    return model
+
+
+def tiny_dart(
+    target: torch.nn.Module,
+    seed: int = 0,
+    draft_length: int = 3,
+    draft_vocab: list[int] | None = None,
+    init_std: float = 0.2,
+) -> DARTDraftModel:
+    """A random DART drafter tapping three target layers; ``draft_vocab`` restricts its head."""
+    layers = target.config.num_hidden_layers
+    config = make_dart_config(
+        target.config,
+        draft_length=draft_length,
+        target_layer_ids=[0, layers // 2, layers - 1],
+        draft_vocab_size=len(draft_vocab or []),
+    )
+    config.initializer_range = init_std  # peaked draft distributions, like a trained drafter's
+    torch.manual_seed(seed)
+    model = DARTDraftModel(config).to(target.dtype)
+    if draft_vocab:
+        model.set_draft_vocab(torch.tensor(draft_vocab))
+    return model
+
+
+def forks_with_contexts(drafter, lengths: list[int], seed: int, hidden_size: int) -> tuple[list, list]:
+    """Forks of ``drafter`` (tapping 2 float64 layers) with contexts of the given lengths, and each
+    one's committed tokens."""
+    g = torch.Generator().manual_seed(seed)
+    forks, token_ids = [], []
+    for length in lengths:
+        fork = drafter.fork()
+        hidden = torch.randn(length, 2, hidden_size, generator=g, dtype=torch.float64)
+        fork.extend_context(hidden[: length // 2], 0)  # in two steps, as rounds commit
+        fork.extend_context(hidden[length // 2 :], length // 2)
+        forks.append(fork)
+        token_ids.append(torch.randint(0, 60, (length + 1,), generator=g))
+    return forks, token_ids
