@@ -57,8 +57,12 @@ def client(server):
 
 
 def post(server, path: str, body) -> httpx.Response:
+    """POST ``body``, waiting up to a minute for the answer: httpx's default 5 s ran out on a busy
+    2-core machine while a request queued behind another's 100 tokens."""
     content = body if isinstance(body, str) else json.dumps(body)
-    return httpx.post(server.url + path, content=content, headers={"Content-Type": "application/json"})
+    return httpx.post(
+        server.url + path, content=content, headers={"Content-Type": "application/json"}, timeout=60.0
+    )
 
 
 def test_greedy_chat_completion_is_the_generators_text(client, reference):
