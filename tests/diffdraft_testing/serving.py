@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from diffdraft.serve.app import create_app
 from diffdraft.serve.cli import listen
+from diffdraft.serve.limits import ServerLimits
 from diffdraft.serve.scheduler import Scheduler
 
 from diffdraft_testing.checkpoints import make_checkpoint
@@ -73,12 +74,17 @@ class LiveServer:
 
 @contextmanager
 def serving(
-    generator, model: str = "tiny", api_key: str | None = None, **scheduler_options
+    generator,
+    model: str = "tiny",
+    api_key: str | None = None,
+    limits: ServerLimits | None = None,
+    **scheduler_options,
 ) -> Iterator[LiveServer]:
-    """A started scheduler over ``generator`` behind a live server; both stop when the block ends."""
+    """A started scheduler over ``generator`` behind a live server (under ``limits``, None: the
+    defaults); both stop when the block ends."""
     scheduler = Scheduler(generator, **scheduler_options).start()
     try:
-        with LiveServer(create_app(scheduler, model, api_key=api_key)) as live:
+        with LiveServer(create_app(scheduler, model, api_key=api_key, limits=limits)) as live:
             live.scheduler = scheduler
             yield live
     finally:

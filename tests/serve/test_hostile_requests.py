@@ -18,7 +18,7 @@ from diffdraft.serve.app import create_app
 from diffdraft.serve.limits import ServerLimits
 from diffdraft.serve.scheduler import Scheduler
 
-from diffdraft_testing.serving import LiveServer, make_chat_checkpoint
+from diffdraft_testing.serving import LiveServer, make_chat_checkpoint, serving
 
 MODEL = "tiny"
 LIMITS = ServerLimits(max_request_bytes=4096, max_tokens_cap=40, body_timeout=1.0)
@@ -37,13 +37,8 @@ def reference(checkpoint):
 
 @pytest.fixture(scope="module")
 def server(checkpoint):
-    scheduler = Scheduler(diffdraft.load(checkpoint, method="pld"), max_batch_size=4).start()
-    try:
-        with LiveServer(create_app(scheduler, MODEL, limits=LIMITS)) as live:
-            live.scheduler = scheduler
-            yield live
-    finally:
-        scheduler.close()
+    with serving(diffdraft.load(checkpoint, method="pld"), MODEL, limits=LIMITS, max_batch_size=4) as live:
+        yield live
 
 
 def post(server, body: bytes | dict, path: str = "/v1/completions", **headers: str) -> httpx.Response:
