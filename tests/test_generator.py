@@ -259,8 +259,8 @@ def test_deer_sampling_with_a_seed_is_reproducible(checkpoint, deer_dir):
 
 def test_deer_tree_takes_an_auto_budget(checkpoint, deer_dir, monkeypatch, tmp_path):
     monkeypatch.setenv("DIFFDRAFT_CACHE", str(tmp_path))
-    monkeypatch.setattr(cost, "DEFAULT_SIZES", (1, 4, 8))
-    monkeypatch.setattr(cost, "DEFAULT_CONTEXTS", (16, 32))
+    monkeypatch.setattr(cost, "PROBE_SIZES", (1, 4, 8))
+    monkeypatch.setattr(cost, "PROBE_CONTEXTS", (16, 32))
     generator = diffdraft.load(checkpoint, drafter=deer_dir, method="deer-tree", budget="auto")
     assert isinstance(generator.engine.builder, AutoBudgetBuilder)
     result = generator.generate("hello world", max_new_tokens=12, ignore_eos=True)
@@ -318,8 +318,8 @@ def test_default_target_every_method_matches_transformers_greedy(tmp_path):
 def auto_generator(checkpoint, drafter_dir, monkeypatch, tmp_path) -> diffdraft.SpeculativeGenerator:
     """ddtree with the auto budget, its cost curve measured at a few small points into tmp_path."""
     monkeypatch.setenv("DIFFDRAFT_CACHE", str(tmp_path))
-    monkeypatch.setattr(cost, "DEFAULT_SIZES", (1, 4, 8, 16))
-    monkeypatch.setattr(cost, "DEFAULT_CONTEXTS", (16, 32))
+    monkeypatch.setattr(cost, "PROBE_SIZES", (1, 4, 8, 16))
+    monkeypatch.setattr(cost, "PROBE_CONTEXTS", (16, 32))
     return diffdraft.load(checkpoint, drafter=drafter_dir, method="ddtree", budget="auto")
 
 
@@ -358,8 +358,8 @@ def test_only_an_auto_budgets_lookup_boost_remembers_its_copies_across_requests(
     checkpoint, drafter_dir, monkeypatch, tmp_path
 ):
     monkeypatch.setenv("DIFFDRAFT_CACHE", str(tmp_path))
-    monkeypatch.setattr(cost, "DEFAULT_SIZES", (1, 4, 8, 16))
-    monkeypatch.setattr(cost, "DEFAULT_CONTEXTS", (16, 32))
+    monkeypatch.setattr(cost, "PROBE_SIZES", (1, 4, 8, 16))
+    monkeypatch.setattr(cost, "PROBE_CONTEXTS", (16, 32))
     auto = diffdraft.load(checkpoint, drafter=drafter_dir, method="ddtree+pld", budget="auto")
     fixed = diffdraft.SpeculativeGenerator(auto.loaded, "ddtree+pld", drafter_dir, budget=4)
     assert fixed.drafter.record is None  # a seeded request's output never depends on earlier ones
@@ -371,8 +371,8 @@ def test_cli_accepts_an_auto_budget(checkpoint, drafter_dir, monkeypatch, tmp_pa
     from diffdraft.cli import main
 
     monkeypatch.setenv("DIFFDRAFT_CACHE", str(tmp_path))
-    monkeypatch.setattr(cost, "DEFAULT_SIZES", (1, 4, 8))
-    monkeypatch.setattr(cost, "DEFAULT_CONTEXTS", (16, 32))
+    monkeypatch.setattr(cost, "PROBE_SIZES", (1, 4, 8))
+    monkeypatch.setattr(cost, "PROBE_CONTEXTS", (16, 32))
     args = [
         "generate",
         "--target",
@@ -484,11 +484,11 @@ def test_without_a_budget_ddtree_methods_plan_it_and_dart_takes_its_default_size
 ):
 
     monkeypatch.setenv("DIFFDRAFT_CACHE", str(tmp_path))
-    monkeypatch.setattr(cost, "DEFAULT_SIZES", (1, 4, 8))
-    monkeypatch.setattr(cost, "DEFAULT_CONTEXTS", (16, 32))
+    monkeypatch.setattr(cost, "PROBE_SIZES", (1, 4, 8))
+    monkeypatch.setattr(cost, "PROBE_CONTEXTS", (16, 32))
     generator = diffdraft.load(checkpoint, drafter=drafter_dir, method="ddtree")
     assert isinstance(generator.engine.builder, AutoBudgetBuilder)
-    assert "measuring this machine's verification cost" in capsys.readouterr().err  # said, not silent
+    assert "timing a few verification forwards of this target" in capsys.readouterr().err  # said
     drafter, trie = dart_and_trie
     dart = diffdraft.load(checkpoint, drafter=drafter, method="dart", ngram=trie)
     assert dart.engine.builder.settings.tree_size == METHODS["dart"].default_budget == 32

@@ -1,4 +1,5 @@
-"""``diffdraft`` command line: ``generate`` a request, ``train`` drafters, ``bench`` methods side by side,
+"""``diffdraft`` command line: ``generate`` a request, ``prepare`` what its first run would build,
+``train`` drafters, ``bench`` methods side by side,
 build and inspect ``ngram`` tries, create and inspect ``deer`` drafters, ``serve`` an OpenAI-compatible
 API and put a running server under load (``serve-load``)."""
 
@@ -7,8 +8,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 from diffdraft.bench.cli import add_bench_parser, run_bench
+from diffdraft.budget.auto_budget import AutoBudgetBuilder
 from diffdraft.commands.model_options import add_model_arguments, load_generator
 from diffdraft.drafters.deer_cli import add_deer_parser, run_deer
 from diffdraft.errors import DiffdraftError, InvalidRequestError
@@ -17,6 +20,7 @@ from diffdraft.ngram.cli import add_ngram_parser, run_ngram
 from diffdraft.runtime.sampling import MIN_TEMPERATURE, check_sampling
 from diffdraft.serve.cli import add_serve_load_parser, add_serve_parser, run_serve, run_serve_load
 from diffdraft.train.cli import add_train_parser, run_train
+from diffdraft.util.cache import cache_root
 
 
 def _generate_parser(sub: argparse._SubParsersAction) -> None:
@@ -106,11 +110,38 @@ def _run_generate(args: argparse.Namespace) -> None:
         )
 
 
+def _prepare_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "prepare",
+        help="build now what the first generate or serve would: convert the target, compile the CPU "
+        "kernel, time the auto budget's forwards alone and shared (scripts/install.sh runs it for the "
+        "default target)",
+    )
+    add_model_arguments(p)
+    p.set_defaults(method="ddtree")
+
+
+def _run_prepare(args: argparse.Namespace) -> None:
+    """Load what ``generate`` with the same options loads, which converts, compiles and probes
+    whatever the cache lacks, and time the shared forwards a server's auto budget plans with; then
+    say how long it took."""
+    begin = time.perf_counter()
+    builder = load_generator(args).engine.builder
+    if isinstance(builder, AutoBudgetBuilder):
+        builder.rounds.prepare_batches()
+    print(
+        f"diffdraft prepare: {args.target} ({args.method}) ready in {time.perf_counter() - begin:.0f} s; "
+        f"the cache under {cache_root()} holds what it built",
+        file=sys.stderr,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Every command's parser (also what the README's commands are checked against)."""
     parser = argparse.ArgumentParser(prog="diffdraft", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
+    _prepare_parser(sub)
     add_train_parser(sub)
     add_bench_parser(sub)
     add_ngram_parser(sub)
@@ -136,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             return run_serve_load(args)
         if args.command == "export":
             return run_export(args)
-        run_train(args) if args.command == "train" else _run_generate(args)
+        {"train": run_train, "prepare": _run_prepare}.get(args.command, _run_generate)(args)
     except DiffdraftError as err:
         print(f"diffdraft: error: {err}", file=sys.stderr)
         return 2

@@ -49,13 +49,9 @@ def test_measuring_is_monotone_in_every_axis_and_the_cache_is_reused(tmp_path, m
     monkeypatch.setattr(batch_cost, "BATCHES", (2,))
     monkeypatch.setattr(batch_cost, "SIZES", (1, 2))
     monkeypatch.setattr(batch_cost, "CONTEXTS", (8,))
-    monkeypatch.setattr(batch_cost, "still_valid", lambda curve, target: True)
     first = load_or_measure_batch_cost(target, cache_dir=tmp_path)
     assert sorted(p.suffix for p in tmp_path.iterdir()) == [".json", ".manifest"]  # the curve, its digest
     assert load_or_measure_batch_cost(target, cache_dir=tmp_path) == first
-    monkeypatch.setattr(batch_cost, "still_valid", lambda curve, target: False)  # a changed machine
-    assert load_or_measure_batch_cost(target, cache_dir=tmp_path).measured_at >= first.measured_at
-    monkeypatch.setattr(batch_cost, "still_valid", lambda curve, target: True)
     monkeypatch.setattr(batch_cost, "SIZES", (1, 2, 3))  # a newer grid: the cached curve is measured anew
     assert load_or_measure_batch_cost(target, cache_dir=tmp_path).sizes == [1, 2, 3]
 
@@ -67,23 +63,3 @@ def test_one_token_a_sequence_is_timed_deep_in_a_run_as_plain_decoding_runs_it(m
     target = TargetModel(tiny_target(dtype=torch.float32, max_positions=64))
     curve = measure_batch_cost(target, batches=(2,), sizes=(1, 4), contexts=(8,), repeats=2)
     assert curve.measured == [[[pytest.approx(0.001), pytest.approx(0.01)]]]
-
-
-def test_a_cached_curve_survives_a_cold_first_probe_but_not_one_that_stays_off(monkeypatch):
-    """As the verify curve's spot check (test_cost.py): a second probe before a curve is stale."""
-    target = TargetModel(tiny_target(dtype=torch.float32, max_positions=64))
-    curve = measure_batch_cost(target, batches=(2,), sizes=(1, 4), contexts=(8,), repeats=1)
-    slowdowns = []
-
-    def probe(target, batches, sizes, contexts, repeats):
-        factor = slowdowns.pop(0)
-        seconds = [[[factor * curve(b * q, b, n) for q in sizes] for n in contexts] for b in batches]
-        return BatchCostCurve(
-            batches=list(batches), sizes=list(sizes), contexts=list(contexts), seconds=seconds
-        )
-
-    monkeypatch.setattr(batch_cost, "measure_batch_cost", probe)
-    slowdowns[:] = [1.5, 1.1]
-    assert batch_cost.still_valid(curve, target) and not slowdowns
-    slowdowns[:] = [1.5, 1.5, 1.0]
-    assert not batch_cost.still_valid(curve, target) and slowdowns == [1.0]

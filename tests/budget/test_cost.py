@@ -10,6 +10,7 @@ import torch
 from diffdraft.budget import cost
 from diffdraft.budget.cost import VerifyCostCurve, load_or_measure, measure_verify_cost
 from diffdraft.target.model import TargetModel
+from diffdraft.util.cache_digest import sealed_file
 
 from diffdraft_testing.budget import slow_after_bigger_forwards
 from diffdraft_testing.markers import needs_block_kernel
@@ -39,7 +40,7 @@ def test_the_fit_pools_noisy_points_and_is_monotone_in_size_and_context():
     assert cost.monotone_fit([[1.0, 2.0], [3.0, 4.0]]) == [[1.0, 2.0], [3.0, 4.0]]
 
 
-def test_measuring_gives_every_size_and_the_cache_is_reused_until_it_stops_matching(tmp_path, monkeypatch):
+def test_measuring_gives_every_size_and_a_cached_curve_is_used_as_it_is(tmp_path, monkeypatch):
     target = TargetModel(tiny_target(dtype=torch.float32, max_positions=64))
     curve = measure_verify_cost(target, sizes=(1, 4, 16, 64), contexts=(8, 40, 512), repeats=1)
     assert curve.sizes == [1, 4, 16]  # sizes past half the context are dropped
@@ -47,41 +48,36 @@ def test_measuring_gives_every_size_and_the_cache_is_reused_until_it_stops_match
     assert len(curve.seconds) == 3 and all(len(row) == 3 and min(row) > 0 for row in curve.seconds)
     assert curve.seconds == cost.monotone_fit(curve.measured)
 
-    monkeypatch.setattr(cost, "DEFAULT_SIZES", (1, 4, 8))
-    monkeypatch.setattr(cost, "DEFAULT_CONTEXTS", (16, 32))
+    monkeypatch.setattr(cost, "PROBE_SIZES", (1, 4, 8))
+    monkeypatch.setattr(cost, "PROBE_CONTEXTS", (16, 32))
     first = load_or_measure(target, cache_dir=tmp_path)
     [file] = tmp_path.glob("*.json")
-    monkeypatch.setattr(cost, "still_valid", lambda curve, target: True)
     assert load_or_measure(target, cache_dir=tmp_path) == first
+    # a curve from a much slower machine (or day) is not probed again: the rounds rescale it
+    slow = json.loads(file.read_text())
+    slow["seconds"] = [[100 * t for t in row] for row in slow["seconds"]]
+    with sealed_file(file) as written:
+        written.write_text(json.dumps(slow))
+    assert load_or_measure(target, cache_dir=tmp_path).seconds == slow["seconds"]
+    assert load_or_measure(target, cache_dir=tmp_path, refresh=True).seconds != slow["seconds"]
 
-    monkeypatch.undo()
-    stale = json.loads(file.read_text())
-    stale["seconds"] = [[100 * t for t in row] for row in stale["seconds"]]  # a much slower machine
-    file.write_text(json.dumps(stale))
-    assert not cost.still_valid(VerifyCostCurve(**stale), target)
-    assert load_or_measure(target, cache_dir=tmp_path).seconds != stale["seconds"]
 
+def test_the_probe_stops_at_the_first_size_no_round_can_pay_for(monkeypatch):
+    """Sizes past the first whose forward costs ``dearest`` plain ones are not timed: on a big model
+    they would cost the probe seconds each."""
+    timed = []
 
-def test_a_cached_curve_survives_a_cold_first_probe_but_not_one_that_stays_off(monkeypatch):
-    """One probe wanders (a fresh process's first most): one off by more than the tolerance keeps the
-    curve when the next one agrees; a curve every probe disagrees with is measured anew."""
+    def time_one(target, cache, tokens):
+        timed.append(tokens.shape[0])
+        return 0.001 * tokens.shape[0]  # a forward grows with every token
+
+    monkeypatch.setattr(cost, "_time_one", time_one)
+    monkeypatch.setattr(cost, "timed_in_a_run", lambda time_round: 0.001)
     target = TargetModel(tiny_target(dtype=torch.float32, max_positions=64))
-    curve = measure_verify_cost(target, sizes=(1, 4), contexts=(8,), repeats=1)
-    slowdowns = []
-
-    def probe(target, sizes, contexts, repeats):
-        factor = slowdowns.pop(0)
-        return VerifyCostCurve(
-            sizes=list(sizes),
-            contexts=list(contexts),
-            seconds=[[factor * curve(q, contexts[0]) for q in sizes]],
-        )
-
-    monkeypatch.setattr(cost, "measure_verify_cost", probe)
-    slowdowns[:] = [1.5, 1.1]
-    assert cost.still_valid(curve, target) and not slowdowns
-    slowdowns[:] = [1.5, 1.5, 1.0]
-    assert not cost.still_valid(curve, target) and slowdowns == [1.0]  # stale after two probes
+    curve = measure_verify_cost(target, sizes=(1, 2, 4, 8, 16), contexts=(8, 16), repeats=1, dearest=3)
+    assert curve.sizes == [1, 2, 4]  # 4 tokens cost 4 plain forwards: the last size timed
+    assert sorted(set(timed)) == [2, 4]
+    assert measure_verify_cost(target, sizes=(1, 2, 4, 8, 16), contexts=(8,), repeats=1).sizes[-1] == 16
 
 
 def test_one_token_rounds_are_timed_deep_in_a_run_as_plain_decoding_runs_them(monkeypatch):
@@ -107,26 +103,32 @@ def test_a_block_targets_cached_curve_is_not_reused_once_the_kernel_source_chang
     assert cost.curve_key(TargetModel(dense)) == plain  # no kernel runs in a dense target
 
 
-def test_a_damaged_cached_curve_is_named_and_measured_again(tmp_path, monkeypatch, capsys):
-    """A curve whose bytes changed on disk is not planned with: one line says so, and it is measured
+def test_a_damaged_cached_curve_is_named_and_probed_again(tmp_path, monkeypatch, capsys):
+    """A curve whose bytes changed on disk is not planned with: one line says so, and it is probed
     again; an intact one is reused without a word."""
     target = TargetModel(tiny_target(dtype=torch.float32, max_positions=64))
-    measured = []
+    probed = []
 
-    def measure(target, sizes, contexts, progress=False):
-        measured.append(sizes)
+    def probe(target, progress=False):
+        probed.append(progress)
         return VerifyCostCurve(sizes=[1, 4], contexts=[8], seconds=[[0.001, 0.002]])
 
-    monkeypatch.setattr(cost, "measure_verify_cost", measure)
-    monkeypatch.setattr(cost, "still_valid", lambda curve, target: True)
+    monkeypatch.setattr(cost, "probe_verify_cost", probe)
     first = load_or_measure(target, cache_dir=tmp_path)
-    assert load_or_measure(target, cache_dir=tmp_path) == first and len(measured) == 1
+    assert load_or_measure(target, cache_dir=tmp_path) == first and len(probed) == 1
     [file] = tmp_path.glob("*.json")
     file.write_text(file.read_text().replace("0.002", "0.200"))  # the same size, another curve
     capsys.readouterr()
     assert load_or_measure(target, cache_dir=tmp_path).seconds == first.seconds
-    assert len(measured) == 2
+    assert len(probed) == 2
     assert capsys.readouterr().err == (
         f"diffdraft: the cached verification cost curve at {file} failed its check "
-        f"({file.name} digest mismatch); measuring it again\n"
+        f"({file.name} digest mismatch); probing it again\n"
     )
+
+
+def test_passes_past_the_first_timed_one_stop_once_the_measurement_took_its_time():
+    """A loaded machine's probe gets the warm-up and one timed pass, a quiet one's every pass."""
+    assert list(cost.timed_passes(3, None)) == [0, 1, 2, 3]
+    assert list(cost.timed_passes(3, 60.0)) == [0, 1, 2, 3]
+    assert list(cost.timed_passes(3, 0.0)) == [0, 1]

@@ -18,6 +18,7 @@ import pytest
 import uvicorn
 
 import diffdraft.commands.model_options
+import diffdraft.serve.cli
 from diffdraft.cli import main
 from diffdraft.errors import CheckpointError
 from diffdraft.serve.cli import add_serve_parser, served_model_name
@@ -36,6 +37,19 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def wait_until_healthy(port: int, running) -> None:
+    """Until the server on ``port`` answers /health with 200 (a minute at most, while ``running()``)."""
+    deadline = time.monotonic() + 60
+    while True:
+        assert running() and time.monotonic() < deadline, "the server did not start"
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)
 
 
 def test_defaults_match_generate_and_a_local_server():
@@ -102,16 +116,22 @@ def test_the_default_drafter_follows_the_method_as_in_generate(no_load, capsys, 
         again.bind(("127.0.0.1", port))
 
 
-def test_the_command_serves_until_the_server_is_told_to_exit(tmp_path, monkeypatch):
-    checkpoint = make_chat_checkpoint(tmp_path / "target")
-    servers = []
+@pytest.fixture
+def servers(monkeypatch) -> list[uvicorn.Server]:
+    """Every uvicorn server the command makes, so a test can tell it to exit."""
+    made = []
 
     class Recorded(uvicorn.Server):
         def __init__(self, config):
             super().__init__(config)
-            servers.append(self)
+            made.append(self)
 
     monkeypatch.setattr(uvicorn, "Server", Recorded)
+    return made
+
+
+def test_the_command_serves_until_the_server_is_told_to_exit(tmp_path, monkeypatch, servers):
+    checkpoint = make_chat_checkpoint(tmp_path / "target")
     forwards = []
     verify_batch = TargetModel.verify_batch
     monkeypatch.setattr(
@@ -125,10 +145,7 @@ def test_the_command_serves_until_the_server_is_told_to_exit(tmp_path, monkeypat
     codes = []
     thread = threading.Thread(target=lambda: codes.append(main(args)))
     thread.start()
-    deadline = time.monotonic() + 60
-    while not (servers and servers[0].started):
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
+    wait_until_healthy(port, thread.is_alive)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
     assert [m.id for m in client.models.list().data] == ["tiny"]
     reply = client.chat.completions.create(
@@ -143,6 +160,51 @@ def test_the_command_serves_until_the_server_is_told_to_exit(tmp_path, monkeypat
     assert forwards and set(forwards) == {thread}
 
 
+def test_the_port_answers_while_the_model_loads(tmp_path, monkeypatch, servers):
+    """/health says "loading" (503) and requests get a 503 to retry from the first second; once
+    loaded, the same server answers them."""
+    checkpoint = make_chat_checkpoint(tmp_path / "target")
+    loading = threading.Event()
+    load_generator = diffdraft.serve.cli.load_generator
+
+    def slow_load(args):
+        assert loading.wait(60)
+        return load_generator(args)
+
+    monkeypatch.setattr(diffdraft.serve.cli, "load_generator", slow_load)
+    port = free_port()
+    args = ["serve", "--target", str(checkpoint), "--method", "pld", "--port", str(port)]
+    args += ["--served-model-name", "tiny", "--log-level", "warning"]
+    codes = []
+    thread = threading.Thread(target=lambda: codes.append(main(args)))
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert time.monotonic() < deadline, "the port did not open before the load"
+            try:
+                health = httpx.get(f"http://127.0.0.1:{port}/health")
+                break
+            except httpx.TransportError:
+                time.sleep(0.02)
+        assert health.status_code == 503
+        assert health.json() == {"status": "loading", "model": "tiny", "stage": "loading the model"}
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        early = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=chat)
+        assert early.status_code == 503 and early.headers["retry-after"] == "1"
+        assert "still starting (loading the model); retry" in early.json()["error"]["message"]
+        loading.set()
+        wait_until_healthy(port, thread.is_alive)
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=chat, timeout=60)
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] <= 3
+    finally:
+        loading.set()
+        for server in servers:
+            server.should_exit = True
+        thread.join(30)
+    assert codes == [0]
+
+
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
 def test_ctrl_c_or_sigterm_stop_the_process_cleanly(tmp_path, stop):
     checkpoint = make_chat_checkpoint(tmp_path / "target")
@@ -153,14 +215,7 @@ def test_ctrl_c_or_sigterm_stop_the_process_cleanly(tmp_path, stop):
         command, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
     )
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert process.poll() is None and time.monotonic() < deadline, "the server did not start"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.05)
+        wait_until_healthy(port, lambda: process.poll() is None)
         process.send_signal(stop)
         _, err = process.communicate(timeout=60)
     finally:

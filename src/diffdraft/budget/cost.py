@@ -1,11 +1,15 @@
-"""What verifying a DDTree round costs on this machine: t(q, n), measured once and cached.
+"""What verifying a DDTree round costs on this machine: t(q, n), probed in seconds and cached.
 
 The best budget depends on the hardware: verifying q tokens in one forward over n cached tokens
 costs t(q, n), nearly flat in q up to some size and then growing, and the shape differs between
-CPUs, GPUs, dtypes and context lengths. So t is measured once per model shape, dtype and device,
-at a few context lengths, and cached. t is the whole verification stage of a round with q tree
-tokens: ancestor mask, the target forward and greedy acceptance, so host-side costs that grow with
-the tree are in the curve. :mod:`diffdraft.budget.planner` weighs it against expected acceptance.
+CPUs, GPUs, dtypes and context lengths. So t is probed once per model shape, dtype and device: a few
+forwards of doubling sizes at two context lengths, a few seconds (:func:`probe_verify_cost`), and
+cached. The probe is the planner's starting point, not its last word: the rounds a process runs
+rescale it (:meth:`~diffdraft.budget.planner.BudgetPlanner.cost`), so a cached curve is never
+measured again because the machine is busier or quieter today. t is the whole verification stage of
+a round with q tree tokens: ancestor mask, the target forward and greedy acceptance, so host-side
+costs that grow with the tree are in the curve. :mod:`diffdraft.budget.planner` weighs it against
+expected acceptance.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -37,9 +41,23 @@ from diffdraft.util.cache import cache_root
 from diffdraft.util.cache_digest import intact, sealed_file
 from diffdraft.util.progress import progress_bar
 
-DEFAULT_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-DEFAULT_CONTEXTS = (128, 256, 512, 1024)
 MAX_BUDGET = 256
+PROBE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, MAX_BUDGET)
+"""Tree sizes the probe times, up to the first that costs :data:`DEAREST_ROUND` plain forwards."""
+PROBE_CONTEXTS = (128, 1024)
+"""Cached tokens the probe verifies over: attention's share grows with them, at another rate for one
+query than for many; the curve is linear between and past them."""
+PROBE_REPEATS = 2
+"""Timed passes over the probe's points (after one that warms up): the rounds that run correct it."""
+PROBE_SECONDS = 10.0
+"""After the first timed pass, no further pass starts once a measurement has taken this long: on a
+2-core machine shared with another 2-thread job a pass took 25 times as long as on a quiet one, and
+the rounds correct a curve of fewer passes anyway."""
+DEAREST_ROUND = 32
+"""Plain forwards a verification may cost before bigger trees are not probed: a round commits at most
+its tree's depth plus one tokens, and no drafter here proposes 31 positions, so a round that costs 32
+plain ones cannot pay (a big model on a small CPU reaches it well before 256 tokens, and each size
+past it would cost the probe seconds)."""
 PLAIN_RUN = 32
 """One-token rounds timed back to back at each point of t(1, n); the second half counts."""
 _GREEDY = SamplingParams()
@@ -92,16 +110,46 @@ def blend_rows(x: float, xs: Sequence[float], rows: Sequence[Sequence[float]]) -
     return table[lower] + share * (table[upper] - table[lower])
 
 
+def probe_verify_cost(target: TargetModel, progress: bool = False) -> VerifyCostCurve:
+    """The auto budget's starting curve: :func:`measure_verify_cost` at :data:`PROBE_SIZES` (those a
+    round can pay for) and :data:`PROBE_CONTEXTS`, 4 s for the default target on 2 quiet cores."""
+    return measure_verify_cost(
+        target,
+        PROBE_SIZES,
+        PROBE_CONTEXTS,
+        PROBE_REPEATS,
+        progress=progress,
+        dearest=DEAREST_ROUND,
+        seconds_limit=PROBE_SECONDS,
+    )
+
+
+def timed_passes(repeats: int, seconds_limit: float | None) -> Iterator[int]:
+    """A measurement's passes: 0, which warms kernels up and is not kept, then the timed ones 1 to
+    ``repeats``, of which none after the first starts once ``seconds_limit`` seconds have passed since
+    pass 0 began (None: no limit)."""
+    begin = time.perf_counter()
+    for repeat in range(repeats + 1):
+        if repeat > 1 and seconds_limit is not None and time.perf_counter() - begin > seconds_limit:
+            return
+        yield repeat
+
+
 def measure_verify_cost(
     target: TargetModel,
-    sizes: Sequence[int] = DEFAULT_SIZES,
-    contexts: Sequence[int] = DEFAULT_CONTEXTS,
-    repeats: int = 7,
+    sizes: Sequence[int] = PROBE_SIZES,
+    contexts: Sequence[int] = PROBE_CONTEXTS,
+    repeats: int = PROBE_REPEATS,
     progress: bool = False,
+    dearest: float | None = None,
+    seconds_limit: float | None = None,
 ) -> VerifyCostCurve:
-    """Median time of a verification stage per size and context, fitted nondecreasing in both.
+    """Median time of a verification stage per size and context, fitted nondecreasing in both;
+    ``dearest``: the sizes past the first whose warm-up round cost that many plain rounds are dropped
+    (None: every size is timed); ``seconds_limit``: as :func:`timed_passes` takes it.
 
-    Every pass visits every (context, size) point, so drift on a shared machine hits all alike.
+    Every timed pass visits every (context, size) point, so drift on a shared machine hits all alike;
+    the warm-up pass visits the shortest context only (the shapes are the same at the others).
     A one-token round is plain decoding, whose rounds follow one another with nothing in between,
     so t(1, n) is timed in a run of them (:data:`PLAIN_RUN`): on a CPU whose cache holds much of the
     target's weights, a one-token forward right after a bigger one took much longer than deep in a
@@ -122,15 +170,26 @@ def measure_verify_cost(
     caches = {n: target.new_cache() for n in contexts}
     for n, cache in caches.items():
         target.prefill(cache, ids[:n].to(target.device), [])
-    timings: dict[tuple[int, int], list[float]] = {(n, q): [] for n in contexts for q in sizes}
-    points = (repeats + 1) * len(timings)
-    with progress_bar(total=points, desc="verify cost t(q, n)", disable=not progress, leave=False) as steps:
-        for repeat in range(repeats + 1):  # the first pass warms kernels up and is not kept
-            for n, q in timings:
-                seconds = (_time_plain if q == 1 else _time_one)(target, caches[n], ids[n : n + q])
-                if repeat:
-                    timings[n, q].append(seconds)
-                steps.update()
+    timings: dict[tuple[int, int], list[float]] = {}
+    with progress_bar(
+        total=(repeats * len(contexts) + 1) * len(sizes),
+        desc="verify cost t(q, n)",
+        disable=not progress,
+        leave=False,
+    ) as steps:
+        for repeat in timed_passes(repeats, seconds_limit):
+            for n in contexts if repeat else contexts[:1]:
+                for q in sizes:
+                    seconds = (_time_plain if q == 1 else _time_one)(target, caches[n], ids[n : n + q])
+                    if repeat:
+                        timings.setdefault((n, q), []).append(seconds)
+                    elif q == 1:
+                        plain = seconds
+                    steps.update()
+                    if dearest is not None and not repeat and q > 1 and seconds > dearest * plain:
+                        steps.total -= (repeats * len(contexts) + 1) * (len(sizes) - sizes.index(q) - 1)
+                        sizes = sizes[: sizes.index(q) + 1]
+                        break
     measured = [[float(np.median(timings[n, q])) for q in sizes] for n in contexts]
     return VerifyCostCurve(
         sizes=list(sizes),
@@ -200,38 +259,6 @@ def synthetic_tree(tokens: torch.Tensor) -> DraftTree:
     return DraftTree(tokens, parents, depths)
 
 
-SPOT_CHECKS = 2
-"""Probes a cached curve gets before it is measured anew (:func:`passes_a_spot_check`)."""
-
-
-def passes_a_spot_check(probe: Callable[[], bool]) -> bool:
-    """Whether one of :data:`SPOT_CHECKS` runs of ``probe`` finds a cached curve still right. One
-    probe of plain decoding wanders, now and then past the tolerance, and a curve thrown away on one
-    probe was measured anew, for half a minute, at such starts (docs/decisions.md, "cost medians
-    fitted nondecreasing, spot-checked twice")."""
-    return any(probe() for _ in range(SPOT_CHECKS))
-
-
-def still_valid(curve: VerifyCostCurve, target: TargetModel, tolerance: float = 0.25) -> bool:
-    """Spot-check a cached curve at two sizes: a curve measured while other jobs loaded the machine
-    (or before a hardware change) would mislead every budget choice."""
-
-    def probe() -> bool:
-        measured = measure_verify_cost(
-            target,
-            sizes=sorted({curve.sizes[0], curve.sizes[len(curve.sizes) // 2]}),
-            contexts=[curve.contexts[len(curve.contexts) // 2]],
-            repeats=3,
-        )
-        context = measured.contexts[0]
-        return all(
-            abs(t - curve(q, context)) <= tolerance * curve(q, context)
-            for q, t in zip(measured.sizes, measured.seconds[0], strict=True)
-        )
-
-    return passes_a_spot_check(probe)
-
-
 def curve_key(target: TargetModel) -> str:
     """Identifies what t depends on: model shape (not weights or path), dtype, kernels, device,
     threads, CPU."""
@@ -265,22 +292,23 @@ def load_or_measure(
     cache_dir: str | os.PathLike | None = None,
     progress: bool = False,
 ) -> VerifyCostCurve:
-    """The cached curve for this model shape and device, measuring (and caching) it when absent, when
-    it fails its digest check (:mod:`diffdraft.util.cache_digest`) or when a spot check no longer
-    matches it."""
+    """The cached curve for this model shape and device, probed (:func:`probe_verify_cost`) and cached
+    when absent, when ``refresh`` asks or when it fails its digest check
+    (:mod:`diffdraft.util.cache_digest`). An intact curve is used as it is: the rounds correct it, and
+    spot checks that measured a curve anew whenever the machine was busier than when it was measured
+    had a first request wait minutes, several runs in a row (docs/decisions.md, "the auto budget's
+    curve probed in seconds, corrected by the rounds")."""
     folder = Path(cache_dir) if cache_dir is not None else cache_root() / "verify_cost"
     file = folder / f"{curve_key(target)}.json"
-    if not refresh and intact(file, "the cached verification cost curve", "measuring it again"):
-        cached = VerifyCostCurve(**json.loads(file.read_text()))
-        if still_valid(cached, target):
-            return cached
+    if not refresh and intact(file, "the cached verification cost curve", "probing it again"):
+        return VerifyCostCurve(**json.loads(file.read_text()))
     if progress:
         print(
-            f"diffdraft: measuring this machine's verification cost for budget 'auto' "
-            f"(once; cached in {file})",
+            f"diffdraft: timing a few verification forwards of this target for budget 'auto' (seconds; "
+            f"kept in {file} and corrected by the rounds each run times)",
             file=sys.stderr,
         )
-    curve = measure_verify_cost(target, DEFAULT_SIZES, DEFAULT_CONTEXTS, progress=progress)
+    curve = probe_verify_cost(target, progress=progress)
     with sealed_file(file) as written:
         written.write_text(json.dumps(curve.to_dict(), indent=1) + "\n")
     return curve

@@ -49,9 +49,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         type=budget_argument,
         default=None,
         help="DDTree node budget (ddtree, ddtree+pld, deer-tree), or 'auto' (their default) to pick it from "
-        f"this machine's verification cost, measured once; for dart the tree size (default: 32); at most "
-        f"{MAX_TREE_NODES}: a round verifies its whole tree in one forward whose mask and attention grow "
-        "with the nodes squared, and accepts at most the drafter's depth + 1 tokens",
+        "this machine's verification cost (a few forwards timed once, then the rounds' own); for dart the "
+        f"tree size (default: 32); at most {MAX_TREE_NODES}: a round verifies its whole tree in one "
+        "forward whose mask and attention grow with the nodes squared, and accepts at most the "
+        "drafter's depth + 1 tokens",
     )
     p.add_argument(
         "--ngram",

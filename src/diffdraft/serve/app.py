@@ -3,7 +3,10 @@
 Every request is checked before it takes a place in the batch; anything wrong with it comes back as
 OpenAI's error body with a 4xx status, never a traceback, and other requests go on. A client that
 disconnects (streaming or not) has its request cancelled, so its batch slot frees for the next one.
-The app does not own the scheduler: whoever started it closes it. With an API key, every ``/v1``
+The app does not own the scheduler: whoever started it closes it. It can answer before there is one:
+``diffdraft serve`` opens its port at once and loads the model meanwhile, so /health says "loading"
+(503) and every other route asks the client to retry, until :meth:`Readiness.ready` hands it the
+started scheduler. With an API key, every ``/v1``
 route asks for it as ``Authorization: Bearer KEY`` (as OpenAI and vLLM do); /health and /metrics
 stay open for probes and scrapers.
 
@@ -296,22 +299,52 @@ def _sse(event: dict) -> str:
     return f"data: {json.dumps(event, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
+class Readiness:
+    """Whether the app has a model to serve yet: the :class:`_Api` over the scheduler once
+    :meth:`ready` gave one, else what the server is doing meanwhile (shown on /health)."""
+
+    def __init__(self, model_name: str, limits: ServerLimits) -> None:
+        self.model_name = model_name
+        self.limits = limits
+        self.stage = "loading the model"
+        self._api: _Api | None = None
+
+    def ready(self, scheduler: Scheduler) -> None:
+        """Serve through ``scheduler`` (started or about to run its rounds) from now on."""
+        self._api = _Api(scheduler, self.model_name, self.limits)
+
+    @property
+    def api(self) -> _Api:
+        """The API, or a 503 that tells the client to retry while the model loads."""
+        if self._api is None:
+            raise ApiError(503, f"the server is still starting ({self.stage}); retry in a few seconds")
+        return self._api
+
+    def close(self) -> None:
+        if self._api is not None:
+            self._api.tokenizing.shutdown(wait=True, cancel_futures=True)
+
+
 def create_app(
-    scheduler: Scheduler,
+    scheduler: Scheduler | None,
     model_name: str,
     api_key: str | None = None,
     limits: ServerLimits | None = None,
     docs: bool = False,
 ) -> FastAPI:
-    """The ASGI app serving ``model_name`` through a started ``scheduler``; ``api_key`` guards /v1,
-    ``limits`` bound each request (None: the defaults), ``docs`` serves /docs, /redoc and
-    /openapi.json (off by default: a public server need not describe itself to strangers)."""
-    api = _Api(scheduler, model_name, limits or ServerLimits())
+    """The ASGI app serving ``model_name`` through a started ``scheduler`` (None: one that
+    ``app.state.readiness.ready`` gives later; until then /health answers 503 "loading");
+    ``api_key`` guards /v1, ``limits`` bound each request (None: the defaults), ``docs`` serves
+    /docs, /redoc and /openapi.json (off by default: a public server need not describe itself to
+    strangers)."""
+    readiness = Readiness(model_name, limits or ServerLimits())
+    if scheduler is not None:
+        readiness.ready(scheduler)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
-        api.tokenizing.shutdown(wait=True, cancel_futures=True)
+        readiness.close()
 
     pages = {} if docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(
@@ -320,7 +353,7 @@ def create_app(
         lifespan=lifespan,
         **pages,
     )
-    app.state.api = api
+    app.state.readiness = readiness
 
     if api_key:
         expected = f"Bearer {api_key}".encode()
@@ -352,18 +385,23 @@ def create_app(
 
     @app.post(ChatEndpoint.path)
     async def chat_completions(request: Request) -> Response:
-        return await api.complete(request, ChatEndpoint)
+        return await readiness.api.complete(request, ChatEndpoint)
 
     @app.post(CompletionEndpoint.path)
     async def completions(request: Request) -> Response:
-        return await api.complete(request, CompletionEndpoint)
+        return await readiness.api.complete(request, CompletionEndpoint)
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return api.models()
+        return readiness.api.models()
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        try:
+            scheduler = readiness.api.scheduler
+        except ApiError:
+            body = {"status": "loading", "model": model_name, "stage": readiness.stage}
+            return JSONResponse(body, status_code=503)
         alive = scheduler.alive
         body = {"status": "ok" if alive else "unavailable", "model": model_name}
         body.update(queue_depth=scheduler.queue_depth, running=scheduler.running)
@@ -371,6 +409,6 @@ def create_app(
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(api.metrics.render(), media_type=CONTENT_TYPE)
+        return Response(readiness.api.metrics.render(), media_type=CONTENT_TYPE)
 
     return app

@@ -173,11 +173,16 @@ def _stop_signals_shut_down(server: uvicorn.Server) -> Iterator[None]:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Load once, then serve until interrupted (Ctrl-C finishes the requests in flight first).
+    """Open the port, load, then serve until interrupted (Ctrl-C finishes the requests in flight
+    first).
 
-    The thread that loaded the models runs the rounds (:meth:`Scheduler.run`) and the HTTP server
-    runs beside it: a CPU target decodes several times slower in a thread started after the load
-    (see :mod:`diffdraft.serve.scheduler`)."""
+    The port answers from the first second: while the model loads (a fresh cache converts it and
+    compiles the kernels, minutes on a small CPU), /health says "loading" and requests get 503 with
+    Retry-After, so an orchestrator sees a live process and clients a reason (a port that opened
+    only after the load refused connections for ten minutes with no word). The thread that loaded the
+    models runs the rounds (:meth:`Scheduler.run`) and the HTTP server runs beside it: a CPU target
+    decodes several times slower in a thread started after the load (see
+    :mod:`diffdraft.serve.scheduler`)."""
     import uvicorn
 
     from diffdraft.serve.app import create_app
@@ -189,43 +194,52 @@ def run_serve(args: argparse.Namespace) -> int:
         )
     limits = server_limits(args)
     key = api_key(args)
+    name = served_model_name(args)
     sock = listen(args.host, args.port)
+    app = create_app(None, name, api_key=key, limits=limits, docs=args.docs)
+    readiness = app.state.readiness
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level))
+    scheduler: Scheduler | None = None
+
+    def serve_http() -> None:
+        try:
+            server.run(sockets=[sock])
+        finally:
+            if scheduler is not None:
+                scheduler.close()  # ends scheduler.run() below
+
+    http = threading.Thread(target=serve_http, name="diffdraft-http")
     try:
-        print(f"diffdraft serve: loading {args.target} ({args.method})...", file=sys.stderr, flush=True)
+        http.start()
+        print(
+            f"diffdraft serve: http://{args.host}:{args.port} open (/health says 'loading'); "
+            f"loading {args.target} ({args.method})...",
+            file=sys.stderr,
+            flush=True,
+        )
         generator = load_generator(args)
+        readiness.stage = "timing the target's shared forwards for budget 'auto'"
         scheduler = Scheduler(generator, args.max_batch_size, args.max_queue)
         # what is loaded now lives as long as the server: out of the collector's full passes, each of
         # which walked all of it and stalled every request in flight (docs/decisions.md, "frozen
         # garbage after the server's load")
         gc.freeze()
-        name = served_model_name(args)
-        app = create_app(scheduler, name, api_key=key, limits=limits, docs=args.docs)
-        server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level))
-
-        def serve_http() -> None:
-            try:
-                server.run(sockets=[sock])
-            finally:
-                scheduler.close()  # ends scheduler.run() below
-
+        readiness.ready(scheduler)
         guarded = ", API key required" if key else ""
         print(
-            f"diffdraft serve: model {name!r} on http://{args.host}:{args.port}/v1 "
+            f"diffdraft serve: model {name!r} ready on http://{args.host}:{args.port}/v1 "
             f"(batch {args.max_batch_size}, queue {args.max_queue}{guarded})",
             file=sys.stderr,
             flush=True,
         )
-        http = threading.Thread(target=serve_http, name="diffdraft-http")
-        with _stop_signals_shut_down(server):
-            http.start()
-            try:
+        if http.is_alive():  # the server did not stop while the model loaded
+            with _stop_signals_shut_down(server):
                 scheduler.run()
-            finally:
-                server.should_exit = True  # when the rounds failed; else the server has stopped already
-                http.join()
-        print("diffdraft serve: stopped", file=sys.stderr, flush=True)
     finally:
+        server.should_exit = True  # when the load or the rounds failed; else it has stopped already
+        http.join()
         sock.close()
+    print("diffdraft serve: stopped", file=sys.stderr, flush=True)
     return 0
 
 
