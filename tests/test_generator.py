@@ -362,9 +362,11 @@ def test_only_an_auto_budgets_lookup_boost_remembers_its_copies_across_requests(
     monkeypatch.setattr(cost, "PROBE_CONTEXTS", (16, 32))
     auto = diffdraft.load(checkpoint, drafter=drafter_dir, method="ddtree+pld", budget="auto")
     fixed = diffdraft.SpeculativeGenerator(auto.loaded, "ddtree+pld", drafter_dir, budget=4)
-    assert fixed.drafter.record is None  # a seeded request's output never depends on earlier ones
-    assert auto.drafter.record is not None
-    assert auto.drafter.fork().record is auto.drafter.record  # a batch's sequences add to the one record
+    assert fixed.drafter.calibration.record is None  # a seeded request's output never depends on earlier ones
+    assert auto.drafter.calibration.record is not None
+    assert (
+        auto.drafter.fork().calibration.record is auto.drafter.calibration.record
+    )  # a batch's sequences add to the one record
 
 
 def test_cli_accepts_an_auto_budget(checkpoint, drafter_dir, monkeypatch, tmp_path, capsys):

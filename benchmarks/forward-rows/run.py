@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -30,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from diffdraft.bench.machine import cpu_description
 from diffdraft.kernels.quantized.kernel_build import instruction_set
 from diffdraft.target.loading import load_target
 from diffdraft.target.model import TargetModel
@@ -51,7 +51,6 @@ LINEAR_STAGES = {"qkv": "qkv", "output": "o", "gate_up": "gate_up", "down": "dow
 STAGES = ["embed", "qkv", "rotary", "attention", "o", "norms", "gate_up", "gate", "down", "head", "rest"]
 clock: Callable[[], float] = time.perf_counter
 """What every time is read with (``--clock``)."""
-CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16", "avx_vnni")
 
 
 def timed(function: Callable, totals: dict[str, float], stage: str) -> Callable:
@@ -139,17 +138,6 @@ def profile(target: TargetModel, context: int, rows: list[int], repeats: int) ->
         results.append(row)
         print(f"context {context}, {k} rows: {row['ms']:.2f} ms", flush=True)
     return results
-
-
-def cpu_description() -> dict:
-    """The CPU's model name and which of :data:`CPU_FLAGS` it has, from lscpu."""
-    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    fields = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
-    flags = set(fields.get("Flags", "").split())
-    return {
-        "model": fields.get("Model name", "").strip(),
-        "flags": {flag: flag in flags for flag in CPU_FLAGS},
-    }
 
 
 def write_report(result: dict, out: Path) -> None:

@@ -155,8 +155,8 @@ def _make_drafter(
     copies earned across requests)."""
     if method.drafting is Drafting.NONE:
         return None
-    if method.drafting is Drafting.LOOKUP:
-        return PromptLookupDrafter()
+    if method.drafting is Drafting.LOOKUP:  # its copies sized by what verifying costs here
+        return PromptLookupDrafter(verify_seconds=load_or_measure(target, progress=True))
     if drafter is None or drafter == "none":
         *most, last = (family.name for family in FAMILIES.values())
         families = f"{', '.join(most)} or {last}" if most else last

@@ -125,7 +125,7 @@ def test_a_generation_of_a_remembering_drafter_starts_from_what_every_fork_taugh
 
 
 def test_the_copy_record_forgets_half_its_checks_once_a_window_is_full():
-    from diffdraft.drafters.lookup_boost import CopyRecord
+    from diffdraft.drafters.copy_calibration import CopyRecord
 
     record = CopyRecord((2, 1), window=4)
     for _ in range(4):

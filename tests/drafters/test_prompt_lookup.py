@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -49,3 +50,37 @@ def test_a_context_matched_as_it_grows_matches_as_if_whole_and_another_starts_ov
         assert drafter.match(ids[:end], 6) == latest_match(ids[:end], 6, 3, 1)
     assert drafter.match(other, 6) == latest_match(other, 6, 3, 1)
     assert drafter.match(ids, 6) == latest_match(ids, 6, 3, 1)
+
+
+def flat_then(per_token: float):
+    """Verification seconds: 1 for the pending token, ``per_token`` for each copied one."""
+    return lambda tokens, context: 1.0 + per_token * (tokens - 1)
+
+
+def test_a_copy_is_cut_to_what_pays_for_its_verification():
+    """With a copy's tokens kept half the time (the prior), a free token is always worth verifying,
+    a dear one never, and one in between a few; nothing is cut without a cost."""
+    ids = torch.tensor([5, 6, 7, 8, 9, 1, 2, 3, 4, 5, 6])  # "5 6" repeats: copy 7 8 9 1 2 3 4 5 6
+    assert PromptLookupDrafter(max_depth=8).propose(ids, 8).depth == 8
+    assert PromptLookupDrafter(max_depth=8, verify_seconds=flat_then(0.0)).propose(ids, 8).depth == 8
+    assert PromptLookupDrafter(max_depth=8, verify_seconds=flat_then(1.0)).propose(ids, 8).depth == 0
+    # expected 1, 1.5, 1.75, 1.875 over costs 1, 1.1, 1.2, 1.3: 1.46 at two tokens is the best
+    assert PromptLookupDrafter(max_depth=8, verify_seconds=flat_then(0.1)).propose(ids, 8).depth == 2
+
+
+def test_copies_the_target_keeps_get_longer_and_ones_it_refutes_shorter():
+    """The cut follows the generation's own record per matched n-gram length: after four 2-gram
+    copies were kept whole, a 2-gram copy is verified further; after four missed at once, less; other
+    n-gram lengths and a new generation start from the prior again."""
+    drafter = PromptLookupDrafter(max_depth=8, verify_seconds=flat_then(0.2))
+    assert drafter.paying_length(2, 8, context=100) == 1  # 1.5 / 1.2 = 1.75 / 1.4: the fewest
+    for _ in range(4):
+        drafter.calibration.copied(0, 2, [1, 2, 3])
+        drafter.calibration.score([0, 1, 2, 3])  # kept whole
+        drafter.calibration.copied(0, 1, [1, 2, 3])
+        drafter.calibration.score([0, 9])  # missed at once
+    assert drafter.paying_length(2, 8, context=100) == 3
+    assert drafter.paying_length(1, 8, context=100) == 0
+    assert drafter.paying_length(3, 8, context=100) == 1
+    drafter.reset()
+    assert drafter.paying_length(2, 8, context=100) == 1

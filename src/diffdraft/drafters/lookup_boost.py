@@ -5,7 +5,8 @@ repeats for free, while a small drafter guesses everything else. Where lookup fi
 d's marginal becomes ``(1 - w) * q_d + w * onehot(copy_d)``. By default w is calibrated on the
 current generation, per matched n-gram length n and depth d: the share of earlier such copies the
 target confirmed (given the shallower ones were), starting from 1/2, or for a drafter that remembers
-(an auto budget's) from what the copies of its earlier generations taught (:class:`CopyRecord`).
+(an auto budget's) from what the copies of its earlier generations taught
+(:mod:`~diffdraft.drafters.copy_calibration`).
 DDTree's tree is optimal for the marginals it is given, so marginals that say how often a copy
 really holds spend its budget better than a fixed w (1-gram matches are weak evidence, 3-gram ones
 strong); on the default drafter calibrated weights gained acceptance on code and held even on chat
@@ -26,40 +27,11 @@ import numpy as np
 import torch
 
 from diffdraft.drafters.base import CopyOffer, Drafter, Proposal, drafts_across_gaps, propose_together
+from diffdraft.drafters.copy_calibration import CopyCalibration, CopyRecord
 from diffdraft.drafters.prompt_lookup import PromptLookupDrafter
 
 COPY_DEPTH = 10
 """How far a copied continuation may reach by default (prompt lookup's own default depth)."""
-PRIOR_COPIES = 2
-"""How many copies a generation's calibration counts its starting rate as, before its own evidence."""
-
-
-class CopyRecord:
-    """What the target kept of the copies of every generation a drafter and its forks drafted, per
-    matched n-gram length and depth: where a generation's calibration starts. A fixed 1/2 misjudged
-    both ends: on the bench's prompts the default target kept the first token of a 3-gram match's
-    copy most of the time and of a 1-gram match's seldom, and an auto budget that starts each
-    generation from the record copies more and drafts less at batch 1 (docs/decisions.md, "copy
-    calibration starts from the drafter's record"). Each (n, d) keeps about its latest ``window``
-    checks: half of them are forgotten once the window is full, so the record follows what the
-    drafter is now asked to continue."""
-
-    def __init__(self, shape: tuple[int, int], window: int = 256) -> None:
-        self.confirmed = np.zeros(shape, dtype=np.float32)
-        self.checked = np.zeros(shape, dtype=np.float32)
-        self.window = window
-
-    def add(self, ngram: int, depth: int, kept: bool) -> None:
-        """One copied token checked against what the target emitted (depth from 0)."""
-        if self.checked[ngram, depth] >= self.window:
-            self.checked[ngram, depth] /= 2
-            self.confirmed[ngram, depth] /= 2
-        self.checked[ngram, depth] += 1
-        self.confirmed[ngram, depth] += kept
-
-    def rates(self) -> np.ndarray:
-        """The share kept per (n, d), 1/2 where nothing was checked: (confirmed + 1) / (checked + 2)."""
-        return ((self.confirmed + 1) / (self.checked + 2)).astype(np.float64)
 
 
 class LookupBoostedDrafter:
@@ -78,11 +50,10 @@ class LookupBoostedDrafter:
             raise ValueError(f"lookup weight must be in (0, 1), got {weight}")
         self.drafter = drafter
         self.lookup = lookup or PromptLookupDrafter(max_depth=max(drafter.max_depth, COPY_DEPTH))
-        self.weight = weight
         self.target_layer_ids = drafter.target_layer_ids
         self.max_depth = max(drafter.max_depth, self.lookup.max_depth)
         shape = (self.lookup.max_ngram + 1, self.max_depth)
-        self.record = CopyRecord(shape) if remember else None
+        self.calibration = CopyCalibration(shape, weight, CopyRecord(shape) if remember else None)
         self.reset()
 
     def fork(self) -> LookupBoostedDrafter:
@@ -90,49 +61,18 @@ class LookupBoostedDrafter:
         record (every fork adds to the one record, and starts from it)."""
         clone = copy.copy(self)
         clone.drafter, clone.lookup = self.drafter.fork(), self.lookup.fork()
+        clone.calibration = copy.copy(self.calibration)  # the same weight and record
         clone.reset()  # the generation's own state, none of it shared
         return clone
 
     def reset(self) -> None:
         self.drafter.reset()
-        shape = (self.lookup.max_ngram + 1, self.max_depth)
-        # numpy, not torch: read and counted every round, and a torch op on a few numbers costs more;
-        # [n, d]: copies after an n-gram match the target emitted, and those whose position it has
-        self._confirmed = np.zeros(shape, dtype=np.float32)
-        self._checked = np.zeros(shape, dtype=np.float32)
-        self._prior = self.record.rates() if self.record is not None else np.full(shape, 0.5)
-        """Where this generation's calibration starts: read once, so its weights move only with its own
-        copies (the expectations cached below stay valid until one of those is scored)."""
-        self._last_copy: tuple[int, int, list[int]] = (0, 0, [])  # root index, n, copied tokens
-        self._scorings = 0
-        """Copies scored so far: the calibration's version."""
+        self.calibration.reset()
         self._ceiling: tuple[tuple[int, int], list[float]] | None = None
-        self._expectations: tuple[int, dict[tuple[int, int], list[float]]] = (0, {})
-        """The calibration's version and each offer's expectation under it, by (n-gram, copied length)."""
 
     def weights(self, ngram: int | slice, depth: int) -> np.ndarray:
-        """w_d for depths 1..depth after an ``ngram`` match: fixed, or (confirmed + 2 p) / (checked + 2)
-        with p the record's rate when the generation began (:data:`PRIOR_COPIES`); [depth], or
-        [n-gram lengths, depth] for a slice of them."""
-        confirmed, checked = self._confirmed[ngram, :depth], self._checked[ngram, :depth]
-        if self.weight is not None:
-            return np.full(confirmed.shape, self.weight)
-        prior = self._prior[ngram, :depth]
-        return (confirmed + PRIOR_COPIES * prior) / (checked + PRIOR_COPIES)
-
-    def _score_last_copy(self, token_ids: list[int]) -> None:
-        """Compare last round's copy with what the target emitted since, up to its first miss."""
-        root, ngram, copied = self._last_copy
-        emitted = token_ids[root + 1 :]
-        self._scorings += bool(copied and emitted)
-        for d, (guess, actual) in enumerate(zip(copied, emitted, strict=False)):
-            kept = guess == actual
-            if self.record is not None:
-                self.record.add(ngram, d, kept)
-            self._checked[ngram, d] += 1
-            if not kept:
-                return
-            self._confirmed[ngram, d] += 1
+        """The copy weights of :meth:`CopyCalibration.weights`."""
+        return self.calibration.weights(ngram, depth)
 
     def extend_context(self, hidden: torch.Tensor | None, start: int) -> None:
         self.drafter.extend_context(hidden, start)
@@ -165,29 +105,14 @@ class LookupBoostedDrafter:
         ngram, follow = self.lookup.match(token_ids, min(depth, self.lookup.max_depth))
         if not follow:
             return None
-        return CopyOffer(follow, ngram, self._expected(ngram, len(follow)))
-
-    def _expected(self, ngram: int, length: int) -> list[float]:
-        """:attr:`CopyOffer.expected` of a copy of ``length`` tokens after an ``ngram`` match: the same
-        list object while no copy was scored since, so a round plan that compares copies by identity
-        reuses its answer, and numpy is asked only when the calibration moved (its dozen small ops
-        were a visible share of a lone plain round, asked every round a copy is offered;
-        docs/decisions.md, "an offer's expectations kept until a copy is scored")."""
-        if self._expectations[0] != self._scorings:
-            self._expectations = (self._scorings, {})
-        table = self._expectations[1]
-        expected = table.get((ngram, length))
-        if expected is None:
-            kept = self.weights(ngram, length).cumprod()
-            expected = table[ngram, length] = [1.0, *(1.0 + kept.cumsum()).tolist()]
-        return expected
+        return CopyOffer(follow, ngram, self.calibration.expected(ngram, len(follow)))
 
     def copy_ceiling(self, depth: int) -> list[float]:
         """What a copy of up to ``depth`` tokens would expect were every copied token kept with the
         best weight any n-gram length has at its depth: no offer can expect more (recomputed only
         when a copy was scored since)."""
         depth = min(depth, self.lookup.max_depth)
-        key = (depth, self._scorings)
+        key = (depth, self.calibration.scorings)
         if self._ceiling is None or self._ceiling[0] != key:
             best = self.weights(slice(self.lookup.min_ngram, self.lookup.max_ngram + 1), depth).max(axis=0)
             self._ceiling = (key, [1.0, *(1.0 + best.cumprod().cumsum()).tolist()])
@@ -196,17 +121,17 @@ class LookupBoostedDrafter:
     def take_copy(self, offer: CopyOffer, length: int, token_ids: list[int]) -> Proposal:
         """The offer's first ``length`` tokens; the whole copy is scored against what the target
         emits, as a copy that boosted a proposal is."""
-        self._score_last_copy(token_ids)
-        self._last_copy = (len(token_ids) - 1, offer.ngram, offer.tokens)
+        self.calibration.score(token_ids)
+        self.calibration.copied(len(token_ids) - 1, offer.ngram, offer.tokens)
         return Proposal(tokens=torch.tensor(offer.tokens[:length], dtype=torch.long))
 
     @torch.inference_mode()
     def _boost(self, token_ids: torch.Tensor, proposal: Proposal, depth: int) -> Proposal:
         """``proposal`` (the inner drafter's, for the same tokens) with lookup's copy mixed in."""
         ids = token_ids.tolist()
-        self._score_last_copy(ids)
+        self.calibration.score(ids)
         ngram, follow = self.lookup.match(ids, min(depth, self.lookup.max_depth))
-        self._last_copy = (len(ids) - 1, ngram, follow)
+        self.calibration.copied(len(ids) - 1, ngram, follow)
         if not follow:
             return proposal
         beyond = len(follow) - proposal.depth
