@@ -25,7 +25,7 @@ from diffdraft.target.model import TargetModel
 from diffdraft.trees import ChainBuilder, DDTreeBuilder, RoundSequence, TreeRound
 
 from diffdraft_testing.batching import alone, batched, requests_for
-from diffdraft_testing.budget import drafted_once, losing_planner
+from diffdraft_testing.budget import drafted_once, losing_planner, verified
 from diffdraft_testing.drafters import tiny_dart
 from diffdraft_testing.engine import make_method
 from diffdraft_testing.targets import tiny_target
@@ -761,3 +761,20 @@ def test_a_few_sequences_that_ran_through_a_stall_do_not_move_the_stage_costs():
     for _ in range(4):  # half the window now: the middle of the two middle ones
         rounds.observe_generation(finished((1, 4, 100), 0.05, commit=0.005))
     assert rounds.draft_seconds(alone=True) == pytest.approx((0.002 + 0.05) / 2)
+
+
+@pytest.mark.parametrize(("draft", "drafts"), [(0.001, True), (0.05, False)])
+def test_the_first_lone_sequence_plans_with_its_own_drafting_time(draft, drafts):
+    """Before any sequence finished, the record of drafting times is empty: a lone sequence's own
+    drafted rounds stand in, so the first request of a process drafts where its drafter is cheap and
+    decodes plainly where a drafter forward costs more than what it gains (it drafted all through)."""
+    curve = VerifyCostCurve(sizes=[1, 64], contexts=[100], seconds=[[0.01, 0.0163]])  # 0.1 ms a node
+    rounds = RoundBudgetPlanner(BudgetPlanner(curve))
+    stats = GenerationStats(surrogates=[[1.0 + 0.9 * min(b, 4) for b in range(20)]])
+    for _ in range(8):
+        verified(stats, nodes=4, accepted=[1, 2, 3], context=100, seconds=0.0104)
+    stats.timings["draft"] = 8 * draft
+    stats.first_draft_seconds = draft
+    assert rounds.draft_seconds() == 0.0  # nothing finished: the record is empty
+    [budget] = rounds.plan([RoundSequence(stats, 100, can_draft=True)])
+    assert (budget > 0) == drafts

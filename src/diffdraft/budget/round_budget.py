@@ -15,7 +15,8 @@ from its own record, its gains scaled by what the rounds plans chose to draft re
 alone, the batch curve shared, both rescaled by the finished sequences' own forwards), d the
 drafting, tree and mask time of one drafting sequence and c each sequence's acceptance and commit,
 both learned from finished sequences: from those decoded alone for a round of one sequence, from
-those that shared forwards for a round of several (drafting in a batch costs a sequence another time
+those that shared forwards for a round of several (before any finished, d of a lone sequence from its
+own drafted rounds) (drafting in a batch costs a sequence another time
 than drafting alone, and a planner that carried batch-8 drafting times to a lone sequence stopped it
 drafting).
 
@@ -315,8 +316,11 @@ class RoundBudgetPlanner:
         re-estimating every running sequence after each cost a visible share of the plans."""
         self._last_plan: tuple[list, tuple, list[int]] | None = None
         """The last round's estimates and costs, other inputs and budgets."""
-        self._round: tuple[list[list[float]], float] = ([], 0.0)
-        """The round :meth:`plan` planned last: its estimates and mean context (its copies' too)."""
+        self._round: tuple[list[list[float]], float, float | None] = ([], 0.0, None)
+        """The round :meth:`plan` planned last: its estimates, mean context and a lone sequence's own
+        drafting time (its copies' too)."""
+        self._own_draft: tuple[GenerationStats | None, int, float | None] = (None, -1, None)
+        """A lone running sequence's stats, the round its drafting time was last read and that time."""
         self._last_copies: tuple[list, tuple, list[int]] | None = None
         """The last copy plan's estimates, costs and copies (the same objects while they hold: a
         copier's ceiling does), its budgets and copy seconds, and its lengths."""
@@ -340,6 +344,23 @@ class RoundBudgetPlanner:
         (:func:`~diffdraft.budget.aftermath.aftermath_seconds`)."""
         return self._draft_seconds.median(alone)
 
+    def _own_draft_seconds(self, stats: GenerationStats) -> float | None:
+        """A lone running sequence's own drafting seconds per drafted round
+        (:func:`drafting_seconds`, without the aftermath: the rounds after its drafting are still to
+        come), read anew every ``refresh`` rounds; None before it drafted twice. Until a sequence
+        finished, the record of drafting times is empty, and the first request of a process planned
+        as if drafting cost nothing: on a CPU where the drafter's forward is a third of a round, it
+        drafted all through where plain decoding was faster."""
+        last, read, seconds = self._own_draft
+        rounds = len(stats.tree_sizes)
+        if last is not stats or rounds - read >= self.refresh:
+            drafted = sum(size > 0 for size in stats.drafter_sizes())
+            seconds = drafting_seconds(stats, drafted)
+            if seconds is not None:  # rounded: the costs it keys stay cached while it holds
+                seconds = round(seconds, 4)
+            self._own_draft = (stats, rounds, seconds)
+        return seconds
+
     def copy_seconds(self, alone: bool = True) -> float:
         """Seconds a free copy adds to a round besides its tokens' share of the forward (as
         :meth:`draft_seconds`; 0 before any copy was measured, so copies get tried)."""
@@ -360,13 +381,9 @@ class RoundBudgetPlanner:
         drafted = sum(size > 0 for size in stats.drafter_sizes())
         self.chosen.observe(stats)  # reaches the estimates as _taught's change does (it drafted)
         self._taught += bool(drafted or stats.surrogates)
-        first = stats.first_draft_seconds
-        forwards = drafted - (first is not None)  # the first took the prompt in: a one-off, left out
-        if forwards > 0:
-            drafting = (stats.timings["draft"] - (first or 0.0)) / forwards
-            building = stats.draft_build_seconds + stats.draft_plan_seconds
-            aftermath = aftermath_seconds(stats, plain)
-            self._draft_seconds.add(alone, drafting + (building + aftermath) / drafted)
+        drafting = drafting_seconds(stats, drafted, aftermath_seconds(stats, plain) if drafted else 0.0)
+        if drafting is not None:
+            self._draft_seconds.add(alone, drafting)
         if stats.copy_rounds:
             seconds = stats.copy_seconds + stats.copy_plan_seconds
             self._copy_seconds.add(alone, seconds / len(stats.copy_rounds))
@@ -501,8 +518,9 @@ class RoundBudgetPlanner:
             d and self._must_explore(s.stats, len(sequences)) for s, d in zip(sequences, drafts, strict=True)
         ]
         context = sum(s.context for s in sequences) / len(sequences)  # numpy's mean costs more, every round
-        self._round = (taus, context)
-        costs = self.round_costs(taus, context)
+        own = self._own_draft_seconds(sequences[0].stats) if alone and self._draft_seconds.empty else None
+        self._round = (taus, context, own)
+        costs = self.round_costs(taus, context, own)
         objects = [*taus, costs]  # compared by identity: the same objects while they hold
         inputs = (explore, int(context) // self.context_step)
         if self._last_plan is not None:
@@ -520,9 +538,9 @@ class RoundBudgetPlanner:
         offered). Copies that are the very objects of the last call, all else alike, get its lengths
         (the copiers' ceilings, asked every round). The round's last answer decides whether a plan
         that left a batch plain stands (:meth:`plain_stands`): one that found no copy worth taking."""
-        taus, context = self._round
+        taus, context, own = self._round
         if any(copies):
-            costs = self.round_costs(taus, context)
+            costs = self.round_costs(taus, context, own)
             objects = [*taus, costs, *copies]  # compared by identity: the same objects while they hold
             inputs = (list(budgets), self.copy_seconds(len(taus) == 1))
             last = self._last_copies
@@ -535,19 +553,24 @@ class RoundBudgetPlanner:
         self._settle(len(taus) > 1 and not any(budgets) and not any(lengths))
         return lengths
 
-    def round_costs(self, taus: list[list[float]], context: float) -> tuple[list[float], float, float]:
+    def round_costs(
+        self, taus: list[list[float]], context: float, own_draft: float | None = None
+    ) -> tuple[list[float], float, float]:
         """(forward seconds per total of tokens up to as many as the longest of the ``taus`` covers
         times the sequences, made nondecreasing once here rather than in every plan, seconds one
         drafting sequence adds, seconds the round adds outside both) for a round of ``len(taus)``
         sequences; the same object until they are refreshed (:attr:`_costs`), for contexts within
         ``context_step`` of each other (as a plan is), whichever sequences cannot draft (under load
-        one ends every few rounds, and each such round missed a cache keyed by the tokens covered)."""
-        key = (len(taus), max(len(tau) for tau in taus), int(context) // self.context_step)
+        one ends every few rounds, and each such round missed a cache keyed by the tokens covered).
+        ``own_draft``: a lone sequence's own drafting seconds, standing in for the finished
+        sequences' record while it is empty (:meth:`_own_draft_seconds`)."""
+        key = (len(taus), max(len(tau) for tau in taus), int(context) // self.context_step, own_draft)
         costs = self._costs.get(key)
         if costs is None:
             verify = running_max(self.verify_seconds(np.arange(key[0] * key[1] + 1), len(taus), context))
             alone = len(taus) == 1
-            costs = (verify, self.draft_seconds(alone), self.commit_seconds(alone) * len(taus))
+            draft = self.draft_seconds(alone) if own_draft is None else own_draft
+            costs = (verify, draft, self.commit_seconds(alone) * len(taus))
             self._costs[key] = costs
         return costs
 
@@ -598,6 +621,20 @@ class TimedForward:
     """The curve's seconds for as many sequences with one token each."""
 
 
+def drafting_seconds(stats: GenerationStats, drafted: int, aftermath: float = 0.0) -> float | None:
+    """Seconds a drafted round of the sequence cost beyond its verification, per drafted round: its
+    drafter's forward (all but the first, which took the prompt in: a one-off, left out), its tree and
+    its share of the plan, plus ``aftermath`` (what its drafting slowed the plain forwards after it,
+    summed) spread over its ``drafted`` rounds; None before it drafted twice."""
+    first = stats.first_draft_seconds
+    forwards = drafted - (first is not None)
+    if forwards <= 0:
+        return None
+    drafting = (stats.timings["draft"] - (first or 0.0)) / forwards
+    building = stats.draft_build_seconds + stats.draft_plan_seconds
+    return drafting + (building + aftermath) / drafted
+
+
 def _record_round(sequences: Sequence[RoundSequence], budgets: list[int], explore: list[bool]) -> None:
     """Count a round's explorations in each sequence's stats; a drafting round the plan chose freely
     clears the count and is recorded, with the estimate it was chosen on before calibration
@@ -635,6 +672,11 @@ class StageSeconds:
     def add(self, alone: bool, seconds: float) -> None:
         self._seconds[alone].append(seconds)
         self._medians.clear()
+
+    @property
+    def empty(self) -> bool:
+        """Whether no sequence, alone or not, added a time yet."""
+        return not any(self._seconds.values())
 
     def median(self, alone: bool) -> float:
         """The median of the record of sequences that ran ``alone`` (or not), else of the other
