@@ -178,7 +178,9 @@ def test_a_registered_family_runs_end_to_end_token_identical_to_plain_decoding(
     dflash = tiny_drafter(loaded.model).float()
     with pytest.raises(InvalidRequestError, match=r"method 'toy-tree' needs a Toy drafter \(the toy test\)"):
         diffdraft.SpeculativeGenerator(loaded, "toy-tree", dflash)
-    with pytest.raises(InvalidRequestError, match="DFlash/DFlare, DART, DEER or Toy checkpoint"):
+    with pytest.raises(
+        InvalidRequestError, match="DFlash/DFlare, DART, DEER, DFlash2, DSpark or Toy checkpoint"
+    ):
         diffdraft.SpeculativeGenerator(loaded, "toy-tree")
 
 
