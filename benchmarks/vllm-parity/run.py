@@ -69,16 +69,26 @@ def target_config() -> Qwen3Config:
 
 def random_drafters(target: Qwen3Config) -> dict[str, nn.Module]:
     """One random drafter per layout, its convs, codebooks and Markov head drawn large enough to
-    weigh in the distributions."""
+    weigh in the distributions, DFlash2's optional embedding and logit scales and soft cap and
+    DSpark's logit scale away from their defaults."""
     taps = [0, target.num_hidden_layers - 2]
     mask = target.vocab_size - 2
     dflash2 = make_dflash2_config(target, 2, 5, mask, taps, conv_group_size=16, selector_top_k=6)
+    dflash2.dflash_config |= {
+        "input_embedding_scale": 1.5,
+        "output_multiplier": 0.8,
+        "final_logit_softcapping": 4.0,
+    }
     dspark = make_dspark_config(target, 2, 4, mask, taps, confidence_head=True)
+    dspark.logit_scale = 1.25
     reduced = make_dspark_config(target, 2, 4, mask, taps, draft_vocab_size=64, confidence_head=True)
+    fill_in = make_dspark_config(target, 2, 4, mask, taps)
+    fill_in.sample_from_anchor = False  # DFlash's block: the anchor row drafts nothing
     models = {
         "dflash2": DFlash2DraftModel(dflash2),
         "dspark": DSparkDraftModel(dspark),
         "dspark-reduced-vocab": DSparkDraftModel(reduced),
+        "dspark-fill-in-block": DSparkDraftModel(fill_in),
     }
     with torch.no_grad():
         for model in models.values():

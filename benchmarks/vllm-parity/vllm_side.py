@@ -113,14 +113,19 @@ def main(cases: Path) -> None:
     for number, case in enumerate(sorted(p for p in cases.iterdir() if (p / "inputs.safetensors").is_file())):
         inputs = load_file(case / "inputs.safetensors")
         block, context = inputs["block"], inputs["taps"].shape[0]
-        dspark = draft_architecture(case / "drafter") != "DFlash2DraftModel"
-        config = configure(case, block.shape[0] - (0 if dspark else 1))
+        settings = json.loads((case / "drafter" / "config.json").read_text())
+        dspark = settings["architectures"][0] != "DFlash2DraftModel"
+        anchor = 0 if dspark and settings.get("sample_from_anchor", True) else 1  # rows that draft nothing
+        config = configure(case, block.shape[0] - anchor)
         with set_current_vllm_config(config), torch.no_grad():
             if number == 0:  # one process, one rank: vLLM's parallel layers ask for the groups
                 init_distributed_environment(1, 0, "tcp://127.0.0.1:29517", 0, "gloo")
                 initialize_model_parallel(1, 1)
             model = build(case, config, inputs)
-            log_probs = (draft_dspark if dspark else draft_dflash2)(model, inputs, block, context)
+            hidden = hidden_states(model, inputs, block, context)[anchor:]
+            log_probs = (
+                draft_dspark(model, hidden, block) if dspark else draft_dflash2(model, inputs, hidden, block)
+            )
         torch.save(log_probs, case / "vllm_log_probs.pt")
         print(f"{case.name}: vLLM drafted {tuple(log_probs.shape)}")
 
@@ -134,9 +139,9 @@ def hidden_states(model, inputs: dict, block: torch.Tensor, context: int) -> tor
     return model(block, torch.arange(context, context + block.shape[0]))
 
 
-def draft_dflash2(model, inputs: dict, block: torch.Tensor, context: int) -> torch.Tensor:
-    """DFlash2's log-probabilities [masks, V] along the greedy walk over the selector's scores."""
-    hidden = hidden_states(model, inputs, block, context)[1:]
+def draft_dflash2(model, inputs: dict, hidden: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
+    """DFlash2's log-probabilities [masks, V] from the masks' hidden states, along the greedy walk
+    over the selector's scores."""
     candidates, unary = model.compute_candidates(hidden)
     scores = model.model.candidate_selector(candidates[None], unary[None], hidden[None], block[:1])[0]
     out = torch.full((hidden.shape[0], inputs["head"].shape[0]), float("-inf"))
@@ -148,9 +153,9 @@ def draft_dflash2(model, inputs: dict, block: torch.Tensor, context: int) -> tor
     return out
 
 
-def draft_dspark(model, inputs: dict, block: torch.Tensor, context: int) -> torch.Tensor:
-    """DSpark's log-probabilities [block, draft vocabulary] along the greedy Markov chain."""
-    hidden = hidden_states(model, inputs, block, context)
+def draft_dspark(model, hidden: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
+    """DSpark's log-probabilities [drafted, draft vocabulary] from the drafting rows' hidden states,
+    along the greedy Markov chain."""
     base = model.compute_draft_logits(hidden)
     previous, rows = block[:1], []
     for position in range(hidden.shape[0]):

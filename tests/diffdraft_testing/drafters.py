@@ -65,9 +65,11 @@ def tiny_dspark(
     layers: int = 2,
     block_size: int = 4,
     draft_vocab: list[int] | None = None,
+    sample_from_anchor: bool = True,
 ) -> DSparkDraftModel:
     """A random Qwen3 DSpark drafter (vLLM's layout, with a confidence head); ``draft_vocab`` gives it
-    its own head over those target tokens and the ``d2t`` offsets that name them."""
+    its own head over those target tokens and the ``d2t`` offsets that name them;
+    ``sample_from_anchor`` False gives it DFlash's block (the anchor row drafts nothing)."""
     config = make_dspark_config(
         target.config,
         num_layers=layers,
@@ -77,6 +79,7 @@ def tiny_dspark(
         draft_vocab_size=len(draft_vocab or []) or None,
         confidence_head=True,
     )
+    config.sample_from_anchor = sample_from_anchor
     torch.manual_seed(seed)
     model = DSparkDraftModel(config)
     if draft_vocab:

@@ -58,6 +58,17 @@ def test_greedy_drafting_is_identical_to_the_targets_greedy_decoding(builder, dr
     assert run_engine(target, drafter, builder, prompt, 24, 63)[0] == reference
 
 
+def test_with_dflashs_block_the_anchor_row_drafts_nothing_and_drafting_stays_lossless():
+    target = tiny_target("qwen3", seed=5)
+    model = tiny_dspark(target, seed=5, sample_from_anchor=False)
+    assert (model.max_depth, model.block_rows(3)) == (3, 4)
+    prompt = [3, 14, 15, 9, 26, 5]
+    drafter = DFlashDrafter(model, TargetModel(target))
+    assert run_engine(target, drafter, DDTreeBuilder(12), prompt, 24, 63)[0] == hf_greedy(
+        target, prompt, 24, 63
+    )
+
+
 def test_each_position_is_biased_by_the_greedy_chains_token_before_it():
     target = tiny_target("qwen3", seed=4)
     model = tiny_dspark(target, seed=4, draft_vocab=HALF)
