@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import diffdraft
 from diffdraft.drafters.base import propose_together
 from diffdraft.drafters.block_conv import BlockConv
 from diffdraft.drafters.checkpoint import load_draft_model, save_draft_model
@@ -16,9 +17,11 @@ from diffdraft.drafters.dflash import DFlashDrafter
 from diffdraft.drafters.dflash2_model import DFlash2DraftModel
 from diffdraft.drafters.families import DFLASH2_FAMILY, family_of, make_drafter, variants
 from diffdraft.errors import CheckpointError
+from diffdraft.target.loading import load_target
 from diffdraft.target.model import TargetModel
 from diffdraft.trees import ChainBuilder, DDTreeBuilder
 
+from diffdraft_testing.checkpoints import make_checkpoint
 from diffdraft_testing.drafters import forks_with_contexts, tiny_dflash2
 from diffdraft_testing.engine import run_engine
 from diffdraft_testing.targets import hf_greedy, tiny_target
@@ -120,3 +123,15 @@ def test_one_forward_drafts_every_fork_as_each_drafts_alone():
         alone = fork.propose(ids, depth).log_probs
         assert torch.isfinite(alone).sum(-1).tolist() == [6] * depth  # the selector's top-K candidates
         torch.testing.assert_close(together.log_probs, alone, rtol=0, atol=1e-12)
+
+
+def test_a_saved_checkpoint_drafts_through_the_generator_token_identical_to_ar(tmp_path):
+    loaded = load_target(make_checkpoint(tmp_path / "target", "qwen3"), dtype="float32")
+    save_draft_model(tiny_dflash2(loaded.model).float(), tmp_path / "drafter")
+    prompt = dict(prompt="hello world, the quick", max_new_tokens=12, ignore_eos=True)
+    plain = diffdraft.SpeculativeGenerator(loaded, "ar").generate(**prompt)
+    for method in ("chain", "ddtree", "chain+pld"):
+        result = diffdraft.SpeculativeGenerator(loaded, method, tmp_path / "drafter", budget=6).generate(
+            **prompt
+        )
+        assert result.token_ids == plain.token_ids, method
