@@ -89,7 +89,9 @@ def random_drafters(target: Qwen3Config) -> dict[str, nn.Module]:
         "dspark": DSparkDraftModel(dspark),
         "dspark-reduced-vocab": DSparkDraftModel(reduced),
         "dspark-fill-in-block": DSparkDraftModel(fill_in),
+        "dspark-own-head": DSparkDraftModel(make_dspark_config(target, 2, 4, mask, taps)),
     }
+    models["dspark-own-head"].use_shipped_head({"lm_head.weight"})  # a whole-vocabulary head of its own
     with torch.no_grad():
         for model in models.values():
             for name, weight in model.named_parameters():

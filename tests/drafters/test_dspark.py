@@ -50,6 +50,23 @@ def test_a_reduced_vocabulary_checkpoint_in_vllms_layout_loads_unchanged(tmp_pat
         torch.testing.assert_close(loaded.state_dict()[name], tensor, rtol=0, atol=0)
 
 
+def test_a_whole_vocabulary_checkpoint_that_ships_a_head_scores_with_it(tmp_path):
+    target = tiny_target("qwen3", seed=6)
+    model = tiny_dspark(target, seed=6)
+    model.use_shipped_head({"lm_head.weight"})  # as if trained with a head of its own
+    torch.nn.init.normal_(model.lm_head.weight, std=0.2)
+    save_draft_model(model, tmp_path)
+    loaded = load_draft_model(tmp_path)
+    assert loaded.draft_vocab is None
+    torch.testing.assert_close(loaded.lm_head.weight, model.lm_head.weight, rtol=0, atol=0)
+    drafter = DFlashDrafter(loaded, TargetModel(target))
+    assert drafter.head is loaded.lm_head
+    prompt = [3, 14, 15, 9, 26, 5]
+    assert run_engine(target, drafter, DDTreeBuilder(12), prompt, 24, 63)[0] == hf_greedy(
+        target, prompt, 24, 63
+    )
+
+
 @pytest.mark.parametrize("builder", [ChainBuilder(), DDTreeBuilder(12)], ids=["chain", "ddtree"])
 @pytest.mark.parametrize("draft_vocab", [None, HALF], ids=["whole-vocab", "reduced-vocab"])
 @pytest.mark.parametrize("family, seed", [("qwen3", 1), ("llama", 2)])

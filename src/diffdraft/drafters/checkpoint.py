@@ -109,8 +109,11 @@ def load_draft_model(path: str | os.PathLike) -> DraftModel:
         model = family.model(config)
     except ValueError as err:
         raise CheckpointError(f"drafter checkpoint {path} has an unusable config: {err}") from err
+    weights = _read_weights(path)
+    if family.fit_to_weights is not None:
+        family.fit_to_weights(model, set(weights))
     expected = set(model.state_dict())
-    weights = {k: v for k, v in _read_weights(path).items() if k in expected or k not in IGNORED_WEIGHTS}
+    weights = {k: v for k, v in weights.items() if k in expected or k not in IGNORED_WEIGHTS}
     missing, unexpected = expected - set(weights), set(weights) - expected
     if missing or unexpected:
         kind = f"variant {model.variant!r}"

@@ -15,7 +15,9 @@ changes:
   sampling pick). ``dspark_draft_topk`` (optional) keeps only each position's top-k head logits.
 
 A reduced draft vocabulary (``draft_vocab_size`` below ``vocab_size``) comes with its own ``lm_head``
-and ``d2t`` (draft id ``j`` is target id ``j + d2t[j]``); otherwise the target's LM head scores.
+and ``d2t`` (draft id ``j`` is target id ``j + d2t[j]``); over the whole vocabulary the target's LM
+head scores, unless the checkpoint ships an ``lm_head`` of its own (its config does not say: vLLM
+tells by the weights, and so does :meth:`DSparkDraftModel.use_shipped_head`).
 ``markov_w1`` is indexed by target ids, ``markov_w2`` scores the draft vocabulary. The optional
 ``confidence_head`` (a per-position acceptance estimate) is loaded but drafting does not read it.
 """
@@ -101,12 +103,24 @@ class DSparkDraftModel(DFlashDraftModel):
             self.lm_head = nn.Linear(config.hidden_size, self._draft_vocab_size, bias=False)
             self.register_buffer("d2t", torch.zeros(self._draft_vocab_size, dtype=torch.long))
 
+    def use_shipped_head(self, names: set[str]) -> None:
+        """Before a checkpoint's weights (``names``) load: a whole-vocabulary drafter that ships an
+        ``lm_head`` scores with it instead of the target's, as in vLLM."""
+        if self.lm_head is None and "lm_head.weight" in names:
+            like = self.norm.weight
+            self.lm_head = nn.Linear(
+                self.config.hidden_size,
+                self._draft_vocab_size,
+                bias=False,
+                dtype=like.dtype,
+                device=like.device,
+            )
+
     @property
     def draft_vocab(self) -> torch.Tensor | None:
         """The target id of each draft id (None: the whole vocabulary)."""
-        if self.lm_head is None:
-            return None
-        return torch.arange(self._draft_vocab_size, device=self.d2t.device) + self.d2t
+        d2t = getattr(self, "d2t", None)
+        return None if d2t is None else torch.arange(self._draft_vocab_size, device=d2t.device) + d2t
 
     def draft_log_probs(self, hidden: torch.Tensor, head: nn.Module, roots: torch.Tensor) -> torch.Tensor:
         """Each position's log-probabilities over the draft vocabulary after the greedy chain's

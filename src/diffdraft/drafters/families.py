@@ -61,6 +61,10 @@ class DrafterFamily:
     check_tokenizer: Callable[[Any, Any], None] | None = None
     """For a family that reads token ids only, where equal vocabulary sizes are not enough: raises
     :class:`~diffdraft.errors.IncompatibleDrafterError` for a network built with another tokenizer."""
+    fit_to_weights: Callable[[Any, set[str]], None] | None = None
+    """For a layout whose config does not say which optional weights it ships: called with the
+    network and its checkpoint's weight names before they load, to grow those parts (DSpark's own
+    head). None: the config says everything."""
     trains: bool = True
     """Whether diffdraft trains it (``train fit --variant``); False for a layout it loads and drafts
     with only (DFlash2, DSpark: other engines' training recipes)."""
@@ -122,6 +126,7 @@ DSPARK_FAMILY = DrafterFamily(
     drafter=DFlashDrafter,
     check_compatible=dflash.check_compatible,
     made_by="DSpark training (diffdraft loads its Qwen3 checkpoints as vLLM does, and trains none)",
+    fit_to_weights=DSparkDraftModel.use_shipped_head,
     trains=False,
 )
 
