@@ -88,6 +88,25 @@ def test_a_config_without_the_selector_is_refused(tmp_path):
         load_draft_model(tmp_path)
 
 
+@pytest.mark.parametrize(
+    "setting, value",
+    [
+        ("causal", True),
+        ("use_swa", True),
+        ("attention_sink_bias", True),
+        ("attention_value_scale", 0.5),
+        ("use_aux_hidden_state", False),
+    ],
+)
+def test_a_backbone_setting_diffdraft_does_not_run_is_refused_not_ignored(tmp_path, setting, value):
+    save_draft_model(tiny_dflash2(tiny_target("qwen3")), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["dflash_config"][setting] = value
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=f"{setting}.*which diffdraft's DFlash backbone does not run"):
+        load_draft_model(tmp_path)
+
+
 def test_a_block_conv_row_reads_only_the_rows_before_it_in_its_block():
     torch.manual_seed(0)
     conv = BlockConv(hidden_size=8, taps=3, group_size=2).double()

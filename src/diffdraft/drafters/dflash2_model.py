@@ -32,6 +32,7 @@ from diffdraft.drafters.dflash_model import (
     dflash_config_from,
     draft_setting,
     make_draft_config,
+    refuse_unrun_settings,
 )
 
 DFLASH2 = "dflash2"
@@ -48,6 +49,7 @@ def is_dflash2_config(raw: dict) -> bool:
 def dflash2_config_from(raw: dict) -> Qwen3Config:
     """The config of a DFlash2 ``config.json``; raises ValueError when a setting is missing."""
     config = dflash_config_from(raw)
+    refuse_unrun_settings(config)
     missing = [key for key in SETTINGS if draft_setting(config, key) is None]
     if missing:
         raise ValueError(f"it lacks dflash_config.{', '.join(missing)}, which DFlash2 drafters record")

@@ -73,6 +73,31 @@ def dflash_config_from(raw: dict) -> Qwen3Config:
     return config
 
 
+def refuse_unrun_settings(config: Qwen3Config) -> None:
+    """Raise ValueError for a backbone setting vLLM honours and this network does not run (causal or
+    sliding-window layers, attention sinks, a value scale, interleaved rotary, context without
+    ``fc``): ignored, it would draft other distributions without a word."""
+    nested = getattr(config, "dflash_config", None) or {}
+    found = [
+        name
+        for name, unrun in (
+            ("causal", getattr(config, "is_causal", None) or nested.get("causal")),
+            ("use_swa", nested.get("use_swa")),
+            ("sliding_attention layers", "sliding_attention" in (getattr(config, "layer_types", None) or [])),
+            (
+                "attention_sink_bias",
+                nested.get("attention_sink_bias") or getattr(config, "add_swa_attention_sink_bias", False),
+            ),
+            ("attention_value_scale", nested.get("attention_value_scale") is not None),
+            ("is_neox_style: false", getattr(config, "is_neox_style", True) is False),
+            ("use_aux_hidden_state: false", draft_setting(config, "use_aux_hidden_state", True) is False),
+        )
+        if unrun
+    ]
+    if found:
+        raise ValueError(f"it sets {', '.join(found)}, which diffdraft's DFlash backbone does not run")
+
+
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding for x [b, heads, n, d] with cos/sin [b, n, d]."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)

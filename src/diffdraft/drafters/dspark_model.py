@@ -30,7 +30,12 @@ import torch
 from torch import nn
 from transformers import Qwen3Config
 
-from diffdraft.drafters.dflash_model import DFlashDraftModel, dflash_config_from, make_draft_config
+from diffdraft.drafters.dflash_model import (
+    DFlashDraftModel,
+    dflash_config_from,
+    make_draft_config,
+    refuse_unrun_settings,
+)
 
 DSPARK = "dspark"
 ARCHITECTURES = ("Qwen3DSparkModel", "DSparkDraftModel")
@@ -46,6 +51,7 @@ def is_dspark_config(raw: dict) -> bool:
 def dspark_config_from(raw: dict) -> Qwen3Config:
     """The config of a DSpark ``config.json``; raises ValueError when a setting is missing."""
     config = dflash_config_from(raw)
+    refuse_unrun_settings(config)
     if not getattr(config, "markov_rank", None):
         raise ValueError("it lacks markov_rank, which DSpark drafters record")
     if getattr(config, "markov_head_type", "vanilla") != "vanilla":
