@@ -107,6 +107,13 @@ def test_a_backbone_setting_diffdraft_does_not_run_is_refused_not_ignored(tmp_pa
         load_draft_model(tmp_path)
 
 
+def test_a_checkpoint_with_a_separate_mask_embedding_is_refused(tmp_path):
+    save_draft_model(tiny_dflash2(tiny_target("qwen3")), tmp_path)
+    torch.save(torch.zeros(32), tmp_path / "mask_embedding.pt")
+    with pytest.raises(CheckpointError, match=r"ships mask_embedding\.pt"):
+        load_draft_model(tmp_path)
+
+
 def test_a_block_conv_row_reads_only_the_rows_before_it_in_its_block():
     torch.manual_seed(0)
     conv = BlockConv(hidden_size=8, taps=3, group_size=2).double()

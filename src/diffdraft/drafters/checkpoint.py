@@ -39,6 +39,7 @@ IGNORED_WEIGHTS = {"embed_tokens.weight", "t2d"}
 name: a copy of the target's embedding (released DART checkpoints; the drafter always borrows the
 target's), and DSpark's training-only ``t2d`` (DART's network keeps its own ``t2d``)."""
 WEIGHTS_NAME = "model.safetensors"
+MASK_EMBEDDING_NAME = "mask_embedding.pt"
 INDEX_NAME = "model.safetensors.index.json"
 
 
@@ -105,6 +106,11 @@ def load_draft_model(path: str | os.PathLike) -> DraftModel:
     """Build the draft network from a checkpoint directory (or a shipped name), checking every weight."""
     path = resolve_drafter_path(path)
     family, config = read_draft_config(path)
+    if (path / MASK_EMBEDDING_NAME).is_file():
+        raise CheckpointError(
+            f"drafter checkpoint {path} ships {MASK_EMBEDDING_NAME}, a mask-token embedding vLLM puts in "
+            "place of the mask token's row; diffdraft does not, and would draft other distributions"
+        )
     try:
         model = family.model(config)
     except ValueError as err:
