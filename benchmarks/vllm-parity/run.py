@@ -67,38 +67,49 @@ def target_config() -> Qwen3Config:
     )
 
 
-def random_drafters(target: Qwen3Config) -> dict[str, nn.Module]:
-    """One random drafter per layout, its convs, codebooks and Markov head drawn large enough to
-    weigh in the distributions, DFlash2's optional embedding and logit scales and soft cap and
-    DSpark's logit scale away from their defaults."""
-    taps = [0, target.num_hidden_layers - 2]
-    mask = target.vocab_size - 2
+def case_configs(target: Qwen3Config) -> dict[str, Qwen3Config]:
+    """One drafter config per case: DFlash2 with its optional embedding and logit scales and soft cap
+    away from their defaults, and DSpark in each shape vLLM loads."""
+    taps, mask = [0, target.num_hidden_layers - 2], target.vocab_size - 2
     dflash2 = make_dflash2_config(target, 2, 5, mask, taps, conv_group_size=16, selector_top_k=6)
     dflash2.dflash_config |= {
         "input_embedding_scale": 1.5,
         "output_multiplier": 0.8,
         "final_logit_softcapping": 4.0,
     }
-    dspark = make_dspark_config(target, 2, 4, mask, taps, confidence_head=True)
-    dspark.logit_scale = 1.25
-    reduced = make_dspark_config(target, 2, 4, mask, taps, draft_vocab_size=64, confidence_head=True)
-    fill_in = make_dspark_config(target, 2, 4, mask, taps)
-    fill_in.sample_from_anchor = False  # DFlash's block: the anchor row drafts nothing
-    models = {
-        "dflash2": DFlash2DraftModel(dflash2),
-        "dspark": DSparkDraftModel(dspark),
-        "dspark-reduced-vocab": DSparkDraftModel(reduced),
-        "dspark-fill-in-block": DSparkDraftModel(fill_in),
-        "dspark-own-head": DSparkDraftModel(make_dspark_config(target, 2, 4, mask, taps)),
+    cases = {"dflash2": dflash2}
+    dspark_settings = {
+        "dspark": {"logit_scale": 1.25},
+        "dspark-reduced-vocab": {},  # its own head over 64 of the 128 tokens, and d2t
+        "dspark-fill-in-block": {
+            "sample_from_anchor": False
+        },  # DFlash's block: the anchor row drafts nothing
+        "dspark-own-head": {},  # a whole-vocabulary head of its own
+        "dspark-draft-topk": {"dspark_draft_topk": 10},  # the Markov bias on each position's 10 best logits
     }
-    models["dspark-own-head"].use_shipped_head({"lm_head.weight"})  # a whole-vocabulary head of its own
+    for name, settings in dspark_settings.items():
+        vocab = 64 if name == "dspark-reduced-vocab" else None
+        cases[name] = make_dspark_config(
+            target, 2, 4, mask, taps, draft_vocab_size=vocab, confidence_head=True
+        )
+        for key, value in settings.items():
+            setattr(cases[name], key, value)
+    return cases
+
+
+def random_drafter(name: str, config: Qwen3Config) -> nn.Module:
+    """The case's random drafter, its convs, codebooks and Markov head drawn large enough to weigh in
+    the distributions."""
+    model = DFlash2DraftModel(config) if name == "dflash2" else DSparkDraftModel(config)
+    if name == "dspark-own-head":
+        model.use_shipped_head({"lm_head.weight"})
     with torch.no_grad():
-        for model in models.values():
-            for name, weight in model.named_parameters():
-                if any(part in name for part in ("conv", "codebook", "markov")):
-                    weight.normal_(std=0.5)
-        models["dspark-reduced-vocab"].d2t.copy_(torch.arange(64))  # draft id j is target id 2 j
-    return models
+        for weight_name, weight in model.named_parameters():
+            if any(part in weight_name for part in ("conv", "codebook", "markov")):
+                weight.normal_(std=0.5)
+        if name == "dspark-reduced-vocab":
+            model.d2t.copy_(torch.arange(64))  # draft id j is target id 2 j
+    return model
 
 
 def our_log_probs(model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -119,10 +130,11 @@ def our_log_probs(model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Te
 
 def write_cases(out: Path) -> dict[str, torch.Tensor]:
     """Each layout's checkpoint and inputs under ``out``/<layout>, and our log-probabilities."""
-    torch.manual_seed(0)
     target = target_config()
     ours = {}
-    for name, model in random_drafters(target).items():
+    for seed, (name, config) in enumerate(case_configs(target).items()):
+        torch.manual_seed(seed)  # each case its own draws, whatever cases come before it
+        model = random_drafter(name, config)
         folder = out / name
         save_draft_model(model, folder / "drafter")
         model = load_draft_model(folder / "drafter").float().eval()  # what a user loads

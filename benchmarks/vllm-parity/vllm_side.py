@@ -155,11 +155,23 @@ def draft_dflash2(model, inputs: dict, hidden: torch.Tensor, block: torch.Tensor
 
 def draft_dspark(model, hidden: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
     """DSpark's log-probabilities [drafted, draft vocabulary] from the drafting rows' hidden states,
-    along the greedy Markov chain."""
+    along the greedy Markov chain; with ``dspark_draft_topk``, the speculator's gathered path (the
+    bias added to each position's top-k head logits only)."""
     base = model.compute_draft_logits(hidden)
+    top_k = getattr(model.config, "dspark_draft_topk", None)
+    if top_k is not None:
+        values, index = base.topk(top_k, dim=-1)
+        base = base.new_full(base.shape, float("-inf"))
     previous, rows = block[:1], []
     for position in range(hidden.shape[0]):
-        row = (base[position : position + 1] + model.markov_bias(model.markov_embed(previous))).float()
+        embed = model.markov_embed(previous)
+        if top_k is None:
+            row = (base[position : position + 1] + model.markov_bias(embed)).float()
+        else:
+            row = base[position : position + 1].clone()
+            row = model.apply_markov_bias_gathered(
+                embed, row, values[position : position + 1], index[position : position + 1]
+            )
         rows.append(row.log_softmax(-1)[0])
         previous = model.map_draft_to_target(row.argmax(-1))
     return torch.stack(rows)
