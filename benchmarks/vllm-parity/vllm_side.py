@@ -8,7 +8,8 @@ checkpoint through the class's ``load_weights``, shares the target's embedding a
 context K/V through ``precompute_and_store_context_kv`` (fc, hidden norm, fused K/V projection, k
 norm, rotary), the block through the model's ``forward`` (layers, DFlash2's convs, final norm), then
 DFlash2's ``compute_candidates`` and ``candidate_selector``, or DSpark's ``compute_draft_logits``,
-``markov_embed``, ``markov_bias`` and ``map_draft_to_target``.
+``markov_embed``, ``markov_bias`` (``apply_markov_bias_gathered`` with ``dspark_draft_topk``) and
+``map_draft_to_target``.
 
 Two pieces are ours, each a few lines: the paged-attention op (vLLM's ``Attention`` layer needs a
 KV cache and a scheduler's metadata) is replaced by a plain attention of the block's queries over the
