@@ -103,6 +103,20 @@ def test_each_position_is_biased_by_the_greedy_chains_token_before_it():
             previous = torch.tensor(HALF)[expected.argmax(-1)]  # a target id: what markov_w1 reads
 
 
+def test_draft_topk_keeps_each_positions_best_head_logits_only():
+    target = tiny_target("qwen3", seed=7)
+    model = tiny_dspark(target, seed=7)
+    model.draft_top_k = 5
+    hidden = torch.randn(1, 4, target.config.hidden_size, dtype=torch.float64)
+    head = target.get_output_embeddings()
+    with torch.no_grad():
+        log_probs = model.draft_log_probs(hidden, head, torch.tensor([9]))
+        best = head(hidden).topk(5, dim=-1).indices
+    assert torch.equal(
+        torch.isfinite(log_probs), torch.zeros_like(log_probs, dtype=torch.bool).scatter(-1, best, True)
+    )
+
+
 def test_one_forward_drafts_every_fork_as_each_drafts_alone():
     target = tiny_target("qwen3", seed=3)
     drafter = DFlashDrafter(tiny_dspark(target, seed=3), TargetModel(target))
