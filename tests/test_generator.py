@@ -140,7 +140,7 @@ def test_requests_must_name_exactly_one_input(checkpoint):
     [
         ("chain", None, "needs a drafter"),
         ("dart", "none", "needs a drafter"),
-        ("deer-tree", None, "DFlash/DFlare, DART or DEER checkpoint"),
+        ("deer-tree", None, "DFlash/DFlare, DART, DEER, DFlash2 or DSpark checkpoint"),
         ("beam", None, "unknown method"),
     ],
 )

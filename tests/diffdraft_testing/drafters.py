@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 from diffdraft.drafters.dart_model import DARTDraftModel, make_dart_config
+from diffdraft.drafters.dflash2_model import DFlash2DraftModel, make_dflash2_config
 from diffdraft.drafters.dflash_model import DFLASH, DFlashDraftModel, make_draft_config
+from diffdraft.drafters.dspark_model import DSparkDraftModel, make_dspark_config
 
 
 def tiny_drafter(
@@ -32,6 +34,58 @@ def tiny_drafter(
     if draft_vocab:
         model.draft_vocab.copy_(torch.tensor(sorted(draft_vocab)))
     return model
+
+
+def tiny_dflash2(
+    target: torch.nn.Module, seed: int = 0, layers: int = 2, block_size: int = 5
+) -> DFlash2DraftModel:
+    """A random DFlash2 drafter (vLLM's layout) whose convs and selector weigh in: their kernels and
+    codebooks are drawn as large as the rest, not left near the identity and zero."""
+    config = make_dflash2_config(
+        target.config,
+        num_layers=layers,
+        block_size=block_size,
+        mask_token_id=target.config.vocab_size - 2,
+        target_layer_ids=[0, target.config.num_hidden_layers - 1],
+        conv_group_size=target.config.hidden_size // 4,
+        selector_top_k=6,
+    )
+    torch.manual_seed(seed)
+    model = DFlash2DraftModel(config)
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if "conv" in name or "codebook" in name:
+                weight.normal_(std=0.5)
+    return model.to(target.dtype)
+
+
+def tiny_dspark(
+    target: torch.nn.Module,
+    seed: int = 0,
+    layers: int = 2,
+    block_size: int = 4,
+    draft_vocab: list[int] | None = None,
+    sample_from_anchor: bool = True,
+) -> DSparkDraftModel:
+    """A random Qwen3 DSpark drafter (vLLM's layout, with a confidence head); ``draft_vocab`` gives it
+    its own head over those target tokens and the ``d2t`` offsets that name them;
+    ``sample_from_anchor`` False gives it DFlash's block (the anchor row drafts nothing)."""
+    config = make_dspark_config(
+        target.config,
+        num_layers=layers,
+        block_size=block_size,
+        noise_token_id=target.config.vocab_size - 2,
+        target_layer_ids=[0, target.config.num_hidden_layers - 1],
+        draft_vocab_size=len(draft_vocab or []) or None,
+        confidence_head=True,
+    )
+    config.sample_from_anchor = sample_from_anchor
+    torch.manual_seed(seed)
+    model = DSparkDraftModel(config)
+    if draft_vocab:
+        ids = torch.tensor(sorted(draft_vocab))
+        model.d2t.copy_(ids - torch.arange(len(ids)))
+    return model.to(target.dtype)
 
 
 def tiny_dart(

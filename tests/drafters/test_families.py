@@ -23,7 +23,9 @@ from diffdraft.drafters.dflash import DFlashDrafter
 from diffdraft.drafters.families import (
     DART_FAMILY,
     DEER_FAMILY,
+    DFLASH2_FAMILY,
     DFLASH_FAMILY,
+    DSPARK_FAMILY,
     FAMILIES,
     DrafterFamily,
     family_of,
@@ -40,7 +42,7 @@ from diffdraft.train.objectives import make_objective, recipe_for, recipe_for_va
 from diffdraft.train.recipe import TrainingRecipe
 
 from diffdraft_testing.checkpoints import make_checkpoint
-from diffdraft_testing.drafters import tiny_dart, tiny_drafter
+from diffdraft_testing.drafters import tiny_dart, tiny_dflash2, tiny_drafter, tiny_dspark
 from diffdraft_testing.targets import tiny_target
 
 TOY = "toy"
@@ -178,7 +180,9 @@ def test_a_registered_family_runs_end_to_end_token_identical_to_plain_decoding(
     dflash = tiny_drafter(loaded.model).float()
     with pytest.raises(InvalidRequestError, match=r"method 'toy-tree' needs a Toy drafter \(the toy test\)"):
         diffdraft.SpeculativeGenerator(loaded, "toy-tree", dflash)
-    with pytest.raises(InvalidRequestError, match="DFlash/DFlare, DART, DEER or Toy checkpoint"):
+    with pytest.raises(
+        InvalidRequestError, match="DFlash/DFlare, DART, DEER, DFlash2, DSpark or Toy checkpoint"
+    ):
         diffdraft.SpeculativeGenerator(loaded, "toy-tree")
 
 
@@ -205,8 +209,11 @@ def test_each_shipped_family_is_its_networks_and_configs_family():
         DFLASH_FAMILY: tiny_drafter(target),
         DART_FAMILY: tiny_dart(target),
         DEER_FAMILY: deer_from_causal_lm(target, 1, 4, 0, None, "test"),
+        DFLASH2_FAMILY: tiny_dflash2(target),
+        DSPARK_FAMILY: tiny_dspark(target),
     }
     drafters = {DFLASH_FAMILY: DFlashDrafter, DART_FAMILY: DARTDrafter, DEER_FAMILY: DEERDrafter}
+    drafters |= {DFLASH2_FAMILY: DFlashDrafter, DSPARK_FAMILY: DFlashDrafter}  # DFlash's, other heads
     for family, model in models.items():
         assert family_of(model) is family
         assert family_of_config(model.config.to_dict()) is family

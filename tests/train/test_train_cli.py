@@ -10,13 +10,14 @@ import torch
 from transformers import AutoTokenizer
 
 from diffdraft.data.samples import Sample
-from diffdraft.drafters.checkpoint import load_draft_model
+from diffdraft.drafters.checkpoint import load_draft_model, save_draft_model
 from diffdraft.errors import InvalidRequestError
 from diffdraft.target.loading import fastest_dtype
 from diffdraft.train import cli as train_cli
 from diffdraft.train.cli import process_group_backend, run_train
 
 from diffdraft_testing.checkpoints import CHECKPOINT_VOCAB, make_checkpoint
+from diffdraft_testing.drafters import tiny_dflash2
 from diffdraft_testing.pickles import RunsCode
 from diffdraft_testing.training import parse_train_args
 
@@ -390,6 +391,19 @@ def test_source_replies_become_responses_without_generating(tmp_path, capsys):
     assert tokenizer.decode(record["response_token_ids"][:-1]) == "hello there"
     run_train(parse_train_args([*argv, "--source-replies"]))
     assert "0 samples written" in capsys.readouterr().out
+
+
+def test_fit_refuses_to_start_from_a_drafter_it_drafts_with_only(responses, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from diffdraft.cli import main
+
+    target_dir, data = responses
+    drafter = tmp_path / "dflash2"
+    save_draft_model(tiny_dflash2(AutoModelForCausalLM.from_pretrained(target_dir)).float(), drafter)
+    fit = ["train", "fit", "--data", str(data), "--target", str(target_dir), "--held-out", "0"]
+    assert main([*fit, "--output-dir", str(tmp_path / "tuned"), "--init-drafter", str(drafter)]) == 2
+    assert "is a DFlash2 drafter, which diffdraft drafts with but does not train" in capsys.readouterr().err
 
 
 def test_fit_refuses_a_deer_drafter_built_with_another_tokenizer(responses, tmp_path, capsys):

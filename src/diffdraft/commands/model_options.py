@@ -39,9 +39,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--drafter",
         default=None,
-        help="DFlash/DFlare, DART or DEER checkpoint directory, 'default' (DFlare), 'default-dflash', "
-        "'default-dart', 'default-deer' or 'none' (default: the shipped drafter of the method with "
-        "--target default, else none)",
+        help="DFlash/DFlare, DFlash2, DSpark, DART or DEER checkpoint directory, 'default' (DFlare), "
+        "'default-dflash', 'default-dart', 'default-deer' or 'none' (default: the shipped drafter of the "
+        "method with --target default, else none)",
     )
     p.add_argument("--method", choices=METHODS, default="ar", help="decoding method (default: ar)")
     p.add_argument(

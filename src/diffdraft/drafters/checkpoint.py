@@ -6,7 +6,9 @@ A checkpoint is a directory with ``config.json`` and ``model.safetensors`` (or i
 ``num_target_layers`` and ``dflash_config`` (``variant`` names DFlare when used); official
 checkpoints load unchanged. DART: a Llama config plus ``draft_length`` and ``draft_vocab_size``
 (see :mod:`diffdraft.drafters.dart_model`). DEER: the base LM's config with ``architectures:
-["DEERDraftModel"]`` and ``deer_config`` (see :mod:`diffdraft.drafters.deer_model`). Which family a
+["DEERDraftModel"]`` and ``deer_config`` (see :mod:`diffdraft.drafters.deer_model`). DFlash2 and
+Qwen3 DSpark: the layouts vLLM loads, unchanged (:mod:`diffdraft.drafters.dflash2_model`,
+:mod:`diffdraft.drafters.dspark_model`). Which family a
 config is, and how it is read, each family's record says (:mod:`diffdraft.drafters.families`).
 """
 
@@ -32,9 +34,12 @@ DEFAULT_DFLASH_DIR = Path(__file__).resolve().parent.parent / "default_dflash"
 """The DFlash drafter shipped for the default target, the one other engines run; see its README."""
 DEFAULT_DEER_DIR = Path(__file__).resolve().parent.parent / "default_deer"
 """The DEER drafter shipped for the embedded default target; see its README."""
-# Released DART checkpoints may carry the target's embedding; the drafter always borrows the target's.
-IGNORED_WEIGHTS = {"embed_tokens.weight"}
+IGNORED_WEIGHTS = {"embed_tokens.weight", "t2d"}
+"""Weights a checkpoint may carry that its network does not read, dropped where it has none of that
+name: a copy of the target's embedding (released DART checkpoints; the drafter always borrows the
+target's), and DSpark's training-only ``t2d`` (DART's network keeps its own ``t2d``)."""
 WEIGHTS_NAME = "model.safetensors"
+MASK_EMBEDDING_NAME = "mask_embedding.pt"
 INDEX_NAME = "model.safetensors.index.json"
 
 
@@ -101,12 +106,20 @@ def load_draft_model(path: str | os.PathLike) -> DraftModel:
     """Build the draft network from a checkpoint directory (or a shipped name), checking every weight."""
     path = resolve_drafter_path(path)
     family, config = read_draft_config(path)
+    if (path / MASK_EMBEDDING_NAME).is_file():
+        raise CheckpointError(
+            f"drafter checkpoint {path} ships {MASK_EMBEDDING_NAME}, a mask-token embedding vLLM puts in "
+            "place of the mask token's row; diffdraft does not, and would draft other distributions"
+        )
     try:
         model = family.model(config)
     except ValueError as err:
         raise CheckpointError(f"drafter checkpoint {path} has an unusable config: {err}") from err
-    weights = {k: v for k, v in _read_weights(path).items() if k not in IGNORED_WEIGHTS}
+    weights = _read_weights(path)
+    if family.fit_to_weights is not None:
+        family.fit_to_weights(model, set(weights))
     expected = set(model.state_dict())
+    weights = {k: v for k, v in weights.items() if k in expected or k not in IGNORED_WEIGHTS}
     missing, unexpected = expected - set(weights), set(weights) - expected
     if missing or unexpected:
         kind = f"variant {model.variant!r}"

@@ -39,8 +39,13 @@ class DFlashDrafter(ForksByCopy):
         self.model = model.to(device=target.device, dtype=target.dtype).eval()
         self.embed: nn.Module = target.model.get_input_embeddings()
         laid_out = has_packed_layers(target.model)
-        self.head = _drafting_head(target.model.get_output_embeddings(), model.draft_vocab, laid_out)
-        if laid_out:  # an inference-only target: its drafter is laid out alike
+        lm_head = target.model.get_output_embeddings()
+        self.head = (
+            model.lm_head
+            if model.lm_head is not None
+            else _drafting_head(lm_head, model.draft_vocab, laid_out)
+        )
+        if laid_out and model.runs_fused:  # an inference-only target: its drafter is laid out alike
             int8 = runs_int8_kernel(target.model)
             lay_out = q4_1_linear if int8 else pack_linear
             if int8 and model.draft_vocab is not None:  # its own rows of the target's head: the most
@@ -49,7 +54,7 @@ class DFlashDrafter(ForksByCopy):
             fuse_projections(self.model.layers)
             if self.model.variant == DFLASH:
                 self.model.fc = lay_out(self.model.fc)
-        self._fused = FusedDraftLayers.build(self.model)
+        self._fused = FusedDraftLayers.build(self.model) if model.runs_fused else None
         self._lm_head = _one_op_head(self._fused, self.embed, self.head)
         """The LM head's int8 operands where a drafting round runs as one op
         (:meth:`FusedDraftLayers.draft_block`); None where it runs step by step."""
@@ -57,7 +62,7 @@ class DFlashDrafter(ForksByCopy):
         self.vocab_size = target.vocab_size
         self._vocab_columns = vocab_columns(self.model.draft_vocab)
         self.target_layer_ids = list(model.target_layer_ids)
-        self.max_depth = model.block_size - 1
+        self.max_depth = model.max_depth
         self._device = target.device
         self.reset()
 
@@ -110,9 +115,10 @@ class DFlashDrafter(ForksByCopy):
         first = self._taps_run_start(start)
         if self._lm_head is not None and self._context.length and first is not None:
             return self._proposal(self._drafted_in_one_op(int(token_ids[-1]), first, start, depth))
-        block = torch.full((depth + 1,), self.model.mask_token_id, device=self._device)
+        rows = self.model.block_rows(depth)
+        block = torch.full((rows,), self.model.mask_token_id, device=self._device)
         block[0] = token_ids[-1]  # the root, copied on the device (int() would wait for a GPU)
-        positions = torch.arange(start, start + depth + 1, device=self._device)[None]
+        positions = torch.arange(start, start + rows, device=self._device)[None]
         context = self._projected_context()
         embeds = self.embed(block)
         if self._fused is None:
@@ -120,7 +126,8 @@ class DFlashDrafter(ForksByCopy):
         else:
             cos, sin = self._rope(embeds, positions)
             hidden = self._fused(embeds, cos[0], sin[0], [context], [slice(None)])
-        return self._proposal(self.head(hidden[1:]).float().log_softmax(-1))
+        drafted = hidden[rows - depth :][None]
+        return self._proposal(self.model.draft_log_probs(drafted, self.head, block[:1])[0])
 
     def _taps_run_start(self, start: int) -> int | None:
         """The position of the first pending tap when the pending taps are those of consecutive
@@ -158,7 +165,7 @@ class DFlashDrafter(ForksByCopy):
         """
         if self._fused is not None:
             return self._propose_stacked(forks, token_ids, depths)
-        width = max(depths) + 1
+        width = max(self.model.block_rows(depth) for depth in depths)
         contexts = [fork._projected_context().layers() for fork in forks]
         lengths = [context[0][0].shape[2] for context in contexts]
         longest = max(lengths)
@@ -169,7 +176,7 @@ class DFlashDrafter(ForksByCopy):
             blocks[row, 0] = ids[-1]
             positions[row] = torch.arange(ids.shape[0] - 1, ids.shape[0] - 1 + width, device=self._device)
             visible[row, :, :, :length] = True
-            visible[row, :, :, longest : longest + depth + 1] = True
+            visible[row, :, :, longest : longest + self.model.block_rows(depth)] = True
         dtype = self.model.norm.weight.dtype
         mask = torch.zeros(visible.shape, dtype=dtype, device=self._device)
         mask.masked_fill_(~visible, torch.finfo(dtype).min)
@@ -178,7 +185,7 @@ class DFlashDrafter(ForksByCopy):
             for layer in range(len(self.model.layers))
         ]
         hidden = self.model(self.embed(blocks), positions, context_kv, mask)
-        log_probs = self.head(hidden[:, 1:]).float().log_softmax(-1)
+        log_probs = self.model.draft_log_probs(hidden[:, self.model.anchor_rows :], self.head, blocks[:, 0])
         return [self._proposal(log_probs[row, :depth]) for row, depth in enumerate(depths)]
 
     def _propose_stacked(

@@ -22,6 +22,8 @@ verification stays exact because the target still scores every token.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -45,17 +47,55 @@ def draft_setting(config: Qwen3Config, name: str, default: object = None) -> obj
     return nested.get(name, getattr(config, name, default))
 
 
+def mask_token_setting(config: Qwen3Config) -> object:
+    """The id of the token that fills a block's drafted rows, where the layouts other engines load
+    keep it: ``dflash_config.mask_token_id``, else a top-level ``mask_token_id``, else DSpark's
+    ``dspark_noise_token_id`` (vLLM looks in the same order); None when none is recorded."""
+    token = draft_setting(config, "mask_token_id")
+    return getattr(config, "dspark_noise_token_id", None) if token is None else token
+
+
 def dflash_config_from(raw: dict) -> Qwen3Config:
-    """The config of a DFlash / DFlare ``config.json``; raises ValueError when it lacks a setting
-    the drafter cannot do without (a wrong layer id raises no error later, it only lowers acceptance)."""
+    """The config of a DFlash / DFlare ``config.json`` (and of the DFlash2 and DSpark layouts, which
+    build on it); raises ValueError when it lacks a setting the drafter cannot do without (a wrong
+    layer id raises no error later, it only lowers acceptance)."""
     config = Qwen3Config(**raw)
-    for key in ("mask_token_id", "target_layer_ids"):
-        if draft_setting(config, key) is None:
+    settings = {
+        "mask_token_id": mask_token_setting(config),
+        "target_layer_ids": draft_setting(config, "target_layer_ids"),
+    }
+    for key, value in settings.items():
+        if value is None:
             raise ValueError(
                 f"it lacks dflash_config.{key}; DFlash drafters must record it "
                 "(target_layer_ids count DFlash-style: id i = output of target layer i)"
             )
     return config
+
+
+def refuse_unrun_settings(config: Qwen3Config) -> None:
+    """Raise ValueError for a backbone setting vLLM honours and this network does not run (causal or
+    sliding-window layers, attention sinks, a value scale, interleaved rotary, context without
+    ``fc``): ignored, it would draft other distributions without a word."""
+    nested = getattr(config, "dflash_config", None) or {}
+    found = [
+        name
+        for name, unrun in (
+            ("causal", getattr(config, "is_causal", None) or nested.get("causal")),
+            ("use_swa", nested.get("use_swa")),
+            ("sliding_attention layers", "sliding_attention" in (getattr(config, "layer_types", None) or [])),
+            (
+                "attention_sink_bias",
+                nested.get("attention_sink_bias") or getattr(config, "add_swa_attention_sink_bias", False),
+            ),
+            ("attention_value_scale", nested.get("attention_value_scale") is not None),
+            ("is_neox_style: false", getattr(config, "is_neox_style", True) is False),
+            ("use_aux_hidden_state: false", draft_setting(config, "use_aux_hidden_state", True) is False),
+        )
+        if unrun
+    ]
+    if found:
+        raise ValueError(f"it sets {', '.join(found)}, which diffdraft's DFlash backbone does not run")
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -113,6 +153,9 @@ class DraftAttention(nn.Module):
 
 
 class DraftLayer(nn.Module):
+    """One draft decoder layer: attention over ``[context ; block]``, then the MLP, each pre-normed
+    and added to the residual stream."""
+
     def __init__(self, config: Qwen3Config, variant: str) -> None:
         super().__init__()
         self.self_attn = DraftAttention(config, separate_context_kv=variant == DFLARE)
@@ -129,33 +172,60 @@ class DraftLayer(nn.Module):
 
 
 class DFlashDraftModel(nn.Module):
-    """The draft network; see the module docstring for the two variants."""
+    """The draft network; see the module docstring for the two variants.
+
+    The DFlash2 and DSpark layouts (:mod:`~diffdraft.drafters.dflash2_model`,
+    :mod:`~diffdraft.drafters.dspark_model`) are subclasses: their own layers (:meth:`_layer`), their
+    own draft distributions (:meth:`draft_log_probs`) over DFlash's context and block attention.
+    """
+
+    runs_fused: ClassVar[bool] = True
+    """Whether its layers are plain DFlash / DFlare layers, which the fused decoder ops and the packed
+    layout beside an inference-only target run (the subclasses' layers are not)."""
+    anchor_rows: int = 1
+    """Rows at the head of a block that draft nothing: DFlash's anchor row only conditions the block
+    (its masks sit at the drafted positions); DSpark's anchor row predicts the first drafted token."""
 
     def __init__(self, config: Qwen3Config) -> None:
         super().__init__()
         self.config = config
-        self.variant = str(draft_setting(config, "variant", DFLASH))
-        if self.variant not in (DFLASH, DFLARE):
-            raise ValueError(f"unknown drafter variant {self.variant!r}; expected {DFLASH!r} or {DFLARE!r}")
+        self.variant = self._variant(config)
         self.target_layer_ids: list[int] = list(draft_setting(config, "target_layer_ids"))
         self.block_size = int(draft_setting(config, "block_size", 16))
-        self.mask_token_id = int(draft_setting(config, "mask_token_id"))
+        self.mask_token_id = int(mask_token_setting(config))
+        self.lm_head: nn.Module | None = None
+        """A head of its own (a reduced-vocabulary DSpark ships one); None borrows the target's."""
+        self._register_draft_vocab(config)
+        num_taps = len(self.target_layer_ids)
+        self.layers = nn.ModuleList(self._layer(config) for _ in range(config.num_hidden_layers))
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        if self.variant != DFLARE:
+            self.fc = nn.Linear(num_taps * config.hidden_size, config.hidden_size, bias=False)
+            self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        else:
+            self.fusion = nn.Linear(num_taps, config.num_hidden_layers, bias=False)
+        self.reset_parameters()
+
+    def _variant(self, config: Qwen3Config) -> str:
+        """The variant its config names (``dflash_config.variant``); raises ValueError for another."""
+        variant = str(draft_setting(config, "variant", DFLASH))
+        if variant not in (DFLASH, DFLARE):
+            raise ValueError(f"unknown drafter variant {variant!r}; expected {DFLASH!r} or {DFLARE!r}")
+        return variant
+
+    def _layer(self, config: Qwen3Config) -> nn.Module:
+        """One draft layer of its variant."""
+        return DraftLayer(config, self.variant)
+
+    def _register_draft_vocab(self, config: Qwen3Config) -> None:
+        """The ``draft_vocab`` buffer (our extension, ``dflash_config.draft_vocab_size``), or None."""
         draft_vocab_size = int(draft_setting(config, "draft_vocab_size", 0) or 0)
         self.draft_vocab: torch.Tensor | None
         if draft_vocab_size:
             self.register_buffer("draft_vocab", torch.zeros(draft_vocab_size, dtype=torch.long))
         else:
             self.draft_vocab = None
-        num_taps = len(self.target_layer_ids)
-        self.layers = nn.ModuleList(DraftLayer(config, self.variant) for _ in range(config.num_hidden_layers))
-        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = Qwen3RotaryEmbedding(config)
-        if self.variant == DFLASH:
-            self.fc = nn.Linear(num_taps * config.hidden_size, config.hidden_size, bias=False)
-            self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        else:
-            self.fusion = nn.Linear(num_taps, config.num_hidden_layers, bias=False)
-        self.reset_parameters()
 
     def reset_parameters(self) -> None:
         std = getattr(self.config, "initializer_range", 0.02)
@@ -171,15 +241,26 @@ class DFlashDraftModel(nn.Module):
 
     @property
     def max_depth(self) -> int:
-        """Drafted positions per forward: the block after its anchor."""
-        return self.block_size - 1
+        """Drafted positions per forward: the block's rows that draft."""
+        return self.block_size - self.anchor_rows
+
+    def block_rows(self, depth: int) -> int:
+        """Query rows of a block that drafts ``depth`` positions (the anchor row at least)."""
+        return max(depth + self.anchor_rows, 1)
+
+    def draft_log_probs(self, hidden: torch.Tensor, head: nn.Module, roots: torch.Tensor) -> torch.Tensor:
+        """Log-probabilities [b, depth, head's vocabulary] from the drafting rows' hidden states
+        [b, depth, H]. DFlash's positions are independent: the head's softmax at each row. ``roots``
+        [b] (each block's anchor token) is for the subclasses whose distribution at a position depends
+        on the token chosen before it."""
+        return head(hidden).float().log_softmax(-1)
 
     def rope(self, position_ids: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rotary_emb(like, position_ids)
 
     def context_features(self, taps: torch.Tensor) -> list[torch.Tensor]:
         """Per-draft-layer context rows [b, c, H] from target taps [b, c, T, H]."""
-        if self.variant == DFLASH:
+        if self.variant != DFLARE:
             shared = self.hidden_norm(self.fc(taps.flatten(-2)))
             return [shared] * len(self.layers)
         weights = self.fusion.weight.softmax(-1).to(taps.dtype)  # [layers, T]

@@ -1,4 +1,5 @@
-"""One record per drafter family (DFlash/DFlare, DART, DEER): how a checkpoint's config says it is
+"""One record per drafter family (DFlash/DFlare, DART, DEER, and the DFlash2 and DSpark layouts
+other engines train): how a checkpoint's config says it is
 the family's, which network it builds, which drafter runs it and what it must fit. Everything that
 needs to know a family asks this registry (training asks :mod:`diffdraft.train.objectives`, which
 finds the family's recipe in its own ``diffdraft.train.<key>_objective`` by name), so a new family is
@@ -21,7 +22,14 @@ from diffdraft.drafters.dart_model import DART, DARTDraftModel, dart_config_from
 from diffdraft.drafters.deer import DEERDrafter
 from diffdraft.drafters.deer_model import DEER, DEERDraftModel, deer_config_from, is_deer_config
 from diffdraft.drafters.dflash import DFlashDrafter
+from diffdraft.drafters.dflash2_model import (
+    DFLASH2,
+    DFlash2DraftModel,
+    dflash2_config_from,
+    is_dflash2_config,
+)
 from diffdraft.drafters.dflash_model import DFLARE, DFLASH, DFlashDraftModel, dflash_config_from
+from diffdraft.drafters.dspark_model import DSPARK, DSparkDraftModel, dspark_config_from, is_dspark_config
 from diffdraft.target.model import TargetModel
 
 DraftModel = nn.Module
@@ -53,6 +61,13 @@ class DrafterFamily:
     check_tokenizer: Callable[[Any, Any], None] | None = None
     """For a family that reads token ids only, where equal vocabulary sizes are not enough: raises
     :class:`~diffdraft.errors.IncompatibleDrafterError` for a network built with another tokenizer."""
+    fit_to_weights: Callable[[Any, set[str]], None] | None = None
+    """For a layout whose config does not say which optional weights it ships: called with the
+    network and its checkpoint's weight names before they load, to grow those parts (DSpark's own
+    head). None: the config says everything."""
+    trains: bool = True
+    """Whether diffdraft trains it (``train fit --variant``); False for a layout it loads and drafts
+    with only (DFlash2, DSpark: other engines' training recipes)."""
 
     @property
     def key(self) -> str:
@@ -91,17 +106,43 @@ DEER_FAMILY = DrafterFamily(
     made_by="diffdraft deer init / train fit --variant deer",
     check_tokenizer=deer.check_tokenizer,
 )
+DFLASH2_FAMILY = DrafterFamily(
+    name="DFlash2",
+    variants=(DFLASH2,),
+    model=DFlash2DraftModel,
+    claims=is_dflash2_config,
+    read_config=dflash2_config_from,
+    drafter=DFlashDrafter,
+    check_compatible=dflash.check_compatible,
+    made_by="DFlash2 training (diffdraft loads its checkpoints as vLLM does, and trains none)",
+    trains=False,
+)
+DSPARK_FAMILY = DrafterFamily(
+    name="DSpark",
+    variants=(DSPARK,),
+    model=DSparkDraftModel,
+    claims=is_dspark_config,
+    read_config=dspark_config_from,
+    drafter=DFlashDrafter,
+    check_compatible=dflash.check_compatible,
+    made_by="DSpark training (diffdraft loads its Qwen3 checkpoints as vLLM does, and trains none)",
+    fit_to_weights=DSparkDraftModel.use_shipped_head,
+    trains=False,
+)
 
-FAMILIES: dict[str, DrafterFamily] = {f.key: f for f in (DFLASH_FAMILY, DART_FAMILY, DEER_FAMILY)}
+FAMILIES: dict[str, DrafterFamily] = {
+    f.key: f for f in (DFLASH_FAMILY, DART_FAMILY, DEER_FAMILY, DFLASH2_FAMILY, DSPARK_FAMILY)
+}
 """Every family by key; a config is read as the first family here that claims it."""
 
 
 def family_of(model: DraftModel) -> DrafterFamily:
-    """The family of a draft network."""
-    for family in FAMILIES.values():
-        if isinstance(model, family.model):
-            return family
-    raise TypeError(f"{type(model).__name__} is the network of no registered drafter family")
+    """The family of a draft network: the one whose network class is the most derived of those it
+    is an instance of (DFlash2 and DSpark networks are DFlash networks too)."""
+    matching = [family for family in FAMILIES.values() if isinstance(model, family.model)]
+    if not matching:
+        raise TypeError(f"{type(model).__name__} is the network of no registered drafter family")
+    return max(matching, key=lambda family: len(family.model.__mro__))
 
 
 def family_of_config(raw: dict) -> DrafterFamily:
@@ -111,8 +152,8 @@ def family_of_config(raw: dict) -> DrafterFamily:
 
 
 def variants() -> list[str]:
-    """Every family's variants, the names ``train fit --variant`` takes."""
-    return [variant for family in FAMILIES.values() for variant in family.variants]
+    """Every trained family's variants, the names ``train fit --variant`` takes."""
+    return [variant for family in FAMILIES.values() if family.trains for variant in family.variants]
 
 
 def family_with_variant(variant: str) -> DrafterFamily:

@@ -614,7 +614,13 @@ def _initial_drafter(args: argparse.Namespace) -> DraftModel | None:
         args.variant = args.variant or DFLASH
         return None
     initial = load_draft_model(args.init_drafter)
-    own = getattr(initial, "variant", None) or family_of(initial).variants[0]
+    family = family_of(initial)
+    if not family.trains:
+        raise InvalidRequestError(
+            f"--init-drafter {args.init_drafter} is a {family.name} drafter, which diffdraft drafts with "
+            f"but does not train; start from a drafter of: {', '.join(variants())}"
+        )
+    own = getattr(initial, "variant", None) or family.variants[0]
     if args.variant in (None, own):
         args.variant = own
         return initial

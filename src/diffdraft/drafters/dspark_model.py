@@ -1,0 +1,173 @@
+"""The Qwen3 DSpark draft network, in the layout vLLM loads (``architectures: ["Qwen3DSparkModel"]``,
+or ``["DSparkDraftModel"]`` with ``model_type: "qwen3"``).
+
+DFlash's network (context from the tapped target layers, bidirectional block attention) with two
+changes:
+
+* the anchor row predicts too (``sample_from_anchor``, true unless the config says otherwise): a
+  block of ``block_size`` rows ``[anchor, noise x (block_size - 1)]`` drafts ``block_size`` tokens,
+  row ``i`` the token after position ``i`` (the noise token is ``dspark_noise_token_id`` unless a
+  mask token is recorded); with ``sample_from_anchor`` false the block is DFlash's;
+* a low-rank Markov head adds a bias to each position's logits from the token chosen just before it:
+  ``logit_scale * (head(h_l) + markov_w2 @ markov_w1[previous token])``, position 0's previous token
+  being the anchor. So a position's distribution depends on the token chosen before it; a one-pass
+  draft conditions each position on the argmax chain (what greedy drafting and vLLM's greedy
+  sampling pick). ``dspark_draft_topk`` (optional) keeps only each position's top-k head logits.
+
+A reduced draft vocabulary (``draft_vocab_size`` below ``vocab_size``) comes with its own ``lm_head``
+and ``d2t`` (draft id ``j`` is target id ``j + d2t[j]``); over the whole vocabulary the target's LM
+head scores, unless the checkpoint ships an ``lm_head`` of its own (its config does not say: vLLM
+tells by the weights, and so does :meth:`DSparkDraftModel.use_shipped_head`).
+``markov_w1`` is indexed by target ids, ``markov_w2`` scores the draft vocabulary. The optional
+``confidence_head`` (a per-position acceptance estimate) is loaded but drafting does not read it.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import nn
+from transformers import Qwen3Config
+
+from diffdraft.drafters.dflash_model import (
+    DFlashDraftModel,
+    dflash_config_from,
+    make_draft_config,
+    refuse_unrun_settings,
+)
+
+DSPARK = "dspark"
+ARCHITECTURES = ("Qwen3DSparkModel", "DSparkDraftModel")
+
+
+def is_dspark_config(raw: dict) -> bool:
+    """Whether a raw ``config.json`` is a Qwen3 DSpark drafter's (DeepSeek's ``DSparkDraftModel``
+    without ``model_type: "qwen3"`` is another network)."""
+    names = raw.get("architectures") or []
+    return ARCHITECTURES[0] in names or (ARCHITECTURES[1] in names and raw.get("model_type") == "qwen3")
+
+
+def dspark_config_from(raw: dict) -> Qwen3Config:
+    """The config of a DSpark ``config.json``; raises ValueError when a setting is missing."""
+    config = dflash_config_from(raw)
+    refuse_unrun_settings(config)
+    if not getattr(config, "markov_rank", None):
+        raise ValueError("it lacks markov_rank, which DSpark drafters record")
+    if getattr(config, "markov_head_type", "vanilla") != "vanilla":
+        raise ValueError(
+            f"markov_head_type {config.markov_head_type!r} is not the vanilla head diffdraft runs"
+        )
+    return config
+
+
+class MarkovHead(nn.Module):
+    """The bias a previous token adds to the next position's draft-vocabulary logits (rank r)."""
+
+    def __init__(self, vocab_size: int, draft_vocab_size: int, rank: int) -> None:
+        super().__init__()
+        self.markov_w1 = nn.Embedding(vocab_size, rank)
+        self.markov_w2 = nn.Linear(rank, draft_vocab_size, bias=False)
+
+    def forward(self, previous: torch.Tensor) -> torch.Tensor:
+        return self.markov_w2(self.markov_w1(previous))
+
+
+class ConfidenceHead(nn.Module):
+    """DSpark's acceptance estimate, kept so its checkpoints load unchanged; drafting never reads it."""
+
+    def __init__(self, input_size: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(input_size, 1)
+
+
+class DSparkDraftModel(DFlashDraftModel):
+    """See the module docstring."""
+
+    runs_fused: ClassVar[bool] = False
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__(config)
+        self.anchor_rows = 0 if getattr(config, "sample_from_anchor", True) else 1
+        rank = int(config.markov_rank)
+        self.markov_head = MarkovHead(config.vocab_size, self._draft_vocab_size, rank)
+        if getattr(config, "enable_confidence_head", False):
+            extra = rank if getattr(config, "confidence_head_with_markov", False) else 0
+            self.confidence_head = ConfidenceHead(config.hidden_size + extra)
+        self.logit_scale = float(getattr(config, "logit_scale", 1.0))
+        self.draft_top_k = getattr(config, "dspark_draft_topk", None)
+
+    def _variant(self, config: Qwen3Config) -> str:
+        return DSPARK
+
+    def _register_draft_vocab(self, config: Qwen3Config) -> None:
+        """A reduced vocabulary's own head and ``d2t`` offsets; none for the whole vocabulary."""
+        self._draft_vocab_size = min(
+            getattr(config, "draft_vocab_size", None) or config.vocab_size, config.vocab_size
+        )
+        if self._draft_vocab_size < config.vocab_size:
+            self.lm_head = nn.Linear(config.hidden_size, self._draft_vocab_size, bias=False)
+            self.register_buffer("d2t", torch.zeros(self._draft_vocab_size, dtype=torch.long))
+
+    def use_shipped_head(self, names: set[str]) -> None:
+        """Before a checkpoint's weights (``names``) load: a whole-vocabulary drafter that ships an
+        ``lm_head`` scores with it instead of the target's, as in vLLM."""
+        if self.lm_head is None and "lm_head.weight" in names:
+            like = self.norm.weight
+            self.lm_head = nn.Linear(
+                self.config.hidden_size,
+                self._draft_vocab_size,
+                bias=False,
+                dtype=like.dtype,
+                device=like.device,
+            )
+
+    @property
+    def draft_vocab(self) -> torch.Tensor | None:
+        """The target id of each draft id (None: the whole vocabulary)."""
+        d2t = getattr(self, "d2t", None)
+        return None if d2t is None else torch.arange(self._draft_vocab_size, device=d2t.device) + d2t
+
+    def draft_log_probs(self, hidden: torch.Tensor, head: nn.Module, roots: torch.Tensor) -> torch.Tensor:
+        """Each position's log-probabilities over the draft vocabulary after the greedy chain's
+        previous token, as [b, depth, draft vocabulary]."""
+        logits = head(hidden).float()
+        if self.draft_top_k is not None and self.draft_top_k < logits.shape[-1]:
+            kept = logits.topk(self.draft_top_k, dim=-1).indices
+            logits = logits.new_full(logits.shape, float("-inf")).scatter_(-1, kept, logits.gather(-1, kept))
+        vocab = self.draft_vocab
+        previous, rows = roots, []
+        for position in range(logits.shape[1]):
+            row = (self.logit_scale * (logits[:, position] + self.markov_head(previous).float())).log_softmax(
+                -1
+            )
+            rows.append(row)
+            chosen = row.argmax(-1)
+            previous = chosen if vocab is None else vocab[chosen]
+        return torch.stack(rows, dim=1) if rows else logits
+
+
+def make_dspark_config(
+    target_config,
+    num_layers: int,
+    block_size: int,
+    noise_token_id: int,
+    target_layer_ids: list[int],
+    markov_rank: int = 8,
+    draft_vocab_size: int | None = None,
+    confidence_head: bool = False,
+) -> Qwen3Config:
+    """A Qwen3 DSpark config sized to ``target_config``, in the layout vLLM reads (for random-weight
+    drafters that check this loader, and vLLM against it); ``draft_vocab_size`` below the target's
+    vocabulary gives the drafter its own head and ``d2t``."""
+    config = make_draft_config(target_config, num_layers, block_size, noise_token_id, target_layer_ids)
+    del config.dflash_config, config.num_target_layers
+    config.architectures = [ARCHITECTURES[0]]
+    config.target_layer_ids = list(target_layer_ids)
+    config.dspark_noise_token_id = noise_token_id
+    config.markov_rank = markov_rank
+    config.markov_head_type = "vanilla"
+    config.draft_vocab_size = draft_vocab_size or target_config.vocab_size
+    config.enable_confidence_head = confidence_head
+    config.confidence_head_with_markov = confidence_head
+    return config

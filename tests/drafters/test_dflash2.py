@@ -1,0 +1,163 @@
+"""DFlash2 drafters load in vLLM's layout unchanged and draft losslessly: greedy ``chain`` and
+``ddtree`` over a random DFlash2 drafter are token-identical to the target's own greedy decoding."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import diffdraft
+from diffdraft.drafters.base import propose_together
+from diffdraft.drafters.block_conv import BlockConv
+from diffdraft.drafters.checkpoint import load_draft_model, save_draft_model
+from diffdraft.drafters.dflash import DFlashDrafter
+from diffdraft.drafters.dflash2_model import DFlash2DraftModel
+from diffdraft.drafters.families import DFLASH2_FAMILY, family_of, make_drafter, variants
+from diffdraft.errors import CheckpointError
+from diffdraft.target.loading import load_target
+from diffdraft.target.model import TargetModel
+from diffdraft.trees import ChainBuilder, DDTreeBuilder
+
+from diffdraft_testing.checkpoints import make_checkpoint
+from diffdraft_testing.drafters import forks_with_contexts, tiny_dflash2
+from diffdraft_testing.engine import run_engine
+from diffdraft_testing.targets import hf_greedy, tiny_target
+
+LAYER_KEYS = {
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "self_attn.q_norm.weight",
+    "self_attn.k_norm.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+    "attention_conv.base_kernel",
+    "attention_conv.kernel_projection.weight",
+    "mlp_conv.base_kernel",
+    "mlp_conv.kernel_projection.weight",
+}
+"""A DFlash2 layer's weights, named as vLLM's ``qwen3_dflash2`` loads them."""
+MODEL_KEYS = {
+    "fc.weight",
+    "hidden_norm.weight",
+    "norm.weight",
+    "candidate_selector.predecessor_codebook",
+    "candidate_selector.successor_codebook",
+    "candidate_selector.hidden_projection.weight",
+}
+
+
+def test_a_checkpoint_in_vllms_layout_round_trips(tmp_path):
+    target = tiny_target("qwen3")
+    model = tiny_dflash2(target)
+    save_draft_model(model, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == ["DFlash2DraftModel"]
+    assert set(config["dflash_config"]) == {
+        "block_size",
+        "conv_kernel_size",
+        "conv_group_size",
+        "selector_rank",
+        "selector_top_k",
+        "mask_token_id",
+        "target_layer_ids",
+    }
+    layers = {f"layers.{i}.{key}" for i in range(2) for key in LAYER_KEYS}
+    assert set(load_file(tmp_path / "model.safetensors")) == layers | MODEL_KEYS
+    loaded = load_draft_model(tmp_path)
+    assert type(loaded) is DFlash2DraftModel and family_of(loaded) is DFLASH2_FAMILY
+    assert isinstance(make_drafter(loaded, TargetModel(target)), DFlashDrafter)
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], tensor, rtol=0, atol=0)
+    assert "dflash2" not in variants()  # loaded and drafted with, never trained here
+
+
+def test_a_config_without_the_selector_is_refused(tmp_path):
+    save_draft_model(tiny_dflash2(tiny_target("qwen3")), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["dflash_config"]["selector_top_k"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="selector_top_k"):
+        load_draft_model(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "setting, value",
+    [
+        ("causal", True),
+        ("use_swa", True),
+        ("attention_sink_bias", True),
+        ("attention_value_scale", 0.5),
+        ("use_aux_hidden_state", False),
+    ],
+)
+def test_a_backbone_setting_diffdraft_does_not_run_is_refused_not_ignored(tmp_path, setting, value):
+    save_draft_model(tiny_dflash2(tiny_target("qwen3")), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["dflash_config"][setting] = value
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=f"{setting}.*which diffdraft's DFlash backbone does not run"):
+        load_draft_model(tmp_path)
+
+
+def test_a_checkpoint_with_a_separate_mask_embedding_is_refused(tmp_path):
+    save_draft_model(tiny_dflash2(tiny_target("qwen3")), tmp_path)
+    torch.save(torch.zeros(32), tmp_path / "mask_embedding.pt")
+    with pytest.raises(CheckpointError, match=r"ships mask_embedding\.pt"):
+        load_draft_model(tmp_path)
+
+
+def test_a_block_conv_row_reads_only_the_rows_before_it_in_its_block():
+    torch.manual_seed(0)
+    conv = BlockConv(hidden_size=8, taps=3, group_size=2).double()
+    torch.nn.init.normal_(conv.base_kernel)
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    later = x.clone()
+    later[:, 3:] = torch.randn(2, 2, 8, dtype=torch.float64)
+    out, offsets = conv.prepare(x)
+    torch.testing.assert_close(conv.prepare(later)[0][:, :3], out[:, :3], rtol=0, atol=0)
+    torch.testing.assert_close(conv.prepare(x[:, :3])[0], out[:, :3], rtol=0, atol=0)
+    assert conv.finish(x, offsets).shape == x.shape
+
+
+@pytest.mark.parametrize("builder", [ChainBuilder(), DDTreeBuilder(12)], ids=["chain", "ddtree"])
+@pytest.mark.parametrize("family, seed", [("qwen3", 1), ("llama", 2)])
+def test_greedy_drafting_is_identical_to_the_targets_greedy_decoding(builder, family, seed):
+    target = tiny_target(family, seed=seed)
+    prompt = torch.randint(1, 62, (7,), generator=torch.Generator().manual_seed(seed)).tolist()
+    reference = hf_greedy(target, prompt, 24, 63)
+    drafter = DFlashDrafter(tiny_dflash2(target, seed=seed), TargetModel(target))
+    assert drafter.max_depth == 4
+    assert run_engine(target, drafter, builder, prompt, 24, 63)[0] == reference
+
+
+def test_one_forward_drafts_every_fork_as_each_drafts_alone():
+    target = tiny_target("qwen3", seed=3)
+    drafter = DFlashDrafter(tiny_dflash2(target, seed=3), TargetModel(target))
+    forks, token_ids = forks_with_contexts(drafter, [7, 2, 12], 3, target.config.hidden_size)
+    depths = [4, 2, 1]
+    for fork, ids, depth, together in zip(
+        forks, token_ids, depths, propose_together(forks, token_ids, depths), strict=True
+    ):
+        alone = fork.propose(ids, depth).log_probs
+        assert torch.isfinite(alone).sum(-1).tolist() == [6] * depth  # the selector's top-K candidates
+        torch.testing.assert_close(together.log_probs, alone, rtol=0, atol=1e-12)
+
+
+def test_a_saved_checkpoint_drafts_through_the_generator_token_identical_to_ar(tmp_path):
+    loaded = load_target(make_checkpoint(tmp_path / "target", "qwen3"), dtype="float32")
+    save_draft_model(tiny_dflash2(loaded.model).float(), tmp_path / "drafter")
+    prompt = dict(prompt="hello world, the quick", max_new_tokens=12, ignore_eos=True)
+    plain = diffdraft.SpeculativeGenerator(loaded, "ar").generate(**prompt)
+    for method in ("chain", "ddtree", "chain+pld"):
+        result = diffdraft.SpeculativeGenerator(loaded, method, tmp_path / "drafter", budget=6).generate(
+            **prompt
+        )
+        assert result.token_ids == plain.token_ids, method
