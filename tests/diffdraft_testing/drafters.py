@@ -9,6 +9,24 @@ from diffdraft.drafters.dflash2_model import DFlash2DraftModel, make_dflash2_con
 from diffdraft.drafters.dflash_model import DFLASH, DFlashDraftModel, make_draft_config
 from diffdraft.drafters.dspark_model import DSparkDraftModel, make_dspark_config
 
+DFLASH_LAYER_WEIGHTS = frozenset(
+    {
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+        "self_attn.o_proj.weight",
+        "self_attn.q_norm.weight",
+        "self_attn.k_norm.weight",
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
+        "mlp.down_proj.weight",
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+    }
+)
+"""A DFlash layer's weights, named as the official checkpoints (and vLLM's ``qwen3_dflash``) name
+them: a Qwen3 decoder layer's."""
+
 
 def tiny_drafter(
     target: torch.nn.Module,

@@ -3,11 +3,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+
 import torch
 
+import diffdraft
 from diffdraft.decoding.engine import SpeculativeEngine
 from diffdraft.decoding.sequence_spec import SequenceSpec
 from diffdraft.drafters.base import Proposal
+from diffdraft.drafters.checkpoint import save_draft_model
 from diffdraft.drafters.dflash import DFlashDrafter
 from diffdraft.drafters.dflash_model import DFLARE, DFLASH
 from diffdraft.drafters.lookup_boost import LookupBoostedDrafter
@@ -15,9 +20,11 @@ from diffdraft.drafters.prompt_lookup import PromptLookupDrafter
 from diffdraft.runtime.sampling import SamplingParams
 from diffdraft.runtime.stats import GenerationStats
 from diffdraft.runtime.stopping import StopConditions
+from diffdraft.target.loading import load_target
 from diffdraft.target.model import TargetModel
 from diffdraft.trees import ChainBuilder, DDTreeBuilder
 
+from diffdraft_testing.checkpoints import make_checkpoint
 from diffdraft_testing.drafters import tiny_drafter
 
 METHODS = [
@@ -117,3 +124,20 @@ def speculated_tokens(target, drafter, builder, prompt: list[int], max_new_token
     stop = StopConditions([config.eos_token_id], max_new_tokens, config.max_position_embeddings, len(prompt))
     engine = SpeculativeEngine(target, drafter, builder)
     return [t for chunk in engine.run(SequenceSpec(prompt, stop)) for t in chunk]
+
+
+def saved_drafter_matches_ar(
+    make_network: Callable[[torch.nn.Module], torch.nn.Module],
+    folder: Path,
+    methods: tuple[str, ...] = ("chain", "ddtree", "chain+pld"),
+) -> None:
+    """Save the random drafter ``make_network`` makes for a tiny Qwen3 target (saved beside it in
+    ``folder``) as a checkpoint and assert that every method drafting with it through the generator
+    gives ``ar``'s greedy tokens: the path a user's checkpoint takes, loading included."""
+    loaded = load_target(make_checkpoint(folder / "target", "qwen3"), dtype="float32")
+    save_draft_model(make_network(loaded.model).float(), folder / "drafter")
+    prompt = dict(prompt="hello world, the quick", max_new_tokens=12, ignore_eos=True)
+    plain = diffdraft.SpeculativeGenerator(loaded, "ar").generate(**prompt)
+    for method in methods:
+        drafting = diffdraft.SpeculativeGenerator(loaded, method, folder / "drafter", budget=6)
+        assert drafting.generate(**prompt).token_ids == plain.token_ids, method

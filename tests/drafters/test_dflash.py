@@ -14,27 +14,13 @@ from diffdraft.drafters.dflash_model import DFLARE, DFLASH, default_target_layer
 from diffdraft.errors import CheckpointError, IncompatibleDrafterError
 from diffdraft.target.model import TargetModel
 
-from diffdraft_testing.drafters import forks_with_contexts, tiny_drafter
+from diffdraft_testing.drafters import DFLASH_LAYER_WEIGHTS, forks_with_contexts, tiny_drafter
 from diffdraft_testing.targets import tiny_target
-
-OFFICIAL_LAYER_KEYS = {
-    "self_attn.q_proj.weight",
-    "self_attn.k_proj.weight",
-    "self_attn.v_proj.weight",
-    "self_attn.o_proj.weight",
-    "self_attn.q_norm.weight",
-    "self_attn.k_norm.weight",
-    "mlp.gate_proj.weight",
-    "mlp.up_proj.weight",
-    "mlp.down_proj.weight",
-    "input_layernorm.weight",
-    "post_attention_layernorm.weight",
-}
 
 
 def official_keys(layers: int) -> set[str]:
     keys = {"fc.weight", "hidden_norm.weight", "norm.weight"}
-    return keys | {f"layers.{i}.{k}" for i in range(layers) for k in OFFICIAL_LAYER_KEYS}
+    return keys | {f"layers.{i}.{k}" for i in range(layers) for k in DFLASH_LAYER_WEIGHTS}
 
 
 def test_dflash_checkpoint_has_the_official_layout_and_round_trips(tmp_path):

@@ -9,7 +9,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import diffdraft
 from diffdraft.drafters.base import propose_together
 from diffdraft.drafters.block_conv import BlockConv
 from diffdraft.drafters.checkpoint import load_draft_model, save_draft_model
@@ -17,27 +16,14 @@ from diffdraft.drafters.dflash import DFlashDrafter
 from diffdraft.drafters.dflash2_model import DFlash2DraftModel
 from diffdraft.drafters.families import DFLASH2_FAMILY, family_of, make_drafter, variants
 from diffdraft.errors import CheckpointError
-from diffdraft.target.loading import load_target
 from diffdraft.target.model import TargetModel
 from diffdraft.trees import ChainBuilder, DDTreeBuilder
 
-from diffdraft_testing.checkpoints import make_checkpoint
-from diffdraft_testing.drafters import forks_with_contexts, tiny_dflash2
-from diffdraft_testing.engine import run_engine
+from diffdraft_testing.drafters import DFLASH_LAYER_WEIGHTS, forks_with_contexts, tiny_dflash2
+from diffdraft_testing.engine import run_engine, saved_drafter_matches_ar
 from diffdraft_testing.targets import hf_greedy, tiny_target
 
-LAYER_KEYS = {
-    "self_attn.q_proj.weight",
-    "self_attn.k_proj.weight",
-    "self_attn.v_proj.weight",
-    "self_attn.o_proj.weight",
-    "self_attn.q_norm.weight",
-    "self_attn.k_norm.weight",
-    "mlp.gate_proj.weight",
-    "mlp.up_proj.weight",
-    "mlp.down_proj.weight",
-    "input_layernorm.weight",
-    "post_attention_layernorm.weight",
+LAYER_KEYS = DFLASH_LAYER_WEIGHTS | {
     "attention_conv.base_kernel",
     "attention_conv.kernel_projection.weight",
     "mlp_conv.base_kernel",
@@ -152,12 +138,4 @@ def test_one_forward_drafts_every_fork_as_each_drafts_alone():
 
 
 def test_a_saved_checkpoint_drafts_through_the_generator_token_identical_to_ar(tmp_path):
-    loaded = load_target(make_checkpoint(tmp_path / "target", "qwen3"), dtype="float32")
-    save_draft_model(tiny_dflash2(loaded.model).float(), tmp_path / "drafter")
-    prompt = dict(prompt="hello world, the quick", max_new_tokens=12, ignore_eos=True)
-    plain = diffdraft.SpeculativeGenerator(loaded, "ar").generate(**prompt)
-    for method in ("chain", "ddtree", "chain+pld"):
-        result = diffdraft.SpeculativeGenerator(loaded, method, tmp_path / "drafter", budget=6).generate(
-            **prompt
-        )
-        assert result.token_ids == plain.token_ids, method
+    saved_drafter_matches_ar(tiny_dflash2, tmp_path)

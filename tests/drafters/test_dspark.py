@@ -10,19 +10,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import diffdraft
 from diffdraft.drafters.base import propose_together
 from diffdraft.drafters.checkpoint import load_draft_model, save_draft_model
 from diffdraft.drafters.dflash import DFlashDrafter
 from diffdraft.drafters.dspark_model import DSparkDraftModel
 from diffdraft.drafters.families import DSPARK_FAMILY, family_of
-from diffdraft.target.loading import load_target
 from diffdraft.target.model import TargetModel
 from diffdraft.trees import ChainBuilder, DDTreeBuilder
 
-from diffdraft_testing.checkpoints import make_checkpoint
 from diffdraft_testing.drafters import forks_with_contexts, tiny_dspark
-from diffdraft_testing.engine import run_engine
+from diffdraft_testing.engine import run_engine, saved_drafter_matches_ar
 from diffdraft_testing.targets import hf_greedy, tiny_target
 
 HALF = list(range(0, 64, 2))
@@ -129,12 +126,4 @@ def test_one_forward_drafts_every_fork_as_each_drafts_alone():
 
 
 def test_a_saved_checkpoint_drafts_through_the_generator_token_identical_to_ar(tmp_path):
-    loaded = load_target(make_checkpoint(tmp_path / "target", "qwen3"), dtype="float32")
-    save_draft_model(tiny_dspark(loaded.model).float(), tmp_path / "drafter")
-    prompt = dict(prompt="hello world, the quick", max_new_tokens=12, ignore_eos=True)
-    plain = diffdraft.SpeculativeGenerator(loaded, "ar").generate(**prompt)
-    for method in ("chain", "ddtree", "chain+pld"):
-        result = diffdraft.SpeculativeGenerator(loaded, method, tmp_path / "drafter", budget=6).generate(
-            **prompt
-        )
-        assert result.token_ids == plain.token_ids, method
+    saved_drafter_matches_ar(tiny_dspark, tmp_path)

@@ -14,22 +14,8 @@ from diffdraft.export.vllm import build, launch
 from diffdraft.target.loading import load_target
 
 from diffdraft_testing.checkpoints import make_checkpoint
-from diffdraft_testing.drafters import tiny_drafter
+from diffdraft_testing.drafters import DFLASH_LAYER_WEIGHTS, tiny_drafter
 from diffdraft_testing.targets import tiny_target
-
-LAYER_WEIGHTS = {
-    "self_attn.q_proj.weight",
-    "self_attn.k_proj.weight",
-    "self_attn.v_proj.weight",
-    "self_attn.o_proj.weight",
-    "self_attn.q_norm.weight",
-    "self_attn.k_norm.weight",
-    "mlp.gate_proj.weight",
-    "mlp.up_proj.weight",
-    "mlp.down_proj.weight",
-    "input_layernorm.weight",
-    "post_attention_layernorm.weight",
-}
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +48,7 @@ def test_config_and_weights_hold_what_vllm_reads():
     for field in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps"):
         assert config[field] == getattr(model.config, field)
     expected = {"fc.weight", "hidden_norm.weight", "norm.weight"}
-    expected |= {f"layers.{i}.{name}" for i in range(2) for name in LAYER_WEIGHTS}
+    expected |= {f"layers.{i}.{name}" for i in range(2) for name in DFLASH_LAYER_WEIGHTS}
     assert set(export.weights) == expected
     hidden = config["hidden_size"]
     aux_layers = [i + 1 for i in config["dflash_config"]["target_layer_ids"]]
