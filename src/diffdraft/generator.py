@@ -371,8 +371,9 @@ def load(
     """Load a target (``"default"``, a model directory or a ``.gguf`` file) and a drafter once.
 
     ``budget="auto"`` (the default for ddtree, ddtree+pld and deer-tree) picks the DDTree budget from
-    this machine's measured verification cost (measured once per model shape and device, about a
-    minute on a 2-core CPU, then cached); for ``method="dart"`` the budget is the tree size (default
+    this machine's verification cost (a few forwards timed once per model shape and device, seconds on
+    a 2-core CPU, then cached and corrected by the rounds); ``method="pld"`` sizes its copies by the
+    same cost; for ``method="dart"`` the budget is the tree size (default
     32, its row of :data:`~diffdraft.decoding.method_table.METHODS`) and ``ngram`` the N-gram trie directory
     (``"default"``: the one shipped for the default target; None: no N-gram term).
     ``method="deer"`` / ``"deer-tree"`` need a DEER drafter (e.g. ``"default-deer"``).

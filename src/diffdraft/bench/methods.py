@@ -184,7 +184,7 @@ class BenchModels:
         return self._assistants[dtype]
 
     def cost_curve(self) -> VerifyCostCurve:
-        """t(q) of the main target on this machine (measured once, then read from the cache)."""
+        """t(q) of the main target on this machine (probed once, then read from the cache)."""
         if self._curve is None:
             self._curve = load_or_measure(
                 TargetModel(self.main.model),
