@@ -392,8 +392,8 @@ __m512 key_dots(const __m512bh (&q)[kPairs], const BFloat16* key, int64_t row_st
 }
 #endif
 
-// A work item attends up to kMaxChunkTokens tokens of a segment: more share no more loads worth having,
-// and their scores outgrow L1 (32 tokens over 256 keys ran 10% slower in chunks of 16 than of 8).
+// A work item attends up to kMaxChunkTokens tokens of a segment: more save no reads worth having, and
+// their scores outgrow L1 (docs/decisions.md, "a tree's tokens attended in chunks").
 constexpr int64_t kMaxChunkTokens = 8;
 // The values of the keys a chunk's tokens all see, added a block of this many bf16 values at a time:
 // 16 KB, in L1 beside the tokens' weights while each token adds them in turn.
