@@ -220,6 +220,100 @@ def test_attend_cached_appends_each_segments_rows_and_attends_as_attention_over_
         first += count
 
 
+def _verify_mask(count: int, start: int, window: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """A random tree's mask over ``start`` cached keys: each of its ``count`` rows sees its ancestors and
+    itself and the context but keys hidden from every row; some rows hide more context keys from a point
+    on (where the keys all rows see in the same places end), and with ``window`` > 0 each row hides the
+    keys more than ``window`` before its own place (so rows of different depths share none).
+    [1, 1, count, start + count], finite biases on the visible keys."""
+    generator = torch.Generator().manual_seed(seed)
+    parents = [-1] + [int(torch.randint(0, j, (1,), generator=generator)) for j in range(1, count)]
+    visible = torch.zeros(count, start + count, dtype=torch.bool)
+    visible[:, :start] = torch.rand(start, generator=generator) > 0.2
+    for j in range(count):
+        node, depth = j, 0
+        while node >= 0:
+            visible[j, start + node] = True
+            node, depth = parents[node], depth + 1
+        if torch.rand(1, generator=generator) < 0.1:
+            cut = int(torch.randint(0, start + 1, (1,), generator=generator))
+            visible[j, cut:start] &= torch.rand(start - cut, generator=generator) > 0.1
+        if window:
+            visible[j, : max(0, start + depth - window)] = False
+    hidden = float("-inf") if seed % 2 else torch.finfo(dtype).min
+    bias = -0.5 * torch.rand(count, start + count, generator=generator)
+    return bias.masked_fill(~visible, hidden).to(dtype)[None, None]
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "window", "mask_dtype"),
+    [
+        (9, 3, 64, 0, BF16),
+        (4, 4, 40, 0, torch.float32),
+        (8, 4, 80, 0, torch.float16),
+        (8, 2, 128, 0, BF16),
+        (10, 2, 48, 0, torch.float32),  # groups of 5: parts of 3 and 2
+        (6, 3, 64, 20, BF16),
+        (4, 1, 16, 9, torch.float32),
+    ],
+)
+def test_the_rows_of_a_segment_attend_as_each_row_alone(heads, kv_heads, dim, window, mask_dtype):
+    """attend_cached attends a segment's rows in chunks that share the reading of its keys and values;
+    every row's output is, bit for bit, the op's for that row alone, for segments of 1 to 33 rows over
+    up to 530 cached keys (the keys all rows see in blocks and a last part), under masks hiding context
+    keys (from every row or from some), with sliding windows, alone or beside other segments, on any
+    number of threads (which picks the chunks)."""
+    counts, starts = [1, 33, 9, 16, 2, 17], [40, 300, 0, 530, 5, 131]
+    layer, scale = 1, dim**-0.5
+    query = _random(sum(counts), heads, dim, seed=40)
+    key, value = (_random(1, kv_heads, len(query), dim, seed=seed) for seed in (41, 42))
+    masks = [
+        _verify_mask(count, start, window, mask_dtype, seed=43 + s) if count > 1 or s % 2 else None
+        for s, (count, start) in enumerate(zip(counts, starts, strict=True))
+    ]
+    firsts = [sum(counts[:s]) for s in range(len(counts))]
+    caches, seen, alone = [], [], []  # per segment the keys and mask columns its rows read
+    for s, (count, start, first) in enumerate(zip(counts, starts, firsts, strict=True)):
+        buffer = _random(2, 2, 1, kv_heads, start + count, dim, seed=50 + s)
+        buffer[layer, 0, 0, :, start:] = key[0, :, first : first + count]
+        buffer[layer, 1, 0, :, start:] = value[0, :, first : first + count]
+        skipped = max(0, start - window + 1) if window else 0
+        caches.append(buffer[layer, :, :, :, skipped:])
+        seen.append(None if masks[s] is None else masks[s][..., skipped:])
+        for j in range(count):
+            row = None if seen[s] is None else seen[s][:, :, j : j + 1]
+            alone.append(decoder_ops().attention(query[first + j][None], *caches[s], row, scale))
+    alone = torch.cat(alone)
+    threads = torch.get_num_threads()
+    try:
+        for used in (1, 2, 5):
+            torch.set_num_threads(used)
+            buffers = [
+                _random(2, 2, 1, kv_heads, n + start, dim, seed=50 + s)
+                for s, (n, start) in enumerate(zip(counts, starts, strict=True))
+            ]
+            out = decoder_ops().attend_cached(
+                query, key, value, buffers, layer, starts, counts, masks, scale, window
+            )
+            assert torch.equal(out, alone), used
+            for s, (n, first) in enumerate(zip(counts, firsts, strict=True)):
+                rows = slice(first, first + n)
+                assert torch.equal(
+                    decoder_ops().attention(query[rows], *caches[s], seen[s], scale), alone[rows]
+                )
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_rows_that_see_every_key_attend_as_each_row_alone():
+    """A draft block's rows see every key (no mask): the rows share all their keys."""
+    keys, values = _cache_views(2, 150, 64, seed=60)
+    query = _random(24, 6, 64, seed=61)
+    together = decoder_ops().attention(query, keys, values, None, 0.125)
+    for t in range(24):
+        assert torch.equal(together[t], decoder_ops().attention(query[t][None], keys, values, None, 0.125)[0])
+
+
 def test_attend_cached_refuses_rows_past_a_buffers_capacity():
     buffer = _random(1, 2, 1, 1, 8, 16, seed=30)
     key = _random(1, 1, 2, 16, seed=31)

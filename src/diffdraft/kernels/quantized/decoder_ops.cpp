@@ -15,9 +15,10 @@
 // order, so a query's output depends on the keys it sees and not on where they lie in the cache: a
 // tree node attends exactly as the same token does once its path is all that is cached. The query
 // heads of a token that share a K/V head see the same keys and are attended together, loading each key
-// and value once for all of them; every head's sums are its own, in the order of a head alone. A packed
-// forward appends every sequence's keys and values to its cache and attends all sequences in one call a
-// layer (attend_cached), their work shared out among the threads at once.
+// and value once for all of them, and so are a few tokens of one sequence (a tree's nodes: the context
+// before the tree is the start of every node's keys); every head's sums are its own, in the order of a
+// head alone. A packed forward appends every sequence's keys and values to its cache and attends all
+// sequences in one call a layer (attend_cached), their work shared out among the threads at once.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -267,23 +268,32 @@ struct Cached {
   const BFloat16* row(int64_t head, int64_t index) const { return data + head * head_stride + index * row_stride; }
 };
 
-// One token's row of the additive mask, read in its own dtype: widening bfloat16 and float16 to float32
-// is exact, so the biases and the hidden test are those of the row converted first.
-struct MaskRow {
-  const void* data;  // nullptr: every key visible, no bias
+// A segment's rows of the additive mask, read in their own dtype: widening bfloat16 and float16 to float32
+// is exact, so the biases and the hidden test are those of the rows converted first.
+struct MaskRows {
+  const char* data;  // the first row; nullptr: every key visible, no bias
+  int64_t stride;    // bytes from one row to the next
   at::ScalarType type;
+  float hidden_at;  // a bias at or below it hides its key
 
-  __m512 bias(int64_t from, __mmask16 lanes) const {
+  MaskRows from(int64_t row) const {
+    return {data != nullptr ? data + row * stride : nullptr, stride, type, hidden_at};
+  }
+
+  // Row `row`'s biases of the keys from `from` on (`lanes` of them); zero without a mask.
+  __m512 bias(int64_t row, int64_t from, __mmask16 lanes) const {
+    if (data == nullptr) return _mm512_setzero_ps();
+    const char* p = data + row * stride;
     switch (type) {
-      case at::kBFloat16: return load(static_cast<const BFloat16*>(data) + from, lanes);
+      case at::kBFloat16: return load(reinterpret_cast<const BFloat16*>(p) + from, lanes);
       case at::kHalf: {
-        const auto* p = static_cast<const c10::Half*>(data) + from;
-        return _mm512_cvtph_ps(lanes == 0xFFFF ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
-                                               : _mm256_maskz_loadu_epi16(lanes, p));
+        const auto* h = reinterpret_cast<const c10::Half*>(p) + from;
+        return _mm512_cvtph_ps(lanes == 0xFFFF ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h))
+                                               : _mm256_maskz_loadu_epi16(lanes, h));
       }
       default: {
-        const auto* p = static_cast<const float*>(data) + from;
-        return lanes == 0xFFFF ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(lanes, p);
+        const auto* f = reinterpret_cast<const float*>(p) + from;
+        return lanes == 0xFFFF ? _mm512_loadu_ps(f) : _mm512_maskz_loadu_ps(lanes, f);
       }
     }
   }
@@ -382,17 +392,50 @@ __m512 key_dots(const __m512bh (&q)[kPairs], const BFloat16* key, int64_t row_st
 }
 #endif
 
-// Softmax attention of kGroup query rows of one token (kPairs x 32 >= dim values each, the last
-// register partial if kPartial, the rows consecutive in `query` and in `out`) that share one K/V head,
-// and so the token's mask row and its visible keys, over those keys. Each row's arithmetic is that of a
-// row alone: the group only shares the loads of keys and values, the widening of values to float32 and
-// the mask's tests. Scores are computed 16 keys at a time and the visible ones packed in order; with
-// AVX-512 the weighted sum of values alternates two sets of accumulators by visible key, so the latency
-// of one chain does not bound it. `scores`: kGroup x `stride` floats, `visible`: `stride` indices.
+// A work item attends up to kMaxChunkTokens tokens of a segment: more save no reads worth having, and
+// their scores outgrow L1 (docs/decisions.md, "a tree's tokens attended in chunks").
+constexpr int64_t kMaxChunkTokens = 8;
+// The values of the keys a chunk's tokens all see, added a block of this many bf16 values at a time:
+// 16 KB, in L1 beside the tokens' weights while each token adds them in turn.
+constexpr int64_t kBlockValues = 8192;
+
+// What a thread keeps between the passes of attend_chunk, grown to the largest chunk and the longest
+// cache of a call and kept across calls (not allocated again).
+struct ChunkScratch {
+  std::vector<float> scores;     // [token][head][stride]: the visible keys' scores, then their weights
+  std::vector<int32_t> visible;  // [token][stride]: each token's visible keys, in cache order
+  std::vector<int64_t> counts;   // [token]: how many keys each token sees
+  std::vector<float> totals;     // [token][head]: the softmax denominators
+  std::vector<float> sums;       // [token][register][parity][head][even, odd][lane]: sums between blocks
+
+  void fit(int64_t tokens, int64_t group, int64_t stride, int64_t dim) {
+    auto grow = [](auto& buffer, int64_t size) {
+      if (static_cast<int64_t>(buffer.size()) < size) buffer.resize(size);
+    };
+    grow(scores, tokens * group * stride);
+    grow(visible, tokens * stride);
+    grow(counts, tokens);
+    grow(totals, tokens * group);
+    grow(sums, tokens * ((dim + 31) / 32) * kParities * group * 2 * kLanes);
+  }
+};
+
+// Softmax attention of `tokens` consecutive tokens of one segment (`token_stride` elements apart in
+// `query` and `out`), each with kGroup query rows (kPairs x 32 >= dim values each, the last register
+// partial if kPartial, consecutive) that share one K/V head, over that head's keys under the token's
+// mask row. Each row's arithmetic is that of the row alone: the tokens share only the reading of keys
+// and values, a token's query rows also the widening of values to float32 and the mask's tests.
+// Scores are computed 16 keys at a time, every token's while the tile is in L1, and the visible ones
+// of each token packed in order. The weighted sum of values goes down each token's visible list; with
+// AVX-512 it alternates two sets of accumulators by a key's place in the list, so the latency of one
+// chain does not bound it. The keys in the same places of every token's list (the context before a
+// tree) are added a block at a time, each token in turn while the block's values stay in L1, its sums
+// stored between blocks (a float stored and loaded again is the same float); each token then adds the
+// rest of its list. `scratch` must fit `tokens` tokens of kGroup rows over `stride` >= length + 16 keys.
 template <int kPairs, bool kPartial, int kGroup>
-void attend_group(const BFloat16* query, const Cached& keys, const Cached& values, int64_t kv_head,
-                  int64_t length, MaskRow mask, float hidden_at, float scale, int64_t dim, float* scores,
-                  int64_t stride, int32_t* visible, BFloat16* out) {
+void attend_chunk(const BFloat16* query, int64_t tokens, int64_t token_stride, const Cached& keys,
+                  const Cached& values, int64_t kv_head, int64_t length, const MaskRows& mask, float scale,
+                  int64_t dim, ChunkScratch& scratch, int64_t stride, BFloat16* out) {
   __mmask32 pair_lanes[kPairs];
   for (int c = 0; c < kPairs; ++c) {
     const int64_t left = dim - 32 * c;
@@ -402,63 +445,84 @@ void attend_group(const BFloat16* query, const Cached& keys, const Cached& value
   auto load_pair = [&](const BFloat16* p, int c) {
     return kPartial && c == kPairs - 1 ? _mm512_maskz_loadu_epi16(pair_lanes[c], p) : _mm512_loadu_si512(p);
   };
-  __m512bh q[kGroup][kPairs];
-  for (int g = 0; g < kGroup; ++g) {
-    for (int c = 0; c < kPairs; ++c) q[g][c] = as_bf16_pairs(load_pair(query + g * dim + 32 * c, c));
-  }
+  float* scores = scratch.scores.data();
+  int32_t* visible = scratch.visible.data();
+  int64_t* counts = scratch.counts.data();
+  float* totals = scratch.totals.data();
+  std::fill_n(counts, tokens, 0);
   const __m512i lane_index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  int64_t count = 0;
   for (int64_t tile = 0; tile < length; tile += kLanes) {
     const int64_t keys_here = std::min(kLanes, length - tile);
     const __mmask16 present = lanes_below(keys_here);
-    const __m512 bias = mask.data != nullptr ? mask.bias(tile, present) : _mm512_setzero_ps();
-    const __mmask16 shown = _mm512_mask_cmp_ps_mask(present, bias, _mm512_set1_ps(hidden_at), _CMP_GT_OQ);
-    // compress in registers and store whole: compressing stores are microcoded and slow on Zen 4
     const __m512i index = _mm512_add_epi32(lane_index, _mm512_set1_epi32(static_cast<int32_t>(tile)));
-    _mm512_storeu_si512(visible + count, _mm512_maskz_compress_epi32(shown, index));
     const BFloat16* key = keys.row(kv_head, tile);
-    // a row at a time: the 16 dot products of a tile fill half the registers (the keys come again from L1)
-    for (int g = 0; g < kGroup; ++g) {
-      const __m512 dots = key_dots<kPairs>(q[g], key, keys.row_stride, keys_here, load_pair);
-      const __m512 score = _mm512_add_ps(_mm512_mul_ps(dots, _mm512_set1_ps(scale)), bias);
-      _mm512_storeu_ps(scores + g * stride + count, _mm512_maskz_compress_ps(shown, score));
+    for (int64_t t = 0; t < tokens; ++t) {
+      const __m512 bias = mask.bias(t, tile, present);
+      const __mmask16 shown = _mm512_mask_cmp_ps_mask(present, bias, _mm512_set1_ps(mask.hidden_at), _CMP_GT_OQ);
+      const int64_t count = counts[t];
+      // compress in registers and store whole: compressing stores are microcoded and slow on Zen 4
+      _mm512_storeu_si512(visible + t * stride + count, _mm512_maskz_compress_epi32(shown, index));
+      // a row at a time: the 16 dot products of a tile fill half the registers (the keys come again from L1)
+      for (int g = 0; g < kGroup; ++g) {
+        const BFloat16* row = query + t * token_stride + g * dim;
+        __m512bh q[kPairs];
+        for (int c = 0; c < kPairs; ++c) q[c] = as_bf16_pairs(load_pair(row + 32 * c, c));
+        const __m512 dots = key_dots<kPairs>(q, key, keys.row_stride, keys_here, load_pair);
+        const __m512 score = _mm512_add_ps(_mm512_mul_ps(dots, _mm512_set1_ps(scale)), bias);
+        _mm512_storeu_ps(scores + (t * kGroup + g) * stride + count, _mm512_maskz_compress_ps(shown, score));
+      }
+      counts[t] = count + __builtin_popcount(shown);
     }
-    count += __builtin_popcount(shown);
   }
-  TORCH_CHECK(count > 0, "a query's mask hides every key");
-  __m512 sum[kGroup];
-  for (int g = 0; g < kGroup; ++g) {
-    float* row_scores = scores + g * stride;
-    __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t i = 0; i < count; i += kLanes) {
-      top = _mm512_mask_max_ps(top, lanes_below(count - i), top, _mm512_loadu_ps(row_scores + i));
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t count = counts[t];
+    TORCH_CHECK(count > 0, "a query's mask hides every key");
+    for (int g = 0; g < kGroup; ++g) {
+      float* row_scores = scores + (t * kGroup + g) * stride;
+      __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      for (int64_t i = 0; i < count; i += kLanes) {
+        top = _mm512_mask_max_ps(top, lanes_below(count - i), top, _mm512_loadu_ps(row_scores + i));
+      }
+      const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+      __m512 total = _mm512_setzero_ps();
+      for (int64_t i = 0; i < count; i += kLanes) {
+        const __mmask16 lanes = lanes_below(count - i);
+        const __m512 weight = exponential(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, row_scores + i), max));
+        _mm512_mask_storeu_ps(row_scores + i, lanes, weight);
+        total = _mm512_mask_add_ps(total, lanes, total, weight);
+      }
+      totals[t * kGroup + g] = _mm512_reduce_add_ps(total);
     }
-    const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(top));
-    __m512 total = _mm512_setzero_ps();
-    for (int64_t i = 0; i < count; i += kLanes) {
-      const __mmask16 lanes = lanes_below(count - i);
-      const __m512 weight = exponential(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, row_scores + i), max));
-      _mm512_mask_storeu_ps(row_scores + i, lanes, weight);
-      total = _mm512_mask_add_ps(total, lanes, total, weight);
-    }
-    sum[g] = _mm512_set1_ps(_mm512_reduce_add_ps(total));
   }
   // The weighted sum of values, 32 bf16 values at a time: a word shift and a mask make floats of the
   // even and odd dimensions without a lane-crossing widen; the output interleaves them back. Each
   // register of dimensions has its own sums, so a pass over the visible keys takes only as many
   // registers as stay in the CPU's, and the next pass the next ones: the sums are the same.
   constexpr int kStep = std::max(1, std::min(kPairs, kAccumulators / (2 * kParities * kGroup)));
-  for (int first = 0; first < kPairs; first += kStep) {
+  constexpr int64_t kTokenSums = int64_t{kPairs} * kParities * kGroup * 2 * kLanes;  // floats
+  float* sums = scratch.sums.data();
+  // Token t's sums of the dimensions of registers [first, first + kStep) (none yet at place 0, else from
+  // `sums`) plus the keys in places [begin, end) of its visible list (their cache rows in `list`, `begin`
+  // even): back to `sums`, or divided by the softmax's totals to `out` (`last`).
+  auto add_values = [&](int64_t t, int first, const int32_t* list, int64_t begin, int64_t end, bool last) {
+    const float* token_scores = scores + t * kGroup * stride;
+    auto slot = [&](int p, int g, int s) {
+      return sums + t * kTokenSums + (((first + s) * kParities + p) * kGroup + g) * 2 * kLanes;
+    };
     __m512 even[kParities][kGroup][kStep], odd[kParities][kGroup][kStep];  // [key parity][row][32 dimensions]
     for (int p = 0; p < kParities; ++p) {
       for (int g = 0; g < kGroup; ++g) {
-        for (int s = 0; s < kStep; ++s) even[p][g][s] = odd[p][g][s] = _mm512_setzero_ps();
+        for (int s = 0; s < kStep && first + s < kPairs; ++s) {
+          even[p][g][s] = begin == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(slot(p, g, s));
+          odd[p][g][s] = begin == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(slot(p, g, s) + kLanes);
+        }
       }
     }
-    auto accumulate = [&](int parity, int64_t i) {
-      const BFloat16* value = values.row(kv_head, visible[i]);
+    // inlined, or the sums would live in memory (GCC left it a call)
+    auto accumulate = [&](int parity, int64_t i) __attribute__((always_inline)) {
+      const BFloat16* value = values.row(kv_head, list[i]);
       __m512 weight[kGroup];
-      for (int g = 0; g < kGroup; ++g) weight[g] = _mm512_set1_ps(scores[g * stride + i]);
+      for (int g = 0; g < kGroup; ++g) weight[g] = _mm512_set1_ps(token_scores[g * stride + i]);
       for (int s = 0; s < kStep && first + s < kPairs; ++s) {
         const __m512i pair = load_pair(value + 32 * (first + s), first + s);
         const __m512 low = bf16_even_ps(pair), high = bf16_odd_ps(pair);
@@ -468,32 +532,60 @@ void attend_group(const BFloat16* query, const Cached& keys, const Cached& value
         }
       }
     };
-    int64_t i = 0;
+    int64_t i = begin;  // the key in place i of the list goes to set i % 2, as in a single pass
     if constexpr (kParities == 2) {
-      for (; i + 1 < count; i += 2) {
+      for (; i + 1 < end; i += 2) {
         accumulate(0, i);
         accumulate(1, i + 1);
       }
     }
-    for (; i < count; ++i) accumulate(0, i);
+    for (; i < end; ++i) accumulate(0, i);
     for (int g = 0; g < kGroup; ++g) {
       for (int s = 0; s < kStep && first + s < kPairs; ++s) {
-        const int c = first + s;
+        if (!last) {
+          for (int p = 0; p < kParities; ++p) {
+            _mm512_storeu_ps(slot(p, g, s), even[p][g][s]);
+            _mm512_storeu_ps(slot(p, g, s) + kLanes, odd[p][g][s]);
+          }
+          continue;
+        }
         __m512 even_sum = even[0][g][s], odd_sum = odd[0][g][s];
         if constexpr (kParities == 2) {
           even_sum = _mm512_add_ps(even_sum, even[1][g][s]);
           odd_sum = _mm512_add_ps(odd_sum, odd[1][g][s]);
         }
-        const __m512i low = bfloat16_bits(_mm512_div_ps(even_sum, sum[g]));
-        const __m512i high = bfloat16_bits(_mm512_div_ps(odd_sum, sum[g]));
-        _mm512_mask_storeu_epi16(out + g * dim + 32 * c, pair_lanes[c],
+        const __m512 total = _mm512_set1_ps(totals[t * kGroup + g]);
+        const __m512i low = bfloat16_bits(_mm512_div_ps(even_sum, total));
+        const __m512i high = bfloat16_bits(_mm512_div_ps(odd_sum, total));
+        const int c = first + s;
+        _mm512_mask_storeu_epi16(out + t * token_stride + g * dim + 32 * c, pair_lanes[c],
                                  _mm512_or_si512(low, _mm512_slli_epi32(high, 16)));
       }
+    }
+  };
+  // The keys in the same places of every token's list, the first `common` (a lone token shares none), in
+  // blocks of whole tiles; the last block each token adds with the rest of its own list, the same keys up
+  // to `common`.
+  int64_t common = tokens > 1 ? counts[0] : 0;
+  for (int64_t t = 1; t < tokens; ++t) {
+    const int32_t* own = visible + t * stride;
+    common = std::mismatch(visible, visible + common, own, own + counts[t]).first - visible;
+  }
+  const int64_t block = std::max<int64_t>(1, kBlockValues / dim / kLanes) * kLanes;
+  const int64_t shared = common > 0 ? (common - 1) / block * block : 0;
+  for (int64_t begin = 0; begin < shared; begin += block) {
+    for (int64_t t = 0; t < tokens; ++t) {
+      for (int first = 0; first < kPairs; first += kStep) add_values(t, first, visible, begin, begin + block, false);
+    }
+  }
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int first = 0; first < kPairs; first += kStep) {
+      add_values(t, first, visible + t * stride, shared, counts[t], true);
     }
   }
 }
 
-using GroupKernel = decltype(&attend_group<1, false, 1>);
+using GroupKernel = decltype(&attend_chunk<1, false, 1>);
 
 template <int kPairs = 1, int kGroup = 1>
 GroupKernel group_kernel(int64_t dim, int64_t group) {
@@ -503,7 +595,7 @@ GroupKernel group_kernel(int64_t dim, int64_t group) {
   if constexpr (kGroup < kMaxGroup) {
     if (group > kGroup) return group_kernel<kPairs, kGroup + 1>(dim, group);
   }
-  return dim % 32 == 0 ? &attend_group<kPairs, false, kGroup> : &attend_group<kPairs, true, kGroup>;
+  return dim % 32 == 0 ? &attend_chunk<kPairs, false, kGroup> : &attend_chunk<kPairs, true, kGroup>;
 }
 
 float hidden_value(at::ScalarType type) {
@@ -521,38 +613,33 @@ float hidden_value(at::ScalarType type) {
 struct CachedSegment {
   Cached keys, values;
   int64_t first, tokens, length;
-  const char* mask_data;  // nullptr: every key visible
-  int64_t mask_stride;    // bytes from one token's mask row to the next
-  at::ScalarType mask_type;
-  float hidden_at;
+  MaskRows mask;
 };
 
 // `mask` [1, 1, tokens, skipped + length] additive, or none (every key visible), read in place in its own
 // dtype, its first `skipped` columns (keys the segment leaves out) passed over; returns the rows tensor the
 // segment reads (kept alive by the caller: a reshape may copy).
 at::Tensor use_mask(CachedSegment& segment, const c10::optional<at::Tensor>& mask, int64_t skipped = 0) {
-  segment.mask_data = nullptr;
-  segment.mask_stride = 0;
-  segment.mask_type = at::kFloat;
-  segment.hidden_at = -std::numeric_limits<float>::infinity();
+  segment.mask = {nullptr, 0, at::kFloat, -std::numeric_limits<float>::infinity()};
   if (!mask.has_value()) return at::Tensor();
   const int64_t columns = skipped + segment.length;
   TORCH_CHECK(mask->numel() == segment.tokens * columns && mask->size(-1) == columns,
               "the mask must be [1, 1, tokens, keys] = [1, 1, ", segment.tokens, ", ", columns, "], got ",
               mask->sizes());
-  segment.hidden_at = hidden_value(mask->scalar_type());
   at::Tensor rows = mask->reshape({segment.tokens, columns});
   if (rows.stride(1) != 1) rows = rows.contiguous();
-  segment.mask_data = static_cast<const char*>(rows.data_ptr()) + skipped * rows.element_size();
-  segment.mask_stride = rows.stride(0) * rows.element_size();
-  segment.mask_type = rows.scalar_type();
+  segment.mask = {static_cast<const char*>(rows.data_ptr()) + skipped * rows.element_size(),
+                  rows.stride(0) * rows.element_size(), rows.scalar_type(), hidden_value(mask->scalar_type())};
   return rows;
 }
 
 // Every segment's queries [tokens, heads, dim] over its own keys (`kv_heads` of them): [tokens, heads * dim],
 // the heads side by side, as the output projection reads them. The query heads of a token that share a
-// K/V head are attended together, up to kMaxGroup at a time; the work of all segments is shared out
-// among the threads at once.
+// K/V head are attended together, up to kMaxGroup at a time, and so are a chunk of a segment's tokens;
+// the work of all segments is shared out among the threads at once. A chunk reads its keys and values
+// once for all its tokens, so a segment's tokens go in as few chunks as give every thread two work items
+// (3 K/V heads of one chunk each would leave one of 2 threads idle half the time), of at most
+// kMaxChunkTokens; which chunk a token falls in changes none of its bits.
 at::Tensor attend_segments(const at::Tensor& query, const std::vector<CachedSegment>& segments, int64_t kv_heads,
                            double scale) {
   const int64_t tokens = query.size(0), heads = query.size(1), dim = query.size(2);
@@ -563,34 +650,39 @@ at::Tensor attend_segments(const at::Tensor& query, const std::vector<CachedSegm
   // a group larger than kMaxGroup in parts of at most kMaxGroup, as even as they come
   const int64_t parts = (group + kMaxGroup - 1) / kMaxGroup, part = (group + parts - 1) / parts;
   const GroupKernel kernel = group_kernel(dim, part), last_kernel = group_kernel(dim, group - (parts - 1) * part);
-  std::vector<int64_t> ends;  // each segment's last work item + 1
-  int64_t items = 0, longest = 0;
+  const int64_t chunk_items = kv_heads * parts;  // a chunk's work items: one per K/V head and part
+  const int64_t one_chunk_items = chunk_items * static_cast<int64_t>(segments.size());
+  const int64_t spread = (2 * at::get_num_threads() + one_chunk_items - 1) / one_chunk_items;
+  std::vector<int64_t> chunks, ends;  // each segment's chunks and its last work item + 1
+  int64_t items = 0, longest = 0, widest = 0;
   for (const CachedSegment& segment : segments) {
-    items += segment.tokens * kv_heads * parts;
+    const int64_t fewest = (segment.tokens + kMaxChunkTokens - 1) / kMaxChunkTokens;
+    const int64_t n = std::min(segment.tokens, std::max(spread, fewest));
+    chunks.push_back(n);
+    items += n * chunk_items;
     ends.push_back(items);
     longest = std::max(longest, segment.length);
+    widest = std::max(widest, (segment.tokens + n - 1) / n);
   }
   const auto* query_data = query.data_ptr<BFloat16>();
   auto* out_data = out.data_ptr<BFloat16>();
   const int64_t stride = longest + kLanes;  // room for a whole register past the last key
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    // kept across calls: a thread's buffers grow to the longest cache and are not allocated again
-    thread_local std::vector<float> scores;
-    thread_local std::vector<int32_t> visible;
-    if (static_cast<int64_t>(visible.size()) < stride) visible.resize(stride);
-    if (static_cast<int64_t>(scores.size()) < part * stride) scores.resize(part * stride);
+    thread_local ChunkScratch scratch;
+    scratch.fit(widest, part, stride, dim);
     size_t s = std::upper_bound(ends.begin(), ends.end(), begin) - ends.begin();
     for (int64_t item = begin; item < end; ++item) {
       while (item >= ends[s]) ++s;
       const CachedSegment& segment = segments[s];
-      const int64_t local = item - (s == 0 ? 0 : ends[s - 1]);
-      const int64_t t = local / (kv_heads * parts), kv_head = local / parts % kv_heads, index = local % parts;
-      const int64_t row = (segment.first + t) * heads + kv_head * group + index * part;
-      const MaskRow bias{segment.mask_data != nullptr ? segment.mask_data + t * segment.mask_stride : nullptr,
-                         segment.mask_type};
-      (index == parts - 1 ? last_kernel : kernel)(query_data + row * dim, segment.keys, segment.values, kv_head,
-                                                   segment.length, bias, segment.hidden_at, static_cast<float>(scale),
-                                                   dim, scores.data(), stride, visible.data(), out_data + row * dim);
+      // a K/V head's chunks one after another: a thread's run of items reads fewer heads' keys
+      const int64_t local = item - (s == 0 ? 0 : ends[s - 1]), n = chunks[s];
+      const int64_t kv_head = local / (parts * n), index = local / n % parts, chunk = local % n;
+      const int64_t first = chunk * segment.tokens / n, count = (chunk + 1) * segment.tokens / n - first;
+      const int64_t row = (segment.first + first) * heads + kv_head * group + index * part;
+      (index == parts - 1 ? last_kernel : kernel)(query_data + row * dim, count, heads * dim, segment.keys,
+                                                   segment.values, kv_head, segment.length,
+                                                   segment.mask.from(first), static_cast<float>(scale), dim,
+                                                   scratch, stride, out_data + row * dim);
     }
   });
   return out;
