@@ -41,8 +41,15 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 DRAFTER = "default-dflash"
-ENGINES = ("plain", "dflash")
-"""vLLM's runs, one process each (``vllm_side.py``)."""
+ENGINES = ("plain", "dflash", "dflash-per-layer-k-norm")
+"""vLLM's runs, one process each (``vllm_side.py``); the last changes what vLLM computes (README)."""
+OUR_ROWS = (("ar", "ar", None), ("chain", "chain", DRAFTER), ("chain-float32-rope", "chain", "float32-rope"))
+"""Our runs: label, method, drafter (``float32-rope``: :func:`float32_rope_drafter`)."""
+STEP_PAIRS = (
+    ("vLLM dflash", "ours chain"),
+    ("vLLM dflash-per-layer-k-norm", "ours chain-float32-rope"),
+)
+"""The rows compared step by step: as each engine runs, and with both deviations put right."""
 MAX_MODEL_LEN = 1024
 """vLLM's context limit: the longest rendered prompt plus the new tokens fit well inside it."""
 
@@ -109,18 +116,29 @@ def run_vllm(python: Path, work: Path, engine: str, threads: int) -> dict:
     return record
 
 
+def float32_rope_drafter():
+    """The shipped drafter with the rotary frequencies its config gives, in float32: loading the
+    bfloat16 checkpoint casts the module, the ``inv_freq`` buffer included, and the later cast to the
+    target's float32 keeps the rounded values (see the README)."""
+    from diffdraft.drafters.checkpoint import load_draft_model, resolve_drafter_path
+
+    model = load_draft_model(resolve_drafter_path(DRAFTER))
+    model.rotary_emb.inv_freq = type(model.rotary_emb)(model.config).inv_freq
+    return model
+
+
 def run_ours(target: Path, prompts: list[dict], max_new_tokens: int, threads: int) -> dict:
-    """Our ``ar`` and ``chain`` on the same folder in float32, from the same prompt ids."""
+    """Our ``ar`` and ``chain`` on the same folder in float32, from the same prompt ids; and ``chain``
+    again with :func:`float32_rope_drafter`."""
     import torch
 
     import diffdraft
 
     torch.set_num_threads(threads)
     rows = {}
-    for method in ("ar", "chain"):
-        gen = diffdraft.load(
-            target=str(target), method=method, drafter=DRAFTER if method == "chain" else None, dtype="float32"
-        )
+    for label, method, drafter in OUR_ROWS:
+        model = float32_rope_drafter() if drafter == "float32-rope" else drafter
+        gen = diffdraft.load(target=str(target), method=method, drafter=model, dtype="float32")
         runs = []
         for prompt in prompts:
             result = gen.generate(prompt_token_ids=prompt["ids"], max_new_tokens=max_new_tokens)
@@ -133,8 +151,60 @@ def run_ours(target: Path, prompts: list[dict], max_new_tokens: int, threads: in
                     "tau": result.stats.tau,
                 }
             )
-        rows[method] = runs
+        rows[label] = runs
         del gen
+    return rows
+
+
+def probe_inputs(target: Path, prompt: dict, first_token: int, work: Path) -> dict:
+    """The first round of ``prompt`` for ``vllm_side.py probe``: the target's taps of the prompt (the
+    context) and the block (the prefill's token, then the mask); returns our drafter's final hidden
+    states for the block two ways: as our engine loads the drafter, whose rotary frequencies the
+    bfloat16 checkpoint's cast has rounded to bfloat16 (``inv_freq`` is a buffer, so
+    ``load_draft_model``'s ``model.to(dtype)`` casts it, and the later cast to float32 cannot undo
+    it), and with the float32 frequencies the config gives (what vLLM computes)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from diffdraft.drafters.checkpoint import load_draft_model, resolve_drafter_path
+    from diffdraft.target.loading import load_target
+    from diffdraft.target.model import TargetModel
+    from diffdraft.train.features import OnlineFeatures
+
+    model = load_draft_model(resolve_drafter_path(DRAFTER)).to(torch.float32).eval()
+    target_model = TargetModel(load_target(target, dtype="float32", device="cpu").model)
+    ids = torch.tensor([*prompt["ids"], first_token])
+    with torch.no_grad():
+        taps, _ = OnlineFeatures(target_model, model.target_layer_ids).with_logits(ids)
+        taps = taps[:-1].float()  # [context, taps, hidden]: the prompt's; the new token is the root
+        block = torch.full((model.block_size,), model.mask_token_id)
+        block[0] = first_token
+        save_file({"taps": taps.flatten(1).contiguous(), "block": block}, work / "probe.safetensors")
+        embed = target_model.model.get_input_embeddings()
+        hidden = {}
+        for name in ("as_loaded", "float32_rope"):
+            if name == "float32_rope":
+                model.rotary_emb.inv_freq = type(model.rotary_emb)(model.config).inv_freq
+            positions = torch.arange(len(ids) - 1, len(ids) - 1 + len(block))[None]
+            context = model.context_kv(taps[None], torch.arange(len(ids) - 1)[None])
+            hidden[name] = model(embed(block)[None], positions, context)[0]
+        head = embed.weight[model.draft_vocab]  # the target's head (tied) over the draft vocabulary
+    return {"hidden": hidden, "head": head, "draft_vocab": model.draft_vocab}
+
+
+def probe_report(ours: dict, theirs: dict) -> dict:
+    """Largest difference of the drafting rows' final hidden states, and how many of the drafted
+    top-1 tokens (through one head, the target's over the draft vocabulary) agree, for each pair."""
+    rows = {}
+    for mine, a in ours["hidden"].items():
+        for their, b in theirs.items():
+            a_rows, b_rows = a[1:], b[1:]  # the root row drafts nothing
+            tokens = [(h @ ours["head"].T).argmax(-1) for h in (a_rows, b_rows)]
+            rows[f"ours {mine} / vLLM {their}"] = {
+                "max_abs_diff": float((a_rows - b_rows).abs().max()),
+                "same_top1": int((tokens[0] == tokens[1]).sum()),
+                "of": len(a_rows),
+            }
     return rows
 
 
@@ -148,39 +218,50 @@ def pooled(lengths: list[list[int]]) -> dict:
     }
 
 
+def step_lengths(record: dict) -> list[list[int]]:
+    """Per prompt, the tokens each verification step committed: vLLM's accepted count + 1, or ours."""
+    if "acceptance_lengths" in record["prompts"][0]:
+        return [p["acceptance_lengths"] for p in record["prompts"]]
+    return [[a + 1 for a in p["steps_accepted"]] for p in record["prompts"]]
+
+
+def same_steps(a: dict, b: dict) -> dict:
+    """Over the prompts both generate alike, how many steps commit the same number of tokens."""
+    equal = total = 0
+    for mine, theirs, x, y in zip(a["prompts"], b["prompts"], step_lengths(a), step_lengths(b), strict=True):
+        if mine["token_ids"] == theirs["token_ids"]:
+            total += max(len(x), len(y))
+            equal += sum(p == q for p, q in zip(x, y, strict=False))  # step counts may differ
+    return {"equal": equal, "of": total}
+
+
 def compare(vllm: dict, ours: dict) -> dict:
-    """The acceptance of both engines' speculation and whether their texts agree."""
-    summary: dict = {}
-    plain, dflash = vllm.get("plain", {}), vllm.get("dflash", {})
-    if "prompts" in dflash:
-        vllm_steps = [[a + 1 for a in p["steps_accepted"]] for p in dflash["prompts"]]
-        summary["vllm_dflash"] = pooled(vllm_steps) | {"counters": dflash.get("counters", {})}
-    summary["ours_chain"] = pooled([r["acceptance_lengths"] for r in ours["chain"]])
-
-    def same(a: list[dict], b: list[dict]) -> list[bool]:
-        return [x["token_ids"] == y["token_ids"] for x, y in zip(a, b, strict=True)]
-
-    texts = {"ours chain = ours ar": same(ours["chain"], ours["ar"])}
-    if "prompts" in plain:
-        texts["vLLM plain = ours ar"] = same(plain["prompts"], ours["ar"])
-    if "prompts" in dflash:
-        if "prompts" in plain:
-            texts["vLLM dflash = vLLM plain"] = same(dflash["prompts"], plain["prompts"])
-        texts["vLLM dflash = ours chain"] = same(dflash["prompts"], ours["chain"])
-        equal_steps = total = 0
-        for theirs, mine in zip(dflash["prompts"], ours["chain"], strict=True):
-            if theirs["token_ids"] == mine["token_ids"]:
-                steps = [a + 1 for a in theirs["steps_accepted"]]
-                total += len(steps)
-                pairs = zip(steps, mine["acceptance_lengths"], strict=False)  # step counts may differ
-                equal_steps += sum(x == y for x, y in pairs)
-        summary["same_step_lengths"] = {"equal": equal_steps, "of": total}
-    summary["same_tokens"] = texts
-    return summary
+    """Each speculative row's acceptance, which generations agree, and step by step the pairs that
+    should draft alike."""
+    runs = {f"vLLM {engine}": record for engine, record in vllm.items() if "prompts" in record}
+    runs |= {f"ours {label}": {"prompts": rows} for label, rows in ours.items()}
+    acceptance = {}
+    for label, record in runs.items():
+        if label.endswith(("plain", " ar")):
+            continue
+        acceptance[label] = pooled(step_lengths(record)) | {"counters": record.get("counters", {})}
+    reference = runs["ours ar"]["prompts"]
+    texts = {
+        f"{label} = ours ar": [
+            x["token_ids"] == y["token_ids"] for x, y in zip(record["prompts"], reference, strict=True)
+        ]
+        for label, record in runs.items()
+        if label != "ours ar"
+    }
+    steps = {}
+    for left, right in STEP_PAIRS:
+        if left in runs and right in runs:
+            steps[f"{left} / {right}"] = same_steps(runs[left], runs[right])
+    return {"acceptance": acceptance, "same_tokens": texts, "same_steps": steps}
 
 
 def report(results: dict) -> str:
-    """The markdown report: settings, the acceptance table, the text checks, any failure."""
+    """The markdown report: settings, the acceptance table, the text checks, the probe, any failure."""
     s, summary, vllm = results["settings"], results["summary"], results["vllm"]
     version = next((r["vllm_version"] for r in vllm.values() if "vllm_version" in r), "not run")
     lines = [
@@ -193,38 +274,57 @@ def report(results: dict) -> str:
         f"HumanEval prompts (chat template), at most {s['max_new_tokens']} new tokens, greedy, both "
         "engines from the same prompt ids.",
         "",
-        "| engine | method | mean acceptance length | steps | tokens committed in steps |",
-        "|---|---|---|---|---|",
+        "| row | mean acceptance length | steps | tokens committed in steps |",
+        "|---|---|---|---|",
     ]
-    for key, engine, method in (("vllm_dflash", "vLLM", "dflash"), ("ours_chain", "ours", "chain")):
-        row = summary.get(key)
-        if row is None:
-            lines.append(f"| {engine} | {method} | failed (below) | | |")
-            continue
+    for label, row in summary["acceptance"].items():
         tau = f"{row['mean_acceptance_length']:.3f}"
-        lines.append(f"| {engine} | {method} | {tau} | {row['steps']} | {row['committed']} |")
-    counters = summary.get("vllm_dflash", {}).get("counters", {})
+        lines.append(f"| {label} | {tau} | {row['steps']} | {row['committed']} |")
+    failed = [engine for engine, record in vllm.items() if "error" in record]
+    for engine in failed:
+        lines.append(f"| vLLM {engine} | failed (below) | | |")
+    counters = summary["acceptance"].get("vLLM dflash", {}).get("counters", {})
     if counters:
         lines += [
             "",
-            f"vLLM's own counters: {counters['num_drafts']} drafts, {counters['num_draft_tokens']} draft "
-            f"tokens, {counters['num_accepted_tokens']} accepted (per position "
+            f"vLLM's own counters (dflash): {counters['num_drafts']} drafts, {counters['num_draft_tokens']} "
+            f"draft tokens, {counters['num_accepted_tokens']} accepted (per position "
             f"{counters.get('num_accepted_tokens_per_pos')}): mean acceptance length 1 + accepted / drafts "
             f"= {counters['mean_acceptance_length']:.3f}.",
         ]
-    lines += ["", "Same generated tokens, per prompt:", ""]
+    lines += ["", "Same generated tokens as our `ar`, per prompt:", ""]
     for check, flags in summary["same_tokens"].items():
         lines.append(f"- {check}: {sum(flags)} of {len(flags)}")
-    if "same_step_lengths" in summary:
-        step = summary["same_step_lengths"]
-        lines.append(
-            f"- on the prompts where vLLM's dflash and our chain generate the same tokens, "
-            f"{step['equal']} of {step['of']} steps commit the same number of tokens"
-        )
-    for engine, record in vllm.items():
-        if "error" in record:
-            failure = f"vLLM {engine} failed: `{record['error']}`"
-            lines += ["", failure, "", "```", record["log_tail"][-1500:], "```"]
+    lines += ["", "Steps that commit the same number of tokens, on the prompts both generate alike:", ""]
+    for pair, count in summary["same_steps"].items():
+        lines.append(f"- {pair}: {count['equal']} of {count['of']}")
+    probe = results.get("probe")
+    if probe and "error" not in probe:
+        lines += [
+            "",
+            f"First round of {s['prompt_ids'][0]} inside the drafters (the same taps, weights and block; "
+            "final hidden states of the 7 drafting rows, and their top-1 tokens through one head):",
+            "",
+            "| ours | vLLM | max abs diff | same top-1 |",
+            "|---|---|---|---|",
+        ]
+        for pair, row in probe.items():
+            mine, theirs = pair.removeprefix("ours ").split(" / vLLM ")
+            lines.append(
+                f"| {mine} | {theirs} | {row['max_abs_diff']:.2e} | {row['same_top1']} of {row['of']} |"
+            )
+    elif probe:
+        lines += ["", f"The first-round probe failed: `{probe['error']}`"]
+    for engine in failed:
+        record = vllm[engine]
+        lines += [
+            "",
+            f"vLLM {engine} failed: `{record['error']}`",
+            "",
+            "```",
+            record["log_tail"][-1500:],
+            "```",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -236,6 +336,7 @@ def main() -> int:
     parser.add_argument("--venv", type=Path, default=Path.home() / ".cache" / "diffdraft" / "vllm-parity")
     parser.add_argument("--out", type=Path, default=HERE / "results")
     parser.add_argument("--keep", type=Path, help="keep the export, the prompts and vLLM's logs here")
+    parser.add_argument("--no-probe", action="store_true", help="skip the first-round probe")
     args = parser.parse_args()
     os.nice(19)  # the machine is shared: everything below, vLLM's processes included, yields
 
@@ -269,7 +370,17 @@ def main() -> int:
         }
         (work / "settings.json").write_text(json.dumps(settings) + "\n")
         vllm = {engine: run_vllm(python, work, engine, args.threads) for engine in ENGINES}
-    ours = run_ours(target, prompts, args.max_new_tokens, args.threads)
+        ours = run_ours(target, prompts, args.max_new_tokens, args.threads)
+        probe = None
+        if not args.no_probe:
+            our_probe = probe_inputs(target, prompts[0], ours["ar"][0]["token_ids"][0], work)
+            record = run_vllm(python, work, "probe", args.threads)
+            if "error" in record:
+                probe = {"error": record["error"], "log_tail": record["log_tail"]}
+            else:
+                from safetensors.torch import load_file
+
+                probe = probe_report(our_probe, load_file(work / "probe-vllm.safetensors"))
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE, check=False
     ).stdout.strip()
@@ -288,6 +399,7 @@ def main() -> int:
         },
         "vllm": vllm,
         "ours": ours,
+        "probe": probe,
     }
     results["summary"] = compare(vllm, ours)
     args.out.mkdir(parents=True, exist_ok=True)
