@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -129,6 +130,34 @@ def test_a_damaged_cached_curve_is_named_and_probed_again(tmp_path, monkeypatch,
 
 def test_passes_past_the_first_timed_one_stop_once_the_measurement_took_its_time():
     """A loaded machine's probe gets the warm-up and one timed pass, a quiet one's every pass."""
-    assert list(cost.timed_passes(3, None)) == [0, 1, 2, 3]
-    assert list(cost.timed_passes(3, 60.0)) == [0, 1, 2, 3]
-    assert list(cost.timed_passes(3, 0.0)) == [0, 1]
+    steady = lambda: np.array([[1.0, 2.0]])  # noqa: E731
+    assert list(cost.timed_passes(3, None, steady)) == [0, 1, 2, 3]
+    assert list(cost.timed_passes(3, 60.0, steady)) == [0, 1, 2, 3]
+    assert list(cost.timed_passes(3, 0.0, steady)) == [0, 1]
+
+
+def test_a_disturbed_table_is_timed_again_up_to_a_limit():
+    """A point far dearer than one with more work was timed while something else ran: passes go on
+    past the limit until the fastest times agree, or until MAX_PASSES."""
+    assert cost.disturbed(np.array([[1.0, 2.0], [1.6, 1.0]]))  # more context, less time
+    assert cost.disturbed(np.array([[4.0, 2.0]]))  # a bigger tree, half the time
+    assert not cost.disturbed(np.array([[1.0, 1.4], [1.2, 1.3]]))  # within the noise
+    settles = iter([np.array([[4.0, 2.0]]), np.array([[1.0, 2.0]])])
+    assert list(cost.timed_passes(1, 0.0, lambda: next(settles))) == [0, 1, 2]
+    never = lambda: np.array([[4.0, 2.0]])  # noqa: E731
+    assert list(cost.timed_passes(1, 0.0, never)) == list(range(cost.MAX_PASSES + 1))
+
+
+def test_each_point_keeps_its_fastest_time(monkeypatch):
+    """Other work only adds time: a probe keeps each point's fastest, so one slow pass of a big tree
+    (the machine busy) leaves no mark."""
+    slow = iter([0.002, 0.050, 0.002, 0.002])  # warm-up, then the 4-token point's timed passes
+
+    def time_one(target, cache, tokens):
+        return next(slow)
+
+    monkeypatch.setattr(cost, "_time_one", time_one)
+    monkeypatch.setattr(cost, "timed_in_a_run", lambda time_round: 0.001)
+    target = TargetModel(tiny_target(dtype=torch.float32, max_positions=64))
+    curve = measure_verify_cost(target, sizes=(1, 4), contexts=(8,), repeats=3)
+    assert curve.measured == [[0.001, 0.002]]

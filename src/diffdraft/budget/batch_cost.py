@@ -65,7 +65,7 @@ class BatchCostCurve:
     key: str = ""
     measured_at: str = ""
     measured: list[list[list[float]]] = field(default_factory=list)
-    """The medians as measured, before the fit."""
+    """The fastest times as measured, before the fit."""
 
     def __call__(
         self, tokens: float | np.ndarray, batch: float | np.ndarray, context: float | np.ndarray
@@ -129,7 +129,7 @@ def measure_batch_cost(
     progress: bool = False,
     seconds_limit: float | None = None,
 ) -> BatchCostCurve:
-    """Median time of a batched verification stage per point, fitted nondecreasing in every axis
+    """Fastest time of a batched verification stage per point, fitted nondecreasing in every axis
     (see :func:`diffdraft.budget.measure_verify_cost`: same passes, the same limit on them, same fit,
     one token a sequence timed in a run of such rounds). Timed between other sizes, one token a
     sequence took far longer than in plain decoding's rounds, and a plan that read it so before it had
@@ -146,10 +146,14 @@ def measure_batch_cost(
         target.prefill(cache, ids[:n], [])
     points = [(b, n, q) for b in batches for n in contexts for q in sizes]
     timings: dict[tuple[int, int, int], list[float]] = {point: [] for point in points}
+
+    def fastest() -> np.ndarray:
+        return np.asarray([[[min(timings[b, n, q]) for q in sizes] for n in contexts] for b in batches])
+
     warm_up = [(b, n, q) for b, n, q in points if n == contexts[0]]  # the same shapes as the others
     total = len(warm_up) + repeats * len(points)
     with progress_bar(total=total, desc="batch verify cost", disable=not progress, leave=False) as steps:
-        for repeat in timed_passes(repeats, seconds_limit):
+        for repeat in timed_passes(repeats, seconds_limit, fastest):
             for b, n, q in points if repeat else warm_up:
                 batch, tokens = [caches[n, i] for i in range(b)], ids[n : n + q]
                 if q == 1:  # plain decoding's rounds: timed in a run, as the single-sequence curve's
@@ -159,7 +163,7 @@ def measure_batch_cost(
                 if repeat:
                     timings[b, n, q].append(seconds)
                 steps.update()
-    measured = [[[float(np.median(timings[b, n, q])) for q in sizes] for n in contexts] for b in batches]
+    measured = fastest().tolist()
     return BatchCostCurve(
         batches=list(batches),
         sizes=list(sizes),

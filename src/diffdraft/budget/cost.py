@@ -50,9 +50,14 @@ query than for many; the curve is linear between and past them."""
 PROBE_REPEATS = 2
 """Timed passes over the probe's points (after one that warms up): the rounds that run correct it."""
 PROBE_SECONDS = 10.0
-"""After the first timed pass, no further pass starts once a measurement has taken this long: on a
-2-core machine shared with another 2-thread job a pass took 25 times as long as on a quiet one, and
-the rounds correct a curve of fewer passes anyway."""
+"""After the first timed pass, no further pass starts once a measurement has taken this long, unless
+its points still look disturbed (:func:`disturbed`): on a 2-core machine shared with another 2-thread
+job a pass took 25 times as long as on a quiet one, and the rounds correct a curve of fewer passes."""
+MAX_PASSES = 6
+"""Timed passes a measurement whose points still look disturbed may take, at the most."""
+DISTURBED = 1.5
+"""How many times longer than a point with more work (a bigger tree, a longer context, more
+sequences) a point's fastest time may be before the table counts as disturbed."""
 DEAREST_ROUND = 32
 """Plain forwards a verification may cost before bigger trees are not probed: a round commits at most
 its tree's depth plus one tokens, and no drafter here proposes 31 positions, so a round that costs 32
@@ -77,7 +82,7 @@ class VerifyCostCurve:
     key: str = ""
     measured_at: str = ""
     measured: list[list[float]] = field(default_factory=list)
-    """The medians as measured, before the fit (same layout as :attr:`seconds`)."""
+    """The fastest times as measured, before the fit (same layout as :attr:`seconds`)."""
 
     def __call__(self, q: float | np.ndarray, context: float) -> float | np.ndarray:
         """t(q, n), linear between measured points, extrapolated linearly past the largest size and
@@ -124,15 +129,43 @@ def probe_verify_cost(target: TargetModel, progress: bool = False) -> VerifyCost
     )
 
 
-def timed_passes(repeats: int, seconds_limit: float | None) -> Iterator[int]:
-    """A measurement's passes: 0, which warms kernels up and is not kept, then the timed ones 1 to
-    ``repeats``, of which none after the first starts once ``seconds_limit`` seconds have passed since
-    pass 0 began (None: no limit)."""
+def timed_passes(
+    repeats: int, seconds_limit: float | None, fastest: Callable[[], np.ndarray]
+) -> Iterator[int]:
+    """A measurement's passes: 0, which warms kernels up and is not kept, then timed ones from 1 on.
+    After pass 1 they stop once ``repeats`` are done or ``seconds_limit`` seconds (None: no limit)
+    have passed since pass 0 began, but not while ``fastest()`` (each point's fastest time so far)
+    still looks :func:`disturbed`, up to :data:`MAX_PASSES`. Other work on the machine only ever
+    adds time, so a point's fastest time is its best estimate; a probe that kept medians, taken while
+    other work ran, put a 16-token verification at 100 times a plain one and the auto
+    budget verified 255-node trees at a tenth of plain decoding's speed (docs/decisions.md, "the auto
+    budget's curve probed in seconds, corrected by the rounds")."""
     begin = time.perf_counter()
-    for repeat in range(repeats + 1):
-        if repeat > 1 and seconds_limit is not None and time.perf_counter() - begin > seconds_limit:
+    yield 0
+    done = 0
+    while done < MAX_PASSES:
+        done += 1
+        yield done
+        enough = done >= repeats or (
+            seconds_limit is not None and time.perf_counter() - begin > seconds_limit
+        )
+        if enough and not disturbed(fastest()):
             return
-        yield repeat
+
+
+def disturbed(table: np.ndarray) -> bool:
+    """Whether some point of ``table`` (seconds; every axis ordered by rising work) took over
+    :data:`DISTURBED` times as long as its neighbour with more work: a forward of more tokens, over
+    more cached tokens or of more sequences never costs less, so such a point was timed while
+    something else ran."""
+    table = np.asarray(table, dtype=float)
+    for axis in range(table.ndim):
+        if table.shape[axis] > 1:
+            less = np.take(table, range(table.shape[axis] - 1), axis=axis)
+            more = np.take(table, range(1, table.shape[axis]), axis=axis)
+            if np.any(less > DISTURBED * more):
+                return True
+    return False
 
 
 def measure_verify_cost(
@@ -144,7 +177,8 @@ def measure_verify_cost(
     dearest: float | None = None,
     seconds_limit: float | None = None,
 ) -> VerifyCostCurve:
-    """Median time of a verification stage per size and context, fitted nondecreasing in both;
+    """Fastest time of a verification stage per size and context over the timed passes
+    (:func:`timed_passes`, which also says how many and why the fastest), fitted nondecreasing in both;
     ``dearest``: the sizes past the first whose warm-up round cost that many plain rounds are dropped
     (None: every size is timed); ``seconds_limit``: as :func:`timed_passes` takes it.
 
@@ -157,8 +191,8 @@ def measure_verify_cost(
     decoding look dear, and the auto budget drafted at batch 1 where drafting lost
     (docs/decisions.md, "plain rounds timed where they run steady").
     Verifying more tokens over the same cache, or the same tokens over a longer one, does not get
-    cheaper, so the medians get a least-squares nondecreasing fit (pooling adjacent violators):
-    on a shared CPU single medians still wander (docs/decisions.md, "cost medians fitted
+    cheaper, so the times get a least-squares nondecreasing fit (pooling adjacent violators):
+    on a shared CPU single times still wander (docs/decisions.md, "cost medians fitted
     nondecreasing, spot-checked twice"), and a point measured low (t(4) below
     t(2)) would pull the planner's choice towards it. Pooling averages neighbours instead of
     carrying one high point into every larger size, as a running maximum would.
@@ -171,13 +205,17 @@ def measure_verify_cost(
     for n, cache in caches.items():
         target.prefill(cache, ids[:n].to(target.device), [])
     timings: dict[tuple[int, int], list[float]] = {}
+
+    def fastest() -> np.ndarray:
+        return np.asarray([[min(timings[n, q]) for q in sizes] for n in contexts])
+
     with progress_bar(
         total=(repeats * len(contexts) + 1) * len(sizes),
         desc="verify cost t(q, n)",
         disable=not progress,
         leave=False,
     ) as steps:
-        for repeat in timed_passes(repeats, seconds_limit):
+        for repeat in timed_passes(repeats, seconds_limit, fastest):
             for n in contexts if repeat else contexts[:1]:
                 for q in sizes:
                     seconds = (_time_plain if q == 1 else _time_one)(target, caches[n], ids[n : n + q])
@@ -190,7 +228,7 @@ def measure_verify_cost(
                         steps.total -= (repeats * len(contexts) + 1) * (len(sizes) - sizes.index(q) - 1)
                         sizes = sizes[: sizes.index(q) + 1]
                         break
-    measured = [[float(np.median(timings[n, q])) for q in sizes] for n in contexts]
+    measured = fastest().tolist()
     return VerifyCostCurve(
         sizes=list(sizes),
         contexts=list(contexts),
