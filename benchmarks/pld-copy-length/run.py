@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 from pathlib import Path
 
@@ -27,6 +28,8 @@ from diffdraft.bench.machine import cpu_description
 from diffdraft.kernels.quantized.kernel_build import instruction_set
 
 METHODS = ("ar", "pld", "pld whole")
+NARROWING = ("DIFFDRAFT_KERNEL_ISA", "ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
+"""The variables that make a wide CPU run a narrower build's paths (benchmarks/forward-rows/README.md)."""
 
 
 def decode(generator: diffdraft.SpeculativeGenerator, sample, max_new_tokens: int) -> dict:
@@ -92,7 +95,12 @@ def main() -> None:
         }
     result = {
         "command": vars(args) | {"out": str(args.out)},
-        "machine": {"cpu": cpu_description(), "kernel_build": instruction_set(), "threads": args.threads},
+        "machine": {
+            "cpu": cpu_description(),
+            "kernel_build": instruction_set(),
+            "threads": args.threads,
+            "narrowed": {name: os.environ[name] for name in NARROWING if name in os.environ},
+        },
         "rows": rows,
     }
     args.out.mkdir(parents=True, exist_ok=True)
