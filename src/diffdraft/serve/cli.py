@@ -185,6 +185,7 @@ def run_serve(args: argparse.Namespace) -> int:
     :mod:`diffdraft.serve.scheduler`)."""
     import uvicorn
 
+    from diffdraft.budget.auto_budget import AutoBudgetBuilder
     from diffdraft.serve.app import create_app
     from diffdraft.serve.scheduler import Scheduler
 
@@ -218,7 +219,8 @@ def run_serve(args: argparse.Namespace) -> int:
             flush=True,
         )
         generator = load_generator(args)
-        readiness.stage = "timing the target's shared forwards for budget 'auto'"
+        if args.max_batch_size > 1 and isinstance(generator.engine.builder, AutoBudgetBuilder):
+            readiness.stage = "timing the target's shared forwards for budget 'auto'"
         scheduler = Scheduler(generator, args.max_batch_size, args.max_queue)
         # what is loaded now lives as long as the server: out of the collector's full passes, each of
         # which walked all of it and stalled every request in flight (docs/decisions.md, "frozen
