@@ -15,10 +15,9 @@ from its own record, its gains scaled by what the rounds plans chose to draft re
 alone, the batch curve shared, both rescaled by the finished sequences' own forwards), d the
 drafting, tree and mask time of one drafting sequence and c each sequence's acceptance and commit,
 both learned from finished sequences: from those decoded alone for a round of one sequence, from
-those that shared forwards for a round of several (before any finished, d of a lone sequence from its
-own drafted rounds) (drafting in a batch costs a sequence another time
+those that shared forwards for a round of several (drafting in a batch costs a sequence another time
 than drafting alone, and a planner that carried batch-8 drafting times to a lone sequence stopped it
-drafting).
+drafting). Before any sequence finished, a lone sequence's d comes from its own drafted rounds.
 
 Under load most sequences end at B_i = 0: a drafter forward and its tree do not pay for themselves
 once a CPU's forward cost grows with every verified token. A copy does not need the drafter:
