@@ -314,6 +314,10 @@ class Readiness:
         self._api = _Api(scheduler, self.model_name, self.limits)
 
     @property
+    def loaded(self) -> bool:
+        return self._api is not None
+
+    @property
     def api(self) -> _Api:
         """The API, or a 503 that tells the client to retry while the model loads."""
         if self._api is None:
@@ -397,11 +401,10 @@ def create_app(
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        try:
-            scheduler = readiness.api.scheduler
-        except ApiError:
+        if not readiness.loaded:
             body = {"status": "loading", "model": model_name, "stage": readiness.stage}
             return JSONResponse(body, status_code=503)
+        scheduler = readiness.api.scheduler
         alive = scheduler.alive
         body = {"status": "ok" if alive else "unavailable", "model": model_name}
         body.update(queue_depth=scheduler.queue_depth, running=scheduler.running)
