@@ -117,7 +117,7 @@ def blend_rows(x: float, xs: Sequence[float], rows: Sequence[Sequence[float]]) -
 
 def probe_verify_cost(target: TargetModel, progress: bool = False) -> VerifyCostCurve:
     """The auto budget's starting curve: :func:`measure_verify_cost` at :data:`PROBE_SIZES` (those a
-    round can pay for) and :data:`PROBE_CONTEXTS`, 4 s for the default target on 2 quiet cores."""
+    round can pay for) and :data:`PROBE_CONTEXTS`, about 5 s for the default target on 2 quiet cores."""
     return measure_verify_cost(
         target,
         PROBE_SIZES,
