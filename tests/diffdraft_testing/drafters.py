@@ -55,7 +55,12 @@ def tiny_drafter(
 
 
 def tiny_dflash2(
-    target: torch.nn.Module, seed: int = 0, layers: int = 2, block_size: int = 5
+    target: torch.nn.Module,
+    seed: int = 0,
+    layers: int = 2,
+    block_size: int = 5,
+    selector_top_k: int = 6,
+    target_layer_ids: list[int] | None = None,
 ) -> DFlash2DraftModel:
     """A random DFlash2 drafter (vLLM's layout) whose convs and selector weigh in: their kernels and
     codebooks are drawn as large as the rest, not left near the identity and zero."""
@@ -64,9 +69,9 @@ def tiny_dflash2(
         num_layers=layers,
         block_size=block_size,
         mask_token_id=target.config.vocab_size - 2,
-        target_layer_ids=[0, target.config.num_hidden_layers - 1],
+        target_layer_ids=target_layer_ids or [0, target.config.num_hidden_layers - 1],
         conv_group_size=target.config.hidden_size // 4,
-        selector_top_k=6,
+        selector_top_k=selector_top_k,
     )
     torch.manual_seed(seed)
     model = DFlash2DraftModel(config)
@@ -84,6 +89,8 @@ def tiny_dspark(
     block_size: int = 4,
     draft_vocab: list[int] | None = None,
     sample_from_anchor: bool = True,
+    target_layer_ids: list[int] | None = None,
+    confidence_head: bool = True,
 ) -> DSparkDraftModel:
     """A random Qwen3 DSpark drafter (vLLM's layout, with a confidence head); ``draft_vocab`` gives it
     its own head over those target tokens and the ``d2t`` offsets that name them;
@@ -93,9 +100,9 @@ def tiny_dspark(
         num_layers=layers,
         block_size=block_size,
         noise_token_id=target.config.vocab_size - 2,
-        target_layer_ids=[0, target.config.num_hidden_layers - 1],
+        target_layer_ids=target_layer_ids or [0, target.config.num_hidden_layers - 1],
         draft_vocab_size=len(draft_vocab or []) or None,
-        confidence_head=True,
+        confidence_head=confidence_head,
     )
     config.sample_from_anchor = sample_from_anchor
     torch.manual_seed(seed)
@@ -142,3 +149,23 @@ def forks_with_contexts(drafter, lengths: list[int], seed: int, hidden_size: int
         forks.append(fork)
         token_ids.append(torch.randint(0, 60, (length + 1,), generator=g))
     return forks, token_ids
+
+
+def block_log_probs(model: DFlashDraftModel, target: torch.nn.Module, seed: int = 0) -> torch.Tensor:
+    """What a DFlash-lineage network drafts for one block after a random context: its draft
+    log-probabilities [depth, head vocabulary] (its own head where it has one, else the target's),
+    from random target taps and the anchor 5 followed by mask tokens. Two networks with the same
+    weights and settings give identical rows; any difference in either changes them."""
+    generator = torch.Generator().manual_seed(seed)
+    context = 6
+    hidden = target.config.hidden_size
+    dtype = next(model.parameters()).dtype
+    taps = torch.randn(1, context, len(model.target_layer_ids), hidden, generator=generator).to(dtype)
+    block = torch.full((1, model.max_depth + model.anchor_rows), model.mask_token_id)
+    block[0, 0] = 5
+    head = getattr(model, "lm_head", None) or target.get_output_embeddings()
+    with torch.no_grad():
+        kv = model.context_kv(taps, torch.arange(context)[None])
+        positions = torch.arange(context, context + block.shape[1])[None]
+        states = model(target.get_input_embeddings()(block).to(dtype), positions, kv)
+        return model.draft_log_probs(states[:, model.anchor_rows :], head, block[:, 0])[0]

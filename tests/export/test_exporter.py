@@ -17,7 +17,7 @@ from diffdraft.export import ENGINES, export_drafter
 from diffdraft.target.loading import load_target
 
 from diffdraft_testing.checkpoints import make_checkpoint
-from diffdraft_testing.drafters import tiny_dart, tiny_dflash2, tiny_drafter
+from diffdraft_testing.drafters import tiny_dart, tiny_drafter
 from diffdraft_testing.targets import tiny_target
 
 DIRECTORY_ENGINES = sorted(set(ENGINES) - {"llama.cpp"})
@@ -39,7 +39,6 @@ def drafters(target, tmp_path_factory):
         "dart": tiny_dart(target),
         "deer": deer_from_causal_lm(target, 1, 4, 0, None, "tiny target"),
         "last-layer": tiny_drafter(target, target_layer_ids=[1, 3]),
-        "dflash2": tiny_dflash2(target),
     }
     for name, model in made.items():
         save_draft_model(model, root / name)
@@ -73,7 +72,6 @@ def test_exported_weights_equal_ours_tensor_by_tensor(drafters, tmp_path, engine
         ("dart", "DART drafter"),
         ("deer", "DEER drafter"),
         ("last-layer", r"target_layer_ids \[3\] cannot be served"),
-        ("dflash2", "DFlash2 drafter, a checkpoint already in the layout"),
     ],
 )
 def test_what_the_engines_cannot_run_is_refused_writing_nothing(drafters, tmp_path, engine, drafter, message):

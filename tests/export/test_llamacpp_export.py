@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import shlex
 import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+from gguf import GGMLQuantizationType
 
 from diffdraft.cli import main
 from diffdraft.drafters.checkpoint import load_draft_model, save_draft_model
@@ -20,31 +19,10 @@ from diffdraft.export import export_drafter
 from diffdraft.export.llamacpp import LAYER_NAMES, build, launch, read_target
 
 from diffdraft_testing.drafters import tiny_drafter
-from diffdraft_testing.llama_cpp import llama_cpp_binary
+from diffdraft_testing.llama_cpp import llama_cpp_binary, read_gguf, write_target_gguf
 from diffdraft_testing.targets import tiny_target
 
 VOCAB = 64
-
-
-def write_target_gguf(path: Path, target: torch.nn.Module, arch: str = "llama") -> Path:
-    """The metadata this export reads from a target GGUF: architecture, depth, width, a BPE tokenizer
-    of the target's vocabulary, and its LM head."""
-    config = target.config
-    writer = GGUFWriter(str(path), arch)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list([f"t{i}" for i in range(config.vocab_size)])
-    writer.add_token_types([1] * config.vocab_size)
-    writer.add_token_merges(["t 1"])
-    writer.add_bos_token_id(0)
-    writer.add_eos_token_id(config.vocab_size - 1)
-    writer.add_tensor("output.weight", target.lm_head.weight.detach().float().numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -70,12 +48,6 @@ def files(target, tmp_path_factory):
     return root
 
 
-def read(path: Path) -> tuple[dict, dict]:
-    reader = GGUFReader(path)
-    fields = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
-    return fields, {t.name: t for t in reader.tensors}
-
-
 def test_the_gguf_holds_every_key_and_tensor_llama_cpp_reads(files, tmp_path):
     """Keys: src/llama-model.cpp load_hparams and src/models/dflash.cpp load_arch_hparams (the sizes,
     dflash.block_size, dflash.target_layers = DFlash id + 1 as conversion/qwen.py writes them), the
@@ -85,7 +57,7 @@ def test_the_gguf_holds_every_key_and_tensor_llama_cpp_reads(files, tmp_path):
     export = export_drafter(files / "dflash", "llama.cpp", out, target=files / "target.gguf")
     model = load_draft_model(files / "dflash")
     config = model.config
-    fields, tensors = read(out)
+    fields, tensors = read_gguf(out)
     expected = {
         "general.architecture": "dflash",
         "general.name": "diffdraft DFlash drafter",
@@ -140,7 +112,7 @@ def test_a_bfloat16_drafter_keeps_its_matrices_bfloat16_and_norms_float32(files,
     out = tmp_path / "drafter.gguf"
     export_drafter(files / "bf16", "llama.cpp", out, target=files / "target.gguf")
     ours = load_draft_model(files / "bf16").state_dict()
-    _, tensors = read(out)
+    _, tensors = read_gguf(out)
     fc = tensors["fc.weight"]
     assert fc.tensor_type == GGMLQuantizationType.BF16
     bits = torch.from_numpy(np.array(fc.data).view(np.int16).copy()).reshape(ours["fc.weight"].shape)
@@ -155,7 +127,7 @@ def test_a_draft_vocabulary_is_d2t_absolute_ids_and_the_targets_head_rows(files,
     target id d2t[i]; output is {n_embd, n_vocab_draft}."""
     out = tmp_path / "drafter.gguf"
     export_drafter(files / "draft-vocab", "llama.cpp", out, target=files / "target.gguf")
-    _, tensors = read(out)
+    _, tensors = read_gguf(out)
     d2t = tensors["d2t"]
     assert d2t.tensor_type == GGMLQuantizationType.I64
     assert np.array(d2t.data).tolist() == [3, 7, 8, 30]
@@ -199,12 +171,13 @@ def test_a_wrong_out_is_refused(files, tmp_path, out, message):
         export_drafter(files / "dflash", "llama.cpp", tmp_path / out, target=files / "target.gguf")
     assert (tmp_path / "old.gguf").read_text() == "mine"
     export_drafter(files / "dflash", "llama.cpp", tmp_path / "old.gguf", True, files / "target.gguf")
-    assert read(tmp_path / "old.gguf")[0]["general.architecture"] == "dflash"
+    assert read_gguf(tmp_path / "old.gguf")[0]["general.architecture"] == "dflash"
 
 
 def test_the_launch_line_serves_the_target_gguf_with_the_draft(tmp_path):
     """docs/speculative.md's DFlash example; common/speculative.cpp clamps n-max to block_size - 1."""
-    command = shlex.split(launch(tmp_path / "my drafter.gguf", 16, "/models/target.gguf"))
+    config = {"architectures": ["DFlashDraftModel"], "block_size": 16}
+    command = shlex.split(launch(tmp_path / "my drafter.gguf", config, "/models/target.gguf"))
     assert command[:5] == [
         "llama-server",
         "-m",

@@ -64,7 +64,8 @@ def test_with_the_target_the_mask_token_text_matches_its_id(tmp_path):
 
 
 def test_launch_command_drafts_one_block(tmp_path):
-    command = shlex.split(launch(tmp_path / "drafter", 16, "Qwen/Qwen3-8B"))
+    config = {"architectures": ["DFlashDraftModel"], "block_size": 16}
+    command = shlex.split(launch(tmp_path / "drafter", config, "Qwen/Qwen3-8B"))
     assert command[:3] == ["python", "-m", "sglang.launch_server"]
     assert command[command.index("--model-path") + 1] == "Qwen/Qwen3-8B"
     assert command[command.index("--speculative-algorithm") + 1] == "DFLASH"

@@ -84,7 +84,8 @@ def test_a_draft_vocabulary_without_the_target_is_refused():
 
 
 def test_launch_command_drafts_block_size_minus_one_tokens(tmp_path):
-    command = shlex.split(launch(tmp_path / "drafter dir", 16, "Qwen/Qwen3-8B"))
+    config = {"architectures": ["DFlashDraftModel"], "block_size": 16}
+    command = shlex.split(launch(tmp_path / "drafter dir", config, "Qwen/Qwen3-8B"))
     assert command[:3] == ["vllm", "serve", "Qwen/Qwen3-8B"]
     spec = json.loads(command[command.index("--speculative-config") + 1])
     assert spec == {"method": "dflash", "model": str(tmp_path / "drafter dir"), "num_speculative_tokens": 15}

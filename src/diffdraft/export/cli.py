@@ -1,5 +1,6 @@
-"""``diffdraft export DRAFTER --format vllm|sglang|llama.cpp --out PATH``: a drafter as vLLM or SGLang
-(a directory) or llama.cpp (one GGUF file, ``--target TARGET.gguf`` required) loads it."""
+"""``diffdraft export DRAFTER --format vllm|sglang|llama.cpp --out PATH``: a DFlash, DFlash2 or DSpark
+drafter as vLLM or SGLang (a directory) or llama.cpp (one GGUF file, ``--target TARGET.gguf``
+required) loads it."""
 
 from __future__ import annotations
 
@@ -18,10 +19,12 @@ TARGET_PLACEHOLDER = "TARGET"
 def add_export_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "export",
-        help="write a DFlash drafter as vLLM, SGLang (a directory) or llama.cpp (one GGUF file) loads it "
-        "for their DFlash speculative decoding",
+        help="write a DFlash, DFlash2 or DSpark drafter as vLLM, SGLang (a directory) or llama.cpp (one "
+        "GGUF file) loads it for their speculative decoding",
     )
-    parser.add_argument("drafter", help="DFlash checkpoint directory, or a shipped drafter name")
+    parser.add_argument(
+        "drafter", help="DFlash, DFlash2 or DSpark checkpoint directory, or a shipped drafter name"
+    )
     parser.add_argument("--format", required=True, choices=sorted(ENGINES), help="the serving engine")
     parser.add_argument(
         "--out",
@@ -52,13 +55,14 @@ def run_export(args: argparse.Namespace) -> int:
     export = export_drafter(args.drafter, args.format, out, args.force, args.target, args.full_vocabulary)
     engine = ENGINES[args.format]
     config = export.config
+    taps = (config.get("dflash_config") or config)["target_layer_ids"]  # DSpark keeps them at the top
     print(
-        f"wrote {out}: DFlash drafter for {engine.name}, {config['num_hidden_layers']} layers, block size "
-        f"{config['block_size']}, target layers {config['dflash_config']['target_layer_ids']}",
+        f"wrote {out}: {config['architectures'][0]} for {engine.name}, {config['num_hidden_layers']} layers, "
+        f"block size {config['block_size']}, target layers {taps}",
         flush=True,
     )
     served, note = gguf_launch_target(args.target) if args.format == LLAMACPP else launch_target(args.target)
-    print(f"launch: {engine.launch(out.resolve(), config['block_size'], served)}")
+    print(f"launch: {engine.launch(out.resolve(), config, served)}")
     print(f"  ({note})")
     return 0
 

@@ -1,5 +1,5 @@
-"""``export_drafter``: check that an engine can run a drafter, then write what it loads (a directory
-for vLLM and SGLang, one GGUF file for llama.cpp).
+"""``export_drafter``: check that an engine can run a drafter (DFlash, DFlash2 or DSpark), then write
+what it loads (a directory for vLLM and SGLang, one GGUF file for llama.cpp).
 
 Every check runs before anything is written (the output path first, so a wrong ``--out`` is
 refused before any model is loaded).
@@ -74,7 +74,7 @@ def _export_gguf(
     model = check_family(load_draft_model(drafter), llamacpp.FORMAT)
     if full_vocabulary:
         model = without_draft_vocabulary(model)
-    gguf = llamacpp.read_target(path, need_head=model.draft_vocab is not None)
+    gguf = llamacpp.read_target(path, need_head=llamacpp.needs_target_head(model))
     vocab = model.config.vocab_size
     if gguf.vocab_size != vocab:
         raise IncompatibleDrafterError(

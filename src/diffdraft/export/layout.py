@@ -5,7 +5,8 @@ vLLM and SGLang read the same official DFlash layout (facts from their source, c
 ``architectures: ["DFlashDraftModel"]``, ``block_size``, ``num_target_layers`` and
 ``dflash_config: {mask_token_id, target_layer_ids}``, and the weights ``fc``, ``hidden_norm``,
 ``norm`` and ``layers.{i}.*``, with no embedding and no LM head (both take the target's). What
-differs per engine (draft vocabulary, mask token text) lives in those modules.
+differs per engine (draft vocabulary, mask token text) lives in those modules. DFlash2 and DSpark
+drafters build on this layout in :mod:`diffdraft.export.dflash2` and :mod:`diffdraft.export.dspark`.
 
 Layer ids need no conversion: both engines read ``dflash_config.target_layer_ids`` in DFlash's own
 convention (id ``i`` = output of decoder layer ``i``, our convention too) and add 1 themselves, because
@@ -24,7 +25,14 @@ from pathlib import Path
 import torch
 
 from diffdraft.drafters.dflash_model import DFLARE, DFlashDraftModel
-from diffdraft.drafters.families import DFLASH_FAMILY, DraftModel, family_of
+from diffdraft.drafters.dspark_model import ARCHITECTURES as DSPARK_ARCHITECTURES
+from diffdraft.drafters.families import (
+    DFLASH2_FAMILY,
+    DFLASH_FAMILY,
+    DSPARK_FAMILY,
+    DraftModel,
+    family_of,
+)
 from diffdraft.errors import ExportError
 from diffdraft.target.loading import LoadedModel
 
@@ -39,6 +47,8 @@ STALE_KEYS = (
 )
 """Top-level copies a source config may carry; the engines would read or cross-check them, so the
 settings live in ``dflash_config`` only (vLLM's aux-layer ids would even override the taps)."""
+SERVED_FAMILIES = (DFLASH_FAMILY, DFLASH2_FAMILY, DSPARK_FAMILY)
+"""The families whose drafters some engine runs (each engine module says which it takes)."""
 
 
 @dataclass
@@ -54,10 +64,18 @@ class Engine:
     """One serving engine: its display name, how it wants the drafter, and how it is launched."""
 
     name: str
-    build: Callable[[DFlashDraftModel, LoadedModel | None], Export]
+    build: Callable[[DraftModel, LoadedModel | None], Export]
     """Raises ExportError for what the engine cannot run; ``target`` is given with --target."""
-    launch: Callable[[Path, int, str], str]
-    """The launch command for the exported directory, the drafter's block size and the target's path."""
+    launch: Callable[[Path, dict, str], str]
+    """The launch command for the exported directory, the written config and the target's path."""
+
+
+def drafted_tokens(config: dict) -> int:
+    """Tokens one block drafts, by the written config: ``block_size`` for a DSpark drafter whose anchor
+    row predicts, ``block_size - 1`` otherwise (the anchor row is the committed token)."""
+    block = int(config["block_size"])
+    dspark = bool(set(config.get("architectures") or []) & set(DSPARK_ARCHITECTURES))
+    return block if dspark and config.get("sample_from_anchor", True) else block - 1
 
 
 def capture_point(layer_id: int) -> int:
@@ -65,20 +83,14 @@ def capture_point(layer_id: int) -> int:
     return layer_id + 1
 
 
-def check_family(model: DraftModel, engine: str) -> DFlashDraftModel:
-    """Refuse the drafters no DFlash serving path can run: other families, and DFlare; a DFlash2 or
-    DSpark checkpoint needs no export (it is in the engines' own layout)."""
+def check_family(model: DraftModel, engine: str) -> DraftModel:
+    """Refuse the drafters no DFlash-lineage serving path runs: DART, DEER and DFlare. DFlash, DFlash2
+    and DSpark drafters pass; what an engine lacks for one of them its own module refuses."""
     family = family_of(model)
-    if not family.trains:
+    if family not in SERVED_FAMILIES:
         raise ExportError(
-            f"this is a {family.name} drafter, a checkpoint already in the layout the engines that run "
-            f"{family.name} load (vLLM's): give {engine} its directory as it is; export writes DFlash "
-            "drafters trained with diffdraft"
-        )
-    if family is not DFLASH_FAMILY:
-        raise ExportError(
-            f"this is a {family.name} drafter; {engine}'s DFlash support runs DFlash drafters only: export a "
-            "drafter trained with diffdraft train fit --variant dflash"
+            f"this is a {family.name} drafter; {engine} runs DFlash, DFlash2 and DSpark drafters only: "
+            "export a drafter trained with diffdraft train fit --variant dflash"
         )
     if model.variant == DFLARE:
         raise ExportError(
@@ -156,6 +168,12 @@ def without_draft_vocabulary(model: DFlashDraftModel) -> DFlashDraftModel:
     measures it (the shipped DFlash drafter's card has its figures)."""
     if model.draft_vocab is None:
         return model
+    if family_of(model) is not DFLASH_FAMILY:
+        raise ExportError(
+            f"this {family_of(model).name} drafter drafts over a reduced vocabulary of "
+            f"{model.draft_vocab.shape[0]} tokens with a head and Markov rows of its own, trained for those "
+            "tokens only, so --full-vocabulary cannot drop it: export it without --full-vocabulary"
+        )
     config = copy.deepcopy(model.config)
     config.dflash_config = {**config.dflash_config, "draft_vocab_size": 0}
     whole = DFlashDraftModel(config).to(next(model.parameters()).dtype)

@@ -23,6 +23,11 @@ read for facts only; paths are relative to its root):
   few before the final norm, never after it (where diffdraft reads it), so that tap is refused.
 * ``src/llama-model.cpp`` (``llama_model_rope_type``): a dflash draft ropes NeoX style (rotate half,
   as ours), so q/k need no permutation.
+
+DFlash2 and DSpark drafters are the same architecture with more keys and tensors
+(:mod:`diffdraft.export.dflash2`, :mod:`diffdraft.export.dspark`); ``common/speculative.cpp`` tells a
+DSpark draft by its ``markov_w1.weight`` tensor and runs it as ``--spec-type draft-dspark``, drafting
+``block_size`` tokens when its anchor row predicts.
 """
 
 from __future__ import annotations
@@ -37,8 +42,10 @@ import numpy as np
 import torch
 
 from diffdraft.drafters.dflash_model import DFlashDraftModel
+from diffdraft.drafters.families import DFLASH2_FAMILY, DFLASH_FAMILY, DSPARK_FAMILY, DraftModel, family_of
 from diffdraft.errors import ExportError, InvalidRequestError
-from diffdraft.export.layout import Engine, Export, capture_point, serving_config
+from diffdraft.export import dflash2, dspark
+from diffdraft.export.layout import Engine, Export, capture_point, drafted_tokens, serving_config
 from diffdraft.util.staging import temp_dir_beside
 
 ARCH = "dflash"
@@ -89,12 +96,18 @@ class TargetGGUF:
     head: np.ndarray | None = None  # the LM head [vocab, hidden], read only for a draft vocabulary
 
 
+NAMES = {DFLASH_FAMILY.key: "DFlash", DFLASH2_FAMILY.key: "DFlash2", DSPARK_FAMILY.key: "DSpark"}
+"""How ``general.name`` names each family's drafter."""
+
+
 @dataclass
 class GGUFExport(Export):
-    """The GGUF's metadata (key -> value) besides the tokenizer, and tensors by GGUF name."""
+    """The GGUF's metadata (key -> value) besides the tokenizer, and tensors by GGUF name; ``config``
+    is the drafter's Hugging Face serving config (what the CLI reports)."""
 
     metadata: dict
     target: TargetGGUF
+    name: str = "diffdraft DFlash drafter"
 
 
 def check_out_file(out: Path, force: bool) -> None:
@@ -165,6 +178,12 @@ def read_target(path: Path, need_head: bool) -> TargetGGUF:
     return target
 
 
+def needs_target_head(model: DraftModel) -> bool:
+    """Whether the export copies rows of the target's LM head: a DFlash draft vocabulary's (DSpark's
+    reduced vocabulary ships its own head)."""
+    return family_of(model) is DFLASH_FAMILY and model.draft_vocab is not None
+
+
 def check_target(model: DFlashDraftModel, target: TargetGGUF) -> None:
     """Refuse a target llama.cpp extracts no features from, or one the drafter was not sized for."""
     if target.architecture not in EXTRACTING_ARCHITECTURES:
@@ -204,10 +223,12 @@ def check_config(model: DFlashDraftModel) -> None:
         )
 
 
-def build(model: DFlashDraftModel, target: TargetGGUF) -> GGUFExport:
-    """The GGUF's metadata and tensors: our weights under llama.cpp's names, 1-D norms as float32."""
+def build(model: DraftModel, target: TargetGGUF) -> GGUFExport:
+    """The GGUF's metadata and tensors: our weights under llama.cpp's names, 1-D norms and DFlash2's
+    base kernels as float32, plus each family's own keys and tensors."""
     check_config(model)
     check_target(model, target)
+    family = family_of(model)
     config = model.config
     rope = dict(getattr(config, "rope_parameters", None) or {})
     metadata = {
@@ -227,25 +248,47 @@ def build(model: DFlashDraftModel, target: TargetGGUF) -> GGUFExport:
         f"{ARCH}.target_layers": [capture_point(i) for i in model.target_layer_ids],
         "tokenizer.ggml.mask_token_id": int(model.mask_token_id),
     }
-    state = model.state_dict()
-    tensors: dict[str, torch.Tensor] = {}
-    for name, tensor in state.items():
-        if name == "draft_vocab":
-            continue
-        if name in TOP_NAMES:
-            gguf_name = TOP_NAMES[name]
-        else:
-            _, layer, rest = name.split(".", 2)
-            gguf_name = f"blk.{layer}.{LAYER_NAMES[rest]}"
-        tensor = tensor.detach().cpu().contiguous()
-        tensors[gguf_name] = tensor.float() if tensor.dim() == 1 else tensor
-    vocab = model.draft_vocab
-    if vocab is not None:
-        dtype = state["fc.weight"].dtype
+    if family is DFLASH2_FAMILY:
+        metadata |= dflash2.gguf_metadata(model, ARCH)
+        serving = dflash2.serving_config(model)
+    elif family is DSPARK_FAMILY:
+        metadata |= dspark.gguf_metadata(model, ARCH)
+        serving = dspark.serving_config(model)
+    else:
+        serving = serving_config(model)
+    tensors = _backbone_tensors(model)
+    if family is DSPARK_FAMILY:
+        tensors |= dspark.gguf_tensors(model)
+    elif model.draft_vocab is not None:
+        vocab = model.draft_vocab
+        dtype = tensors["fc.weight"].dtype
         rows = torch.from_numpy(np.ascontiguousarray(target.head[vocab.cpu().numpy()]))
         tensors["output.weight"] = rows.to(dtype)
         tensors["d2t"] = vocab.cpu().to(torch.int64)  # absolute target ids, not vLLM's offsets
-    return GGUFExport(serving_config(model), tensors, metadata, target)
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and (tensor.dim() == 1 or name.endswith(dflash2.FLOAT_GGUF_NAMES)):
+            tensors[name] = tensor.float()
+    return GGUFExport(serving, tensors, metadata, target, f"diffdraft {NAMES[family.key]} drafter")
+
+
+def _backbone_tensors(model: DraftModel) -> dict[str, torch.Tensor]:
+    """The DFlash network's weights (and DFlash2's convs and selector) under llama.cpp's names; the
+    heads DSpark adds are :func:`diffdraft.export.dspark.gguf_tensors`' business."""
+    top = TOP_NAMES | dflash2.GGUF_TOP_NAMES
+    layer_names = LAYER_NAMES | dflash2.GGUF_LAYER_NAMES
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        if name in top:
+            gguf_name = top[name]
+        elif name.startswith("layers."):
+            _, layer, rest = name.split(".", 2)
+            gguf_name = f"blk.{layer}.{layer_names[rest]}"
+        elif name == "draft_vocab" or name.startswith(dspark.HEAD_PREFIXES):
+            continue  # written by build from the target's head, or by dspark.gguf_tensors
+        else:
+            raise ExportError(f"the drafter's weight {name} has no llama.cpp name in this export")
+        tensors[gguf_name] = tensor.detach().cpu().contiguous()
+    return tensors
 
 
 def write(export: GGUFExport, out: Path) -> None:
@@ -263,7 +306,7 @@ def _write_gguf(export: GGUFExport, path: Path) -> None:
     from gguf import GGMLQuantizationType, GGUFWriter
 
     writer = GGUFWriter(str(path), ARCH)
-    writer.add_name("diffdraft DFlash drafter")
+    writer.add_name(export.name)
     for key, value in export.metadata.items():
         if key == "tokenizer.ggml.mask_token_id":
             continue
@@ -307,12 +350,14 @@ def _copy_field(writer, field) -> None:
         writer.add_key_value(field.name, field.contents(), kind)
 
 
-def launch(out: Path, block_size: int, target: str) -> str:
-    """``llama-server`` with the exported draft (docs/speculative.md's DFlash example); n-max is
-    clamped by llama.cpp to ``block_size - 1``, so that is what is asked for."""
+def launch(out: Path, config: dict, target: str) -> str:
+    """``llama-server`` with the exported draft (docs/speculative.md's DFlash and DSpark examples);
+    llama.cpp clamps n-max to the tokens a block drafts (``block_size - 1``, or ``block_size`` for a
+    DSpark draft whose anchor row predicts), so that is what is asked for."""
+    kind = "draft-dspark" if config["architectures"] == [dspark.ARCHITECTURE] else "draft-dflash"
     return (
-        f"llama-server -m {shlex.quote(target)} -md {shlex.quote(str(out))} --spec-type draft-dflash "
-        f"--spec-draft-n-max {block_size - 1} -fa on"
+        f"llama-server -m {shlex.quote(target)} -md {shlex.quote(str(out))} --spec-type {kind} "
+        f"--spec-draft-n-max {drafted_tokens(config)} -fa on"
     )
 
 

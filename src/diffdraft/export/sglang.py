@@ -21,6 +21,10 @@ What SGLang reads, from its source (sgl-project/sglang, read for facts only):
   ``--speculative-num-draft-tokens`` (a warning if it differs from ``block_size``); drafts are the
   greedy argmax over the target's full LM head, so a draft vocabulary cannot be expressed; a
   ``mask_token`` present in the target tokenizer with another id than ``mask_token_id`` is an error.
+
+DFlash2 drafters are refused (:mod:`diffdraft.export.dflash2`: SGLang has no DFlash2 model); DSpark
+drafters go in the layout :mod:`diffdraft.export.dspark` describes, launched with
+``--speculative-algorithm DSPARK``.
 """
 
 from __future__ import annotations
@@ -29,12 +33,25 @@ import shlex
 from pathlib import Path
 
 from diffdraft.drafters.dflash_model import DFlashDraftModel
+from diffdraft.drafters.families import DFLASH2_FAMILY, DSPARK_FAMILY, DraftModel, family_of
 from diffdraft.errors import ExportError
+from diffdraft.export import dflash2, dspark
 from diffdraft.export.layout import Engine, Export, serving_config, serving_weights
 from diffdraft.target.loading import LoadedModel
 
 
-def build(model: DFlashDraftModel, target: LoadedModel | None) -> Export:
+def build(model: DraftModel, target: LoadedModel | None) -> Export:
+    """The drafter as SGLang loads it: DFlash's layout, or DSpark's; DFlash2 is refused."""
+    family = family_of(model)
+    if family is DFLASH2_FAMILY:
+        dflash2.refuse_sglang()
+    if family is DSPARK_FAMILY:
+        dspark.check_sglang(model)
+        return Export(dspark.serving_config(model), dspark.serving_weights(model))
+    return build_dflash(model, target)
+
+
+def build_dflash(model: DFlashDraftModel, target: LoadedModel | None) -> Export:
     """The official layout; with --target, ``mask_token`` names our mask token so SGLang's check agrees."""
     if model.draft_vocab is not None:
         raise ExportError(
@@ -56,12 +73,17 @@ def _token_text(target: LoadedModel, token_id: int) -> str | None:
     return target.tokenizer.convert_ids_to_tokens(token_id)
 
 
-def launch(out: Path, block_size: int, target: str) -> str:
-    """``sglang.launch_server`` with the exported drafter, drafting one whole block per step."""
+def launch(out: Path, config: dict, target: str) -> str:
+    """``sglang.launch_server`` with the exported drafter: DFlash drafts one whole block per step
+    (``--speculative-num-draft-tokens`` = ``block_size``); DSpark's flag counts its block plus the
+    verified anchor (``dspark_config.py``: gamma = draft tokens - 1, gamma being the block)."""
+    block = int(config["block_size"])
+    dspark_drafter = config["architectures"] == [dspark.ARCHITECTURE]
+    algorithm, tokens = ("DSPARK", block + 1) if dspark_drafter else ("DFLASH", block)
     return (
-        f"python -m sglang.launch_server --model-path {shlex.quote(target)} --speculative-algorithm DFLASH "
-        f"--speculative-draft-model-path {shlex.quote(str(out))} "
-        f"--speculative-num-draft-tokens {block_size}"
+        f"python -m sglang.launch_server --model-path {shlex.quote(target)} --speculative-algorithm "
+        f"{algorithm} --speculative-draft-model-path {shlex.quote(str(out))} "
+        f"--speculative-num-draft-tokens {tokens}"
     )
 
 

@@ -27,6 +27,9 @@ What vLLM reads, from its source (vllm-project/vllm, read for facts only):
 * ``vllm/v1/spec_decode/dflash.py`` (``DFlashProposer``): a block of ``1 + num_speculative_tokens``
   query rows (anchor + masks), so ``num_speculative_tokens = block_size - 1``; the draft needs an
   attention backend with non-causal support (FlashAttention).
+
+DFlash2 and DSpark drafters go in the layouts :mod:`diffdraft.export.dflash2` and
+:mod:`diffdraft.export.dspark` describe (with the vLLM source files they come from).
 """
 
 from __future__ import annotations
@@ -38,12 +41,24 @@ from pathlib import Path
 import torch
 
 from diffdraft.drafters.dflash_model import DFlashDraftModel
+from diffdraft.drafters.families import DFLASH2_FAMILY, DSPARK_FAMILY, DraftModel, family_of
 from diffdraft.errors import ExportError
-from diffdraft.export.layout import Engine, Export, serving_config, serving_weights
+from diffdraft.export import dflash2, dspark
+from diffdraft.export.layout import Engine, Export, drafted_tokens, serving_config, serving_weights
 from diffdraft.target.loading import LoadedModel
 
 
-def build(model: DFlashDraftModel, target: LoadedModel | None) -> Export:
+def build(model: DraftModel, target: LoadedModel | None) -> Export:
+    """The drafter in its family's vLLM layout (DFlash2's and DSpark's are the networks' own)."""
+    family = family_of(model)
+    if family is DFLASH2_FAMILY:
+        return Export(dflash2.serving_config(model), dflash2.vllm_weights(model))
+    if family is DSPARK_FAMILY:
+        return Export(dspark.serving_config(model), dspark.serving_weights(model))
+    return build_dflash(model, target)
+
+
+def build_dflash(model: DFlashDraftModel, target: LoadedModel | None) -> Export:
     """The official layout, plus ``draft_vocab_size``, ``d2t`` and the head rows for a draft vocabulary."""
     config, weights = serving_config(model), serving_weights(model)
     vocab = model.draft_vocab
@@ -68,9 +83,12 @@ def build(model: DFlashDraftModel, target: LoadedModel | None) -> Export:
     return Export(config, weights)
 
 
-def launch(out: Path, block_size: int, target: str) -> str:
-    """``vllm serve`` with the exported drafter: one anchor plus ``block_size - 1`` drafted tokens."""
-    spec = {"method": "dflash", "model": str(out), "num_speculative_tokens": block_size - 1}
+def launch(out: Path, config: dict, target: str) -> str:
+    """``vllm serve`` with the exported drafter, asking for the tokens one block drafts: DFlash and
+    DFlash2 (``method: "dflash"``) one anchor plus ``block_size - 1``, DSpark (``method: "dspark"``)
+    ``block_size`` when its anchor row predicts."""
+    method = "dspark" if config["architectures"] == [dspark.ARCHITECTURE] else "dflash"
+    spec = {"method": method, "model": str(out), "num_speculative_tokens": drafted_tokens(config)}
     return f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(json.dumps(spec))}"
 
 
