@@ -778,3 +778,17 @@ def test_the_first_lone_sequence_plans_with_its_own_drafting_time(draft, drafts)
     assert rounds.draft_seconds() == 0.0  # nothing finished: the record is empty
     [budget] = rounds.plan([RoundSequence(stats, 100, can_draft=True)])
     assert (budget > 0) == drafts
+
+
+def test_a_lone_sequence_keeps_only_its_latest_drafting_time_s_costs():
+    """Its own drafting time is read anew every few rounds and keys the round's costs: a long first
+    request must not keep one set of costs per reading for as long as it runs."""
+    rounds = RoundBudgetPlanner(BudgetPlanner(VerifyCostCurve([1, 64], [100], [[0.01, 0.02]])))
+    taus = [[1.0, 1.9, 2.5]]
+    from_record = rounds.round_costs(taus, 100)
+    for i in range(1, 50):
+        latest = rounds.round_costs(taus, 100, own_draft=0.001 * i)
+        assert latest[1] == pytest.approx(0.001 * i)
+    assert rounds.round_costs(taus, 100, own_draft=0.049) is latest  # still cached
+    assert rounds.round_costs(taus, 100) is from_record  # the record's costs are not a reading's
+    assert len(rounds._costs) == 2

@@ -380,9 +380,9 @@ class RoundBudgetPlanner:
         drafted = sum(size > 0 for size in stats.drafter_sizes())
         self.chosen.observe(stats)  # reaches the estimates as _taught's change does (it drafted)
         self._taught += bool(drafted or stats.surrogates)
-        drafting = drafting_seconds(stats, drafted, aftermath_seconds(stats, plain) if drafted else 0.0)
-        if drafting is not None:
-            self._draft_seconds.add(alone, drafting)
+        drafting = drafting_seconds(stats, drafted)
+        if drafting is not None:  # what its drafting slowed the plain forwards after it, spread too
+            self._draft_seconds.add(alone, drafting + aftermath_seconds(stats, plain) / drafted)
         if stats.copy_rounds:
             seconds = stats.copy_seconds + stats.copy_plan_seconds
             self._copy_seconds.add(alone, seconds / len(stats.copy_rounds))
@@ -566,6 +566,8 @@ class RoundBudgetPlanner:
         key = (len(taus), max(len(tau) for tau in taus), int(context) // self.context_step, own_draft)
         costs = self._costs.get(key)
         if costs is None:
+            for stale in [k for k in self._costs if k[3] not in (None, own_draft)]:
+                del self._costs[stale]  # costs of the lone sequence's earlier drafting times: unread now
             verify = running_max(self.verify_seconds(np.arange(key[0] * key[1] + 1), len(taus), context))
             alone = len(taus) == 1
             draft = self.draft_seconds(alone) if own_draft is None else own_draft
@@ -620,18 +622,17 @@ class TimedForward:
     """The curve's seconds for as many sequences with one token each."""
 
 
-def drafting_seconds(stats: GenerationStats, drafted: int, aftermath: float = 0.0) -> float | None:
-    """Seconds a drafted round of the sequence cost beyond its verification, per drafted round: its
-    drafter's forward (all but the first, which took the prompt in: a one-off, left out), its tree and
-    its share of the plan, plus ``aftermath`` (what its drafting slowed the plain forwards after it,
-    summed) spread over its ``drafted`` rounds; None before it drafted twice."""
+def drafting_seconds(stats: GenerationStats, drafted: int) -> float | None:
+    """Seconds a drafted round of the sequence cost beyond its verification, per drafted round (of
+    ``drafted``): its drafter's forward (all but the first, which took the prompt in: a one-off, left
+    out), its tree and its share of the plan; None before it drafted twice."""
     first = stats.first_draft_seconds
     forwards = drafted - (first is not None)
     if forwards <= 0:
         return None
     drafting = (stats.timings["draft"] - (first or 0.0)) / forwards
     building = stats.draft_build_seconds + stats.draft_plan_seconds
-    return drafting + (building + aftermath) / drafted
+    return drafting + building / drafted
 
 
 def _record_round(sequences: Sequence[RoundSequence], budgets: list[int], explore: list[bool]) -> None:

@@ -185,9 +185,8 @@ def run_serve(args: argparse.Namespace) -> int:
     :mod:`diffdraft.serve.scheduler`)."""
     import uvicorn
 
-    from diffdraft.budget.auto_budget import AutoBudgetBuilder
     from diffdraft.serve.app import create_app
-    from diffdraft.serve.scheduler import Scheduler
+    from diffdraft.serve.scheduler import Scheduler, times_shared_forwards
 
     if args.max_batch_size < 1 or args.max_queue < 0:
         raise DiffdraftError(
@@ -219,7 +218,7 @@ def run_serve(args: argparse.Namespace) -> int:
             flush=True,
         )
         generator = load_generator(args)
-        if args.max_batch_size > 1 and isinstance(generator.engine.builder, AutoBudgetBuilder):
+        if times_shared_forwards(generator, args.max_batch_size):
             readiness.stage = "timing the target's shared forwards for budget 'auto'"
         scheduler = Scheduler(generator, args.max_batch_size, args.max_queue)
         # what is loaded now lives as long as the server: out of the collector's full passes, each of

@@ -102,6 +102,13 @@ class RequestHandle:
                 return
 
 
+def times_shared_forwards(generator: SpeculativeGenerator, max_batch_size: int) -> bool:
+    """Whether a :class:`Scheduler` over ``generator`` measures (or reads from the cache) what forwards
+    shared by several sequences cost before it serves: budget 'auto' plans shared rounds from that
+    curve, and only batches of more than one sequence share them."""
+    return max_batch_size > 1 and isinstance(generator.engine.builder, AutoBudgetBuilder)
+
+
 class Scheduler:
     """Continuous batching of submitted requests over ``generator``'s target, drafter and tree rule."""
 
@@ -111,9 +118,8 @@ class Scheduler:
                 f"need max_batch_size >= 1 and max_queue >= 0, got {max_batch_size}, {max_queue}"
             )
         self.generator = generator
-        builder = generator.engine.builder
-        if max_batch_size > 1 and isinstance(builder, AutoBudgetBuilder):
-            builder.rounds.prepare_batches()
+        if times_shared_forwards(generator, max_batch_size):
+            generator.engine.builder.rounds.prepare_batches()
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
         self._batch = BatchEngine(generator.engine)
