@@ -1,7 +1,7 @@
 """Requests a hostile or careless client sends get a quick OpenAI error body (or a bounded answer),
 and never hold up /health or the other clients: the body limit, the slow-body timeout, the prompt
-check before tokenizing, tokenizing off the event loop, the max_tokens cap, the sampling bounds,
-invalid UTF-8 and the API docs left off."""
+check before tokenizing, tokenizing off the event loop, the max_tokens cap, the stop strings, the
+sampling bounds, invalid UTF-8 and the API docs left off."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 
 import diffdraft
 from diffdraft.serve.app import create_app
-from diffdraft.serve.limits import ServerLimits
+from diffdraft.serve.limits import MAX_STOP_CHARS, MAX_STOP_STRINGS, ServerLimits
 from diffdraft.serve.scheduler import Scheduler
 
 from diffdraft_testing.serving import LiveServer, make_chat_checkpoint, serving
@@ -175,3 +175,15 @@ def test_a_huge_n_is_refused_before_its_choices_are_built(server):
     response = post(server, {**GREEDY, "n": 10**12})
     assert response.status_code == 400 and response.json()["error"]["param"] == "n"
     assert time.monotonic() - start < 5
+
+
+def test_too_many_or_too_long_stop_strings_are_a_400_naming_the_limit(server):
+    """Every round searches the output for each stop string, in the thread all requests' rounds run
+    in: a body of thousands of them would stall every client."""
+    many = post(server, {**GREEDY, "stop": [f"stop{i}" for i in range(MAX_STOP_STRINGS + 1)]})
+    assert many.status_code == 400 and many.json()["error"]["param"] == "stop"
+    assert f"at most {MAX_STOP_STRINGS}" in many.json()["error"]["message"]
+    long = post(server, {**GREEDY, "stop": "x" * (MAX_STOP_CHARS + 1)})
+    assert long.status_code == 400 and f"at most {MAX_STOP_CHARS}" in long.json()["error"]["message"]
+    at_limits = ["x" * MAX_STOP_CHARS, *(f"stop{i}" for i in range(MAX_STOP_STRINGS - 1))]
+    assert post(server, {**GREEDY, "stop": at_limits}).status_code == 200

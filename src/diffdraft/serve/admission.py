@@ -1,6 +1,8 @@
 """What the server refuses before a request costs it much: bodies over a size or too slow to arrive
 (checked while reading, before any parsing), prompts with more characters than the context could
-hold (checked before tokenizing) and completions longer than a cap (:class:`ServerLimits`).
+hold (checked before tokenizing), completions longer than a cap (:class:`ServerLimits`) and more or
+longer stop strings than :data:`~diffdraft.serve.limits.MAX_STOP_STRINGS` and
+:data:`~diffdraft.serve.limits.MAX_STOP_CHARS`.
 
 A client once sent a 30 MB body: parsed and tokenized whole, it held the event loop (and so /health
 and every other client) for 66 s and grew the server by 2.6 GB before it got its 400.
@@ -12,7 +14,7 @@ import asyncio
 
 from starlette.requests import Request
 
-from diffdraft.serve.limits import ServerLimits
+from diffdraft.serve.limits import MAX_STOP_CHARS, MAX_STOP_STRINGS, ServerLimits
 from diffdraft.serve.protocol import ApiError
 
 
@@ -81,4 +83,23 @@ def check_max_tokens(asked: int, cap: int, param: str) -> None:
             f"{param} is {asked}, more than this server generates for one request "
             f"({cap}, its --max-tokens-cap): ask for at most {cap}",
             param,
+        )
+
+
+def check_stop_strings(stops: list[str]) -> None:
+    """Refuse more than :data:`MAX_STOP_STRINGS` stop strings or one longer than :data:`MAX_STOP_CHARS`
+    characters (every round searches the output for each, for every request in the batch)."""
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ApiError(
+            400,
+            f"stop holds {len(stops)} strings; this server takes at most {MAX_STOP_STRINGS}: send fewer",
+            "stop",
+        )
+    longest = max(map(len, stops), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise ApiError(
+            400,
+            f"a stop string has {longest} characters; this server takes at most {MAX_STOP_CHARS} a string: "
+            "send shorter ones",
+            "stop",
         )

@@ -38,7 +38,13 @@ from starlette.requests import ClientDisconnect
 
 from diffdraft.errors import DiffdraftError, InvalidRequestError
 from diffdraft.generator import GenerationChunk, GenerationRequest, GenerationResult, PreparedRequest
-from diffdraft.serve.admission import check_max_tokens, check_prompt_chars, longest_token_chars, read_body
+from diffdraft.serve.admission import (
+    check_max_tokens,
+    check_prompt_chars,
+    check_stop_strings,
+    longest_token_chars,
+    read_body,
+)
 from diffdraft.serve.endpoints import ChatEndpoint, CompletionEndpoint, Endpoint, usage_of
 from diffdraft.serve.limits import ServerLimits
 from diffdraft.serve.metrics import CLIENT_CLOSED, CONTENT_TYPE, ServerMetrics
@@ -131,6 +137,7 @@ class _Api:
         try:
             body = self._parse(await read_body(request, self.limits), kind)
             self._check_choices(body.n)  # before building them: n can be any size
+            check_stop_strings(body.stop_strings())
             generations = endpoint.generation_requests(body, self._max_new_tokens(body))
             check_prompt_chars(body.prompt_chars(), self.max_context, self.chars_per_token)
             loop = asyncio.get_running_loop()

@@ -11,6 +11,12 @@ DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
 (up to 6 bytes a character)."""
 DEFAULT_MAX_TOKENS_CAP = 4096
 DEFAULT_BODY_SECONDS = 30.0
+MAX_STOP_STRINGS = 16
+"""Stop strings one request may give (OpenAI's API takes 4): each is searched for in the output after
+every round, in the thread that runs every request's rounds, so a body of many thousands stalled all
+of them. Not an option: no client needs more."""
+MAX_STOP_CHARS = 256
+"""Characters one stop string may have (the same reason)."""
 
 
 @dataclass(frozen=True)
