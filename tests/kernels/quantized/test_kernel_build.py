@@ -33,6 +33,20 @@ def test_without_a_compiler_the_kernel_is_absent_and_says_why(fresh_build, monke
     assert not list((fresh_build / "kernels").glob("*.so"))  # nothing half-built left behind
 
 
+@needs_block_kernel
+def test_a_failed_compile_names_the_compiler_s_error_line(fresh_build, monkeypatch, capsys):
+    """The compiler's last line is often a caret under the source: the message gives its error line."""
+    compiler = fresh_build / "failing-compiler"
+    compiler.write_text(
+        "#!/bin/sh\necho 'x.cpp:3:1: error: an intrinsic is unknown' >&2\necho '  |  ^~~' >&2\nexit 1\n"
+    )
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CXX", str(compiler))
+    assert kernel_build.block_kernel() is None
+    err = capsys.readouterr().err
+    assert "the compiler failed (x.cpp:3:1: error: an intrinsic is unknown)" in err and "g++ 12" in err
+
+
 def test_the_library_name_changes_with_the_source(fresh_build, monkeypatch, tmp_path):
     first = kernel_build._library_path()
     changed = tmp_path / "changed.cpp"

@@ -114,15 +114,23 @@ def block_kernel() -> object | None:
         try:
             _compile(library)
         except (OSError, subprocess.CalledProcessError) as error:
-            detail = getattr(error, "stderr", "") or str(error)
-            print(
-                f"diffdraft: cannot build the quantized CPU kernel ({detail.strip().splitlines()[-1:]}); "
-                "keeping dense weights. Install a C++ compiler (g++ 12 or newer) for the faster path.",
-                file=sys.stderr,
-            )
+            print(f"diffdraft: cannot build the quantized CPU kernel: {_why(error)}", file=sys.stderr)
             return None
     torch.ops.load_library(str(library))
     return torch.ops.diffdraft_blocks
+
+
+def _why(error: OSError | subprocess.CalledProcessError) -> str:
+    """What stopped the build and what to do, in one line: a compiler's own first error line (its last
+    line is often a caret under the source, which says nothing)."""
+    if isinstance(error, OSError):
+        return f"{error}; keeping dense weights. Install a C++ compiler (g++ 12 or newer) for the faster path"
+    lines = [line.strip() for line in (error.stderr or "").splitlines() if line.strip()]
+    first = next((line for line in lines if "error" in line.lower()), lines[-1] if lines else "no output")
+    return (
+        f"the compiler failed ({first}); keeping dense weights. An older g++ than 12 fails so: install "
+        "g++ 12 or newer (or point $CXX at one) for the faster path, or report that line if yours is"
+    )
 
 
 def library_key() -> str:
