@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from diffdraft.serve.app import create_app
 from diffdraft.serve.cli import listen
 from diffdraft.serve.limits import ServerLimits
+from diffdraft.serve.request_deadline import uvicorn_config
 from diffdraft.serve.scheduler import Scheduler
 
 from diffdraft_testing.checkpoints import make_checkpoint
@@ -51,7 +52,8 @@ class LiveServer:
         self.socket = listen("127.0.0.1", 0)
         self.port = self.socket.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level))
+        header_timeout = app.state.readiness.limits.header_timeout  # as `diffdraft serve` runs it
+        self.server = uvicorn.Server(uvicorn_config(app, header_timeout, log_level))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
 
     def __enter__(self) -> LiveServer:

@@ -1,7 +1,7 @@
 """Requests a hostile or careless client sends get a quick OpenAI error body (or a bounded answer),
 and never hold up /health or the other clients: the body limit, the slow-body timeout, the prompt
 check before tokenizing, tokenizing off the event loop, the max_tokens cap, the stop strings, the
-sampling bounds, invalid UTF-8 and the API docs left off."""
+sampling bounds, invalid UTF-8, the API docs left off and connections that send no whole request."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from diffdraft.serve.scheduler import Scheduler
 from diffdraft_testing.serving import LiveServer, make_chat_checkpoint, serving
 
 MODEL = "tiny"
-LIMITS = ServerLimits(max_request_bytes=4096, max_tokens_cap=40, body_timeout=1.0)
+LIMITS = ServerLimits(max_request_bytes=4096, max_tokens_cap=40, body_timeout=1.0, header_timeout=1.0)
 GREEDY = {"prompt": "hello world", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
 
 
@@ -187,3 +187,47 @@ def test_too_many_or_too_long_stop_strings_are_a_400_naming_the_limit(server):
     assert long.status_code == 400 and f"at most {MAX_STOP_CHARS}" in long.json()["error"]["message"]
     at_limits = ["x" * MAX_STOP_CHARS, *(f"stop{i}" for i in range(MAX_STOP_STRINGS - 1))]
     assert post(server, {**GREEDY, "stop": at_limits}).status_code == 200
+
+
+def _closed_within(sock: socket.socket, seconds: float, trickle: bytes = b"") -> float | None:
+    """Seconds until the server closed ``sock`` (sending ``trickle`` every 0.2 s meanwhile), or None
+    if it still held it after ``seconds``."""
+    begin = time.monotonic()
+    sock.settimeout(0.2)
+    while time.monotonic() - begin < seconds:
+        try:
+            if sock.recv(4096) == b"":
+                return time.monotonic() - begin
+        except TimeoutError:
+            if trickle:
+                sock.sendall(trickle)
+        except ConnectionResetError:
+            return time.monotonic() - begin
+    return None
+
+
+def test_a_connection_that_sends_no_whole_request_is_closed_at_the_header_deadline(server):
+    """Held connections would use up the server's file descriptors: one that sends nothing, and one
+    that sends its headers a line at a time, are both closed about header_timeout (1 s) after they
+    opened; a keep-alive connection idle after its response is closed too."""
+    with socket.create_connection(("127.0.0.1", server.port)) as silent:
+        assert (_closed_within(silent, 5) or 99) < 3
+    with socket.create_connection(("127.0.0.1", server.port)) as slow:
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        assert (_closed_within(slow, 5, trickle=b"X-Slow: 1\r\n") or 99) < 3
+
+
+def test_a_request_under_way_outlives_the_header_deadline(server, reference, monkeypatch):
+    """A request whose answer takes well past header_timeout (here its prompt takes 2.5 s to prepare)
+    is never cut: the deadline counts only time without a request under way."""
+    prepare = server.scheduler.generator.prepare
+
+    def slow_prepare(request):
+        time.sleep(2.5)
+        return prepare(request)
+
+    monkeypatch.setattr(server.scheduler.generator, "prepare", slow_prepare)
+    reply = post(server, GREEDY)
+    assert reply.status_code == 200
+    expected = reference.generate("hello world", max_new_tokens=6, ignore_eos=True).text
+    assert reply.json()["choices"][0]["text"] == expected

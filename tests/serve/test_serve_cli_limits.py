@@ -64,5 +64,8 @@ def test_limits_default_and_bad_ones_exit_2_before_loading(no_load, tmp_path, ca
     )
     assert main(["serve", "--max-tokens-cap", "0"]) == 2
     assert "--max-tokens-cap >= 1" in capsys.readouterr().err
+    assert server_limits(parse("--header-timeout", "2.5")).header_timeout == 2.5
+    assert main(["serve", "--header-timeout", "0"]) == 2
+    assert "--header-timeout > 0" in capsys.readouterr().err
     assert main(["serve", "--api-key-file", str(tmp_path / "missing")]) == 2
     assert "cannot read --api-key-file" in capsys.readouterr().err

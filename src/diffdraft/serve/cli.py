@@ -18,6 +18,7 @@ from diffdraft.commands.model_options import add_model_arguments, load_generator
 from diffdraft.errors import DiffdraftError
 from diffdraft.serve.limits import (
     DEFAULT_BODY_SECONDS,
+    DEFAULT_HEADER_SECONDS,
     DEFAULT_MAX_REQUEST_BYTES,
     DEFAULT_MAX_TOKENS_CAP,
     ServerLimits,
@@ -92,6 +93,14 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         help="a request body still arriving after this long gets HTTP 408 (default: %(default)s)",
     )
     p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=DEFAULT_HEADER_SECONDS,
+        metavar="SECONDS",
+        help="a connection that has sent no whole request's headers this long after it opened or after "
+        "its last response is closed (default: %(default)s)",
+    )
+    p.add_argument(
         "--docs",
         action="store_true",
         help="serve the interactive API docs at /docs, /redoc and /openapi.json (off by default)",
@@ -129,11 +138,14 @@ def api_key(args: argparse.Namespace) -> str | None:
 
 def server_limits(args: argparse.Namespace) -> ServerLimits:
     try:
-        return ServerLimits(args.max_request_bytes, args.max_tokens_cap, args.body_timeout)
+        return ServerLimits(
+            args.max_request_bytes, args.max_tokens_cap, args.body_timeout, args.header_timeout
+        )
     except ValueError:
         raise DiffdraftError(
-            "need --max-request-bytes >= 1, --max-tokens-cap >= 1 and --body-timeout > 0, got "
-            f"{args.max_request_bytes}, {args.max_tokens_cap} and {args.body_timeout}"
+            "need --max-request-bytes >= 1, --max-tokens-cap >= 1, --body-timeout > 0 and --header-timeout "
+            f"> 0, got {args.max_request_bytes}, {args.max_tokens_cap}, {args.body_timeout} and "
+            f"{args.header_timeout}"
         ) from None
 
 
@@ -186,6 +198,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from diffdraft.serve.app import create_app
+    from diffdraft.serve.request_deadline import uvicorn_config
     from diffdraft.serve.scheduler import Scheduler, times_shared_forwards
 
     if args.max_batch_size < 1 or args.max_queue < 0:
@@ -198,7 +211,7 @@ def run_serve(args: argparse.Namespace) -> int:
     sock = listen(args.host, args.port)
     app = create_app(None, name, api_key=key, limits=limits, docs=args.docs)
     readiness = app.state.readiness
-    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level))
+    server = uvicorn.Server(uvicorn_config(app, limits.header_timeout, args.log_level))
     scheduler: Scheduler | None = None
 
     def serve_http() -> None:

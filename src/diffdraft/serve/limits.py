@@ -11,6 +11,7 @@ DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
 (up to 6 bytes a character)."""
 DEFAULT_MAX_TOKENS_CAP = 4096
 DEFAULT_BODY_SECONDS = 30.0
+DEFAULT_HEADER_SECONDS = 10.0
 MAX_STOP_STRINGS = 16
 """Stop strings one request may give (OpenAI's API takes 4): each is searched for in the output after
 every round, in the thread that runs every request's rounds, so a body of many thousands stalled all
@@ -30,10 +31,19 @@ class ServerLimits:
     ``max_tokens`` over a model's output limit; a request without ``max_tokens`` gets at most this."""
     body_timeout: float = DEFAULT_BODY_SECONDS
     """A body still arriving after this long gets 408 (a slow sender holds a connection, no more)."""
+    header_timeout: float = DEFAULT_HEADER_SECONDS
+    """A connection waiting this long for a request's headers, since it opened or since its last
+    response, is closed (:mod:`diffdraft.serve.request_deadline`)."""
 
     def __post_init__(self) -> None:
-        if self.max_request_bytes < 1 or self.max_tokens_cap < 1 or not self.body_timeout > 0:
+        if (
+            self.max_request_bytes < 1
+            or self.max_tokens_cap < 1
+            or not self.body_timeout > 0
+            or not self.header_timeout > 0
+        ):
             raise ValueError(
-                "need max_request_bytes >= 1, max_tokens_cap >= 1 and body_timeout > 0, got "
-                f"{self.max_request_bytes}, {self.max_tokens_cap} and {self.body_timeout}"
+                "need max_request_bytes >= 1, max_tokens_cap >= 1, body_timeout > 0 and header_timeout > 0, "
+                f"got {self.max_request_bytes}, {self.max_tokens_cap}, {self.body_timeout} and "
+                f"{self.header_timeout}"
             )
