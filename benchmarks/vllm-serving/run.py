@@ -96,13 +96,20 @@ def chat_prompts(tokenizer, count: int) -> list[dict]:
     return [{"id": s.id, "ids": encode_chat(tokenizer, s.messages)} for s in load_samples("humaneval", count)]
 
 
+def vllm_env(threads: int) -> dict:
+    """The environment vLLM's CPU build runs in here: ``threads`` OpenMP threads, not pinned to cores
+    (the machine is shared; with ``nobind`` vLLM leaves ``OMP_NUM_THREADS`` as given), and a 1 GiB KV
+    cache (vLLM's CPU default would take a fraction of all memory)."""
+    return os.environ | {
+        "OMP_NUM_THREADS": str(threads),
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+    }
+
+
 def run_vllm(python: Path, work: Path, engine: str, threads: int) -> dict:
     """One ``vllm_side.py`` run; its stderr is kept in ``work`` and its tail joins a failure."""
-    env = os.environ | {
-        "OMP_NUM_THREADS": str(threads),
-        "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # share the machine: no pinning to cores
-        "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB: vLLM's CPU default would take a fraction of all memory
-    }
+    env = vllm_env(threads)
     log = work / f"{engine}.log"
     with log.open("w") as stream:
         done = subprocess.run(
