@@ -1,13 +1,16 @@
-"""Training batches built by hand, the objectives' batch-versus-alone check, and the train command's
-argument parser."""
+"""Training batches built by hand, the objectives' batch-versus-alone check, the train command's
+argument parser, a target's own responses to train on and a run's logged losses."""
 
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 import torch
 
 from diffdraft.train.batch import TrainingBatch, pad_right
+from diffdraft.train.dataset import TrainingSample
 
 
 def sequences_batch(sequences: list[tuple]) -> TrainingBatch:
@@ -47,3 +50,26 @@ def parse_train_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="diffdraft")
     add_train_parser(parser.add_subparsers(dest="command", required=True))
     return parser.parse_args(argv)
+
+
+def greedy_samples(model: torch.nn.Module, count: int, seed: int, response: int = 24) -> list[TrainingSample]:
+    """The target's own greedy responses to random 6-token prompts (what regeneration produces)."""
+    generator = torch.Generator().manual_seed(seed)
+    samples = []
+    for i in range(count):
+        prompt = torch.randint(1, model.config.vocab_size - 1, (6,), generator=generator)
+        out = model.generate(
+            prompt[None],
+            max_new_tokens=response,
+            min_new_tokens=response,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        samples.append(TrainingSample(f"s{seed}-{i}", out[0], 6))
+    return samples
+
+
+def logged_losses(run_dir: Path) -> list[float]:
+    """The loss of every step a run logged, in order."""
+    return [json.loads(line)["loss"] for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]

@@ -69,7 +69,7 @@ def check_family(model: DraftModel, engine: str) -> DFlashDraftModel:
     """Refuse the drafters no DFlash serving path can run: other families, and DFlare; a DFlash2 or
     DSpark checkpoint needs no export (it is in the engines' own layout)."""
     family = family_of(model)
-    if not family.trains:
+    if family.engine_layout:
         raise ExportError(
             f"this is a {family.name} drafter, a checkpoint already in the layout the engines that run "
             f"{family.name} load (vLLM's): give {engine} its directory as it is; export writes DFlash "
