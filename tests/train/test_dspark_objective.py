@@ -17,9 +17,15 @@ from diffdraft.train.config import TrainConfig
 from diffdraft.train.dspark_objective import MarkovObjective, new_dspark_drafter
 from diffdraft.train.trainer import Trainer
 
+from diffdraft_testing.drafters import tiny_dspark
 from diffdraft_testing.engine import saved_drafter_matches_ar
 from diffdraft_testing.targets import tiny_target
-from diffdraft_testing.training import assert_batch_matches_each_sequence, greedy_samples, logged_losses
+from diffdraft_testing.training import (
+    assert_batch_matches_each_sequence,
+    greedy_block_hits,
+    greedy_samples,
+    logged_losses,
+)
 
 
 def settings(run_dir, **overrides) -> TrainConfig:
@@ -125,6 +131,16 @@ def test_a_padded_batch_trains_as_its_sequences_one_by_one():
         out = TargetModel(target).taps_and_logits(ids, model.target_layer_ids)
         sequences.append((ids, torch.tensor(anchors), out.hidden, out.logits, 0))
     assert_batch_matches_each_sequence(objective, sequences, 4.0)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_teacher_forcing_on_the_drafters_own_greedy_draft_picks_every_token_of_it(seed):
+    """Training conditions each drafted position on the true previous token; on a text that is the
+    drafter's own greedy draft that is the greedy chain drafting conditions on, so every depth hits."""
+    target = tiny_target("qwen3", seed=seed, vocab=64, layers=3, dtype=torch.float64)
+    model = tiny_dspark(target, seed=seed)
+    hits, counts = greedy_block_hits(MarkovObjective(model, target), model, target, seed)
+    assert counts[1:].tolist() == [1.0] * model.max_depth and torch.equal(hits, counts)
 
 
 def test_bad_options_name_the_fix(tmp_path):
