@@ -130,7 +130,8 @@ def new_dflash2_drafter(
         )
     if config.selector_top_k > target.vocab_size:
         raise InvalidRequestError(
-            f"--selector-top-k {config.selector_top_k} exceeds the target's vocabulary ({target.vocab_size})"
+            f"--selector-top-k {config.selector_top_k} exceeds the target's vocabulary "
+            f"({target.vocab_size}): lower it"
         )
     layer_ids = config.target_layer_ids or default_target_layer_ids(
         target.config.num_hidden_layers, DEFAULT_TAP_COUNT[DFLASH]
