@@ -220,4 +220,4 @@ def test_each_shipped_family_is_its_networks_and_configs_family():
         assert family_with_variant(model.variant) is family
         assert isinstance(make_drafter(model, TargetModel(target)), drafters[family])
     assert family_of_config({"draft_length": 7}) is DART_FAMILY  # released DART configs name no architecture
-    assert variants() == ["dflash", "dflare", "dart", "deer"]
+    assert variants() == ["dflash", "dflare", "dart", "deer", "dflash2", "dspark"]

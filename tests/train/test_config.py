@@ -12,7 +12,10 @@ from diffdraft.train.config import TrainConfig
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (dict(variant="medusa"), r"variant must be one of \['dflash', 'dflare', 'dart', 'deer'\]"),
+        (
+            dict(variant="medusa"),
+            r"variant must be one of \['dflash', 'dflare', 'dart', 'deer', 'dflash2', 'dspark'\]",
+        ),
         (dict(compute_dtype="float16"), "compute_dtype must be one of"),
         (dict(variant=DEER, stage=3), r"stage must be 1 .* or 2"),
         (dict(variant=DEER, stage=2, max_suffix=0), "max_suffix must be at least 1"),

@@ -9,13 +9,17 @@ import torch
 
 from diffdraft.drafters.dart_model import DART
 from diffdraft.drafters.deer_model import DEER
+from diffdraft.drafters.dflash2_model import DFLASH2
 from diffdraft.drafters.dflash_model import DFLARE, DFLASH
+from diffdraft.drafters.dspark_model import DSPARK
 from diffdraft.drafters.families import FAMILIES, family_of, family_with_variant
 from diffdraft.target.model import TargetModel
 from diffdraft.train.config import TrainConfig
 from diffdraft.train.dart_objective import DARTObjective
 from diffdraft.train.deer_objective import DEERObjective
+from diffdraft.train.dflash2_objective import SelectorObjective
 from diffdraft.train.dflash_objective import BlockObjective
+from diffdraft.train.dspark_objective import MarkovObjective
 from diffdraft.train.objectives import family_recipe, make_objective, recipe_for, recipe_for_variant
 
 from diffdraft_testing.targets import tiny_target
@@ -23,7 +27,7 @@ from diffdraft_testing.targets import tiny_target
 
 def test_every_family_diffdraft_trains_has_a_recipe_in_its_own_objective_module():
     trained = {key: family for key, family in FAMILIES.items() if family.trains}
-    assert set(trained) == {"dflash", "dart", "deer"}  # DFlash2 and DSpark load and draft only
+    assert set(trained) == {"dflash", "dart", "deer", "dflash2", "dspark"}
     for key, family in trained.items():
         assert family_recipe(family) is importlib.import_module(f"diffdraft.train.{key}_objective").RECIPE
 
@@ -35,6 +39,8 @@ def test_every_family_diffdraft_trains_has_a_recipe_in_its_own_objective_module(
         (DFLARE, BlockObjective, 4.5, False),
         (DART, DARTObjective, 0.6, True),
         (DEER, DEERObjective, 1.01, True),
+        (DFLASH2, SelectorObjective, 4.5, False),
+        (DSPARK, MarkovObjective, 4.0, True),
     ],
 )
 def test_a_new_network_of_each_variant_gets_its_family_s_objective_and_weighting(

@@ -393,11 +393,29 @@ def test_source_replies_become_responses_without_generating(tmp_path, capsys):
     assert "0 samples written" in capsys.readouterr().out
 
 
-def test_fit_refuses_to_start_from_a_drafter_it_drafts_with_only(responses, tmp_path, capsys):
+def test_fit_fine_tunes_a_dflash2_drafter_as_dflash2(responses, tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
     from diffdraft.cli import main
 
+    target_dir, data = responses
+    drafter = tmp_path / "dflash2"
+    save_draft_model(tiny_dflash2(AutoModelForCausalLM.from_pretrained(target_dir)).float(), drafter)
+    fit = ["train", "fit", "--data", str(data), "--target", str(target_dir), "--held-out", "0"]
+    tuned = tmp_path / "tuned"
+    assert main([*fit, "--output-dir", str(tuned), "--init-drafter", str(drafter), "--max-steps", "1"]) == 0
+    assert load_draft_model(tuned / "final").variant == "dflash2"
+
+
+def test_fit_refuses_to_start_from_a_drafter_it_drafts_with_only(responses, tmp_path, capsys, monkeypatch):
+    from dataclasses import replace
+
+    from transformers import AutoModelForCausalLM
+
+    from diffdraft.cli import main
+    from diffdraft.drafters import families
+
+    monkeypatch.setitem(families.FAMILIES, "dflash2", replace(families.DFLASH2_FAMILY, trains=False))
     target_dir, data = responses
     drafter = tmp_path / "dflash2"
     save_draft_model(tiny_dflash2(AutoModelForCausalLM.from_pretrained(target_dir)).float(), drafter)

@@ -36,6 +36,16 @@ class CandidateSelector(nn.Module):
         pairwise = torch.einsum("blpr,blcr->blpc", left, self.successor_codebook[candidates])
         return unary[:, :, None] + pairwise.float()
 
+    def scores_after(
+        self, hidden: torch.Tensor, candidates: torch.Tensor, unary: torch.Tensor, previous: torch.Tensor
+    ) -> torch.Tensor:
+        """Scores [n, K] of each row's candidates after one given predecessor per row, from the hidden
+        states [n, H], the candidates [n, K], their unary scores [n, K] and the predecessors [n]:
+        :meth:`edge_scores` for the one predecessor training conditions on (the true previous token)."""
+        left = self.predecessor_codebook[previous] * self.hidden_projection(hidden)  # [n, r]
+        pairwise = torch.einsum("nr,nkr->nk", left, self.successor_codebook[candidates])
+        return unary + pairwise.float()
+
     def greedy_walk(
         self, hidden: torch.Tensor, candidates: torch.Tensor, unary: torch.Tensor, roots: torch.Tensor
     ) -> torch.Tensor:

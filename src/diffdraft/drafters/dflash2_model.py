@@ -105,14 +105,18 @@ class DFlash2DraftModel(DFlashDraftModel):
             block_embeds * self.input_embedding_scale, position_ids, context_kv, attention_mask
         )
 
+    def unary_scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """Head logits as the selector scores them: times ``output_multiplier``, then soft-capped.
+        Both keep the logits' order, so the top-K candidates are the raw logits' own."""
+        scores = logits * self.output_multiplier
+        return torch.tanh(scores / self.softcap) * self.softcap if self.softcap > 0 else scores
+
     def draft_log_probs(self, hidden: torch.Tensor, head: nn.Module, roots: torch.Tensor) -> torch.Tensor:
         """Each position's log-probabilities over its top-K head tokens after the greedy chain's
         previous token (every other token -inf), as [b, depth, V]."""
         logits = head(hidden).float()
         unary, candidates = logits.topk(self.candidate_selector.top_k, dim=-1)
-        unary = unary * self.output_multiplier
-        if self.softcap > 0:
-            unary = torch.tanh(unary / self.softcap) * self.softcap
+        unary = self.unary_scores(unary)
         scores = self.candidate_selector.greedy_walk(hidden, candidates, unary, roots)
         return logits.new_full(logits.shape, float("-inf")).scatter_(-1, candidates, scores.log_softmax(-1))
 

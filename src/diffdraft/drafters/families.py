@@ -1,5 +1,5 @@
-"""One record per drafter family (DFlash/DFlare, DART, DEER, and the DFlash2 and DSpark layouts
-other engines train): how a checkpoint's config says it is
+"""One record per drafter family (DFlash/DFlare, DART, DEER, and DFlash2 and Qwen3 DSpark in the
+layouts vLLM loads): how a checkpoint's config says it is
 the family's, which network it builds, which drafter runs it and what it must fit. Everything that
 needs to know a family asks this registry (training asks :mod:`diffdraft.train.objectives`, which
 finds the family's recipe in its own ``diffdraft.train.<key>_objective`` by name), so a new family is
@@ -66,8 +66,8 @@ class DrafterFamily:
     network and its checkpoint's weight names before they load, to grow those parts (DSpark's own
     head). None: the config says everything."""
     trains: bool = True
-    """Whether diffdraft trains it (``train fit --variant``); False for a layout it loads and drafts
-    with only (DFlash2, DSpark: other engines' training recipes)."""
+    """Whether diffdraft trains it (``train fit --variant``); False for a layout it would load and
+    draft with only (every registered family trains now)."""
 
     @property
     def key(self) -> str:
@@ -114,8 +114,7 @@ DFLASH2_FAMILY = DrafterFamily(
     read_config=dflash2_config_from,
     drafter=DFlashDrafter,
     check_compatible=dflash.check_compatible,
-    made_by="DFlash2 training (diffdraft loads its checkpoints as vLLM does, and trains none)",
-    trains=False,
+    made_by="diffdraft train fit --variant dflash2",
 )
 DSPARK_FAMILY = DrafterFamily(
     name="DSpark",
@@ -125,9 +124,8 @@ DSPARK_FAMILY = DrafterFamily(
     read_config=dspark_config_from,
     drafter=DFlashDrafter,
     check_compatible=dflash.check_compatible,
-    made_by="DSpark training (diffdraft loads its Qwen3 checkpoints as vLLM does, and trains none)",
+    made_by="diffdraft train fit --variant dspark",
     fit_to_weights=DSparkDraftModel.use_shipped_head,
-    trains=False,
 )
 
 FAMILIES: dict[str, DrafterFamily] = {

@@ -90,7 +90,7 @@ def check_family(model: DraftModel, engine: str) -> DraftModel:
     if family not in SERVED_FAMILIES:
         raise ExportError(
             f"this is a {family.name} drafter; {engine} runs DFlash, DFlash2 and DSpark drafters only: "
-            "export a drafter trained with diffdraft train fit --variant dflash"
+            "export a drafter trained with diffdraft train fit --variant dflash, dflash2 or dspark"
         )
     if model.variant == DFLARE:
         raise ExportError(

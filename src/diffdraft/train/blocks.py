@@ -103,3 +103,36 @@ def batch_blocks(
         attention_mask[i, :r, :n] = blocks.attention_mask[:, :n]
         attention_mask[i, :r, context : context + r] = blocks.attention_mask[:, n:]
     return Blocks(input_ids, position_ids, labels, attention_mask)
+
+
+@dataclass
+class DraftedRows:
+    """The rows of :func:`batch_blocks` that draft a token inside their sequence, flattened [r]."""
+
+    sequence: torch.Tensor
+    """Each row's sequence in the batch."""
+    row: torch.Tensor
+    """Each row's index among its sequence's block rows."""
+    depth: torch.Tensor
+    """Each row's drafted depth, 1 .. the drafter's max depth (the block position DFlash labels)."""
+    label_position: torch.Tensor
+    """Where in its sequence the token each row drafts is; that token follows ``label_position - 1``."""
+
+
+def drafted_rows(
+    blocks: Blocks, lengths: list[int], anchors: list[torch.Tensor], block_size: int, anchor_rows: int
+) -> DraftedRows:
+    """The rows of a batch's blocks (:func:`batch_blocks`) that draft a token of their sequence.
+
+    ``anchor_rows`` is the drafter's (:attr:`~diffdraft.drafters.dflash_model.DFlashDraftModel.anchor_rows`):
+    with 1 (DFlash, DFlash2) block row ``k`` drafts the token at ``anchor + k``, ``k >= 1``, as
+    :func:`make_blocks` labels it; with 0 (DSpark) every row drafts, row ``k`` the token at
+    ``anchor + k + 1``, so a block of B rows drafts B tokens. Rows past a sequence's end draft nothing."""
+    rows = blocks.position_ids.shape[1]
+    index = torch.arange(rows)
+    real = torch.stack([index < anchor.shape[0] * block_size for anchor in anchors])
+    depth = (index % block_size + 1 - anchor_rows).expand_as(real)
+    label_position = blocks.position_ids + 1 - anchor_rows
+    inside = label_position < torch.tensor(lengths)[:, None]
+    sequence, row = (real & inside & (depth >= 1)).nonzero().unbind(-1)
+    return DraftedRows(sequence, row, depth[sequence, row], label_position[sequence, row])

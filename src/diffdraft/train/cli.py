@@ -303,7 +303,9 @@ def _add_pack_parser(steps: argparse._SubParsersAction) -> None:
 
 def _add_fit_parser(steps: argparse._SubParsersAction) -> None:
     fit = steps.add_parser(
-        "fit", help="train a DFlash/DFlare or DART drafter (resumes from the latest checkpoint)"
+        "fit",
+        help="train a DFlash/DFlare, DFlash2, DSpark, DART or DEER drafter (resumes from the latest "
+        "checkpoint)",
     )
     _add_data_options(fit, fit=True)
     fit.add_argument("--output-dir", required=True, help="checkpoints, metrics.jsonl, curves.png, final/")
@@ -341,6 +343,9 @@ def _add_fit_parser(steps: argparse._SubParsersAction) -> None:
         help="dflash / dflare: block-diffusion drafters; dart: DART's one-layer shifted-logits drafter "
         "(--draft-length masks, annealed KL); deer: DEER's standalone diffusion LM (--num-layers of the "
         "target's first layers unless --init-drafter, e.g. from `diffdraft deer init`; --stage 1|2); "
+        "dflash2: DFlash + block convs and a candidate selector (--conv-kernel-size, --conv-group-size, "
+        "--selector-rank, --selector-top-k); dspark: Qwen3 DSpark, the anchor row drafting too, with a "
+        "Markov head (--markov-rank) and a confidence head; both in the layout vLLM loads; "
         f"default: {defaults.variant}, or the --init-drafter's own; dflash with a DFlare --init-drafter "
         "seeds a DFlash from it (one that llama.cpp, vLLM and SGLang run)",
     )
@@ -363,7 +368,8 @@ def _add_fit_parser(steps: argparse._SubParsersAction) -> None:
         "--gamma-0",
         type=float,
         default=None,
-        help="loss position weighting: dflash/dflare exp(-(k-1)/gamma), default 4.5; dart gamma^(t-1), "
+        help="loss position weighting: dflash/dflare/dflash2 exp(-(k-1)/gamma), default 4.5; dspark "
+        "exp(-(d-1)/gamma) per depth d, default 4.0; dart gamma^(t-1), "
         "default 0.6; deer stage 2's alpha^(R-i), default 1.01",
     )
     fit.add_argument(

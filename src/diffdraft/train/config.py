@@ -7,13 +7,18 @@ from dataclasses import dataclass
 
 import torch
 
+from diffdraft.drafters.dflash2_model import DFLASH2
 from diffdraft.drafters.dflash_model import DFLASH
+from diffdraft.drafters.dspark_model import DSPARK
 from diffdraft.drafters.families import variants
 from diffdraft.errors import InvalidRequestError
 
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LABELS = ["target", "tokens"]
 INIT_LAYERS = ["random", "target"]
+WHOLE_VOCABULARY = (DFLASH2, DSPARK)
+"""Variants whose new drafters score the whole vocabulary (a DFlash2 config refuses a draft
+vocabulary; DSpark's reduced one needs a head of its own, which diffdraft does not build)."""
 
 
 @dataclass
@@ -75,6 +80,16 @@ class TrainConfig:
     """DEER stage 2 only: the largest R (the paper's 96)."""
     tokenizer_fingerprint: str | None = None
     """DEER only: recorded in a new drafter, so a target with another tokenizer refuses it."""
+    conv_kernel_size: int = 3
+    """DFlash2 only: taps of each layer's block convolutions (the row itself and the rows before it)."""
+    conv_group_size: int = 16
+    """DFlash2 only: channels that share one row-computed kernel offset; must divide the hidden size."""
+    selector_rank: int = 32
+    """DFlash2 only: rank of the candidate selector's predecessor/successor codebooks."""
+    selector_top_k: int = 16
+    """DFlash2 only: head candidates the selector rescores per drafted position."""
+    markov_rank: int = 64
+    """DSpark only: rank of the Markov head (``markov_w1`` [V, r], ``markov_w2`` [r, V])."""
 
     def __post_init__(self) -> None:
         for name, allowed in (
@@ -93,6 +108,15 @@ class TrainConfig:
             raise InvalidRequestError(f"micro_batch_size must be at least 1, got {self.micro_batch_size}")
         if self.max_suffix < 1:
             raise InvalidRequestError(f"max_suffix must be at least 1, got {self.max_suffix}")
+        for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "markov_rank"):
+            if getattr(self, name) < 1:
+                flag = name.replace("_", "-")
+                raise InvalidRequestError(f"--{flag} must be at least 1, got {getattr(self, name)}")
+        if self.variant in WHOLE_VOCABULARY and self.draft_vocab_size:
+            raise InvalidRequestError(
+                f"--variant {self.variant} scores the whole vocabulary through the target's head; "
+                "drop --draft-vocab-size (or train dflash, dflare or dart with it)"
+            )
 
     def anchors_for(self, length: int) -> int:
         return self.anchors_per_sequence or max(1, length // 6)

@@ -113,6 +113,13 @@ def new_block_drafter(
     drafter = DFlashDraftModel(draft_config)
     if draft_vocab is not None:
         drafter.draft_vocab.copy_(draft_vocab)
+    return start_layers(drafter, config, target)
+
+
+def start_layers(drafter: DFlashDraftModel, config: TrainConfig, target: TargetModel) -> DFlashDraftModel:
+    """A fresh DFlash-style network's starting layers (DFlash2 and DSpark start alike): copies of the
+    target's last ones (``init_layers="target"``), or random with a final norm scaled for the borrowed
+    LM head. Returns ``drafter``."""
     if config.init_layers == "target":
         copy_target_layers(drafter, target.model)
         return drafter
