@@ -3,6 +3,7 @@ loader reads (src/models/dflash.cpp), the target's tokenizer, the refusals, the 
 
 from __future__ import annotations
 
+import re
 import shlex
 import subprocess
 
@@ -18,7 +19,7 @@ from diffdraft.errors import ExportError, InvalidRequestError
 from diffdraft.export import export_drafter
 from diffdraft.export.llamacpp import LAYER_NAMES, build, launch, read_target
 
-from diffdraft_testing.drafters import tiny_drafter
+from diffdraft_testing.drafters import tiny_dflash2, tiny_drafter, tiny_dspark
 from diffdraft_testing.llama_cpp import llama_cpp_binary, read_gguf, write_target_gguf
 from diffdraft_testing.targets import tiny_target
 
@@ -242,3 +243,100 @@ def test_llama_cpp_runs_the_exported_drafter_beside_the_default_target(tmp_path)
     mask = target.config.vocab_size - 2  # what tiny_drafter gives this vocabulary
     assert f"block_size=8, mask_token_id={mask}, n_extract=3" in run.stdout + run.stderr
     assert "n_drafted =" in run.stdout + run.stderr  # it drafted with the file
+
+
+DEFAULT_TAPS = [1, 14, 27]
+"""Layers of the default target (SmolLM2-135M, 30 layers) the drafters below read, as the DFlash run's."""
+PROMPT = "def f(n):"
+BESIDE_DEFAULT = {
+    "dflash2": (
+        lambda target: tiny_dflash2(target, block_size=8, target_layer_ids=DEFAULT_TAPS),
+        "sample_from_anchor=true",
+        "DFlash2 conv kernel = 3, group = 144, selector rank = 8, top-k = 6",
+    ),
+    "dspark": (
+        lambda target: tiny_dspark(target, block_size=8, target_layer_ids=DEFAULT_TAPS),
+        "sample_from_anchor=true",
+        "DFlash with DSpark markov head (rank = 8)",
+    ),
+    "dspark-reduced-fill-in": (
+        lambda target: tiny_dspark(
+            target,
+            block_size=8,
+            target_layer_ids=DEFAULT_TAPS,
+            draft_vocab=list(range(0, target.config.vocab_size, 64)),
+            sample_from_anchor=False,
+        ),
+        "sample_from_anchor=false",
+        "DFlash using d2t mapping (draft_vocab_size = 768)",
+    ),
+}
+"""Drafters of the default target's shape: a DFlash2 one, a DSpark one (the target's head, a confidence
+head, the anchor-first block) and a DSpark one with a reduced vocabulary (its own head and d2t) and
+DFlash's block; what llama.cpp logs of the block and of the layout it loaded."""
+
+
+@pytest.fixture(scope="module")
+def default_greedy():
+    """The default target loaded in float32, and what greedy decoding without speculation gives after
+    :data:`PROMPT` in 16 tokens: our ``ar``'s text, and llama.cpp's stdout (prompt and text)."""
+    completion = llama_cpp_binary("llama-completion")
+    from diffdraft.generator import SpeculativeGenerator
+    from diffdraft.target.default_model import default_gguf_path
+    from diffdraft.target.loading import load_target
+
+    loaded = load_target("default", dtype="float32")
+    ar = SpeculativeGenerator(loaded, "ar").generate(prompt=PROMPT, max_new_tokens=16, ignore_eos=True)
+    run = subprocess.run(
+        [str(completion), "-m", str(default_gguf_path()), "-p", PROMPT, "-n", "16", "-t", "2", "--temp", "0",
+         "-no-cnv"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    return loaded, ar, run.stdout
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("name", list(BESIDE_DEFAULT))
+def test_llama_cpp_runs_exported_dflash2_and_dspark_drafters_losslessly(
+    default_greedy, tmp_path, capsys, name
+):
+    """Each drafter, exported with the CLI, is run by ``llama-speculative-simple`` beside the default
+    target's GGUF with the launch line's --spec-type and --spec-draft-n-max: llama.cpp loads the
+    layout, drafts, and its greedy text is its own and our ``ar``'s without speculation."""
+    speculative = llama_cpp_binary("llama-speculative-simple")
+    from diffdraft.target.default_model import default_gguf_path
+
+    loaded, ar, plain = default_greedy
+    make, block, layout = BESIDE_DEFAULT[name]
+    save_draft_model(make(loaded.model).float(), tmp_path / "d")
+    out = tmp_path / "d.gguf"
+    assert main(["export", str(tmp_path / "d"), "--format", "llama.cpp", "--out", str(out), "--target",
+                 "default"]) == 0  # fmt: skip
+    line = shlex.split(
+        next(s for s in capsys.readouterr().out.splitlines() if "llama-server" in s).split(": ", 1)[1]
+    )
+    kind, n_max = line[line.index("--spec-type") + 1], line[line.index("--spec-draft-n-max") + 1]
+    assert kind == ("draft-dflash" if name == "dflash2" else "draft-dspark")
+    run = subprocess.run(
+        [str(speculative), "-m", str(default_gguf_path()), "-md", str(out), "--spec-type", kind,
+         "--spec-draft-n-max", n_max, "-p", PROMPT, "-n", "8", "-t", "2", "--temp", "0", "-lv", "4"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    log = run.stdout + run.stderr
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert layout in log  # load_arch_tensors read the layout's own tensors
+    assert f"adding speculative implementation '{kind}'" in log
+    mask = loaded.model.config.vocab_size - 2
+    assert f"block_size=8, mask_token_id={mask}, n_extract=3, {block}" in log
+    assert "clamping" not in log, "the launch line's --spec-draft-n-max is what a block drafts"
+    drafted = int(re.search(r"n_drafted = +(\d+)", run.stderr).group(1))
+    accepted = int(re.search(r"n_accept += +(\d+)", run.stderr).group(1))
+    predicted = int(re.search(r"n_predict = +(\d+)", run.stderr).group(1))
+    assert drafted > 0 and 0 <= accepted <= drafted and predicted >= 8  # it drafted with the file
+    # stdout: "\n\n", the prompt and the text, then "\n\n" twice (examples/speculative-simple)
+    text = run.stdout.removeprefix("\n\n").removesuffix("\n\n\n\n")
+    tokens = loaded.tokenizer
+    assert text.startswith(PROMPT + tokens.decode(ar.token_ids[:8])), text  # at least 8 tokens, as ar's
+    assert (PROMPT + ar.text).startswith(text), text  # and no other token, as ar's 16
+    assert plain.startswith(PROMPT + ar.text), plain  # llama.cpp without speculation, as ar
