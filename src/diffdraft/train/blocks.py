@@ -9,8 +9,12 @@ target context strictly before its anchor and its own block bidirectionally, not
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from diffdraft.train.batch import TrainingBatch
 
 IGNORE = -100
 """Label of block positions past the end of the sequence (and of every anchor position)."""
@@ -136,3 +140,44 @@ def drafted_rows(
     inside = label_position < torch.tensor(lengths)[:, None]
     sequence, row = (real & inside & (depth >= 1)).nonzero().unbind(-1)
     return DraftedRows(sequence, row, depth[sequence, row], label_position[sequence, row])
+
+
+@dataclass
+class DraftedStates:
+    """A batch's drafting rows (:func:`drafted_rows`) after one drafter forward, on the drafter's device."""
+
+    states: torch.Tensor
+    """Each row's final hidden state [r, H]."""
+    sequence: torch.Tensor
+    depth: torch.Tensor
+    position: torch.Tensor
+    """Where in its sequence the token each row drafts is (``DraftedRows.label_position``)."""
+    tokens: torch.Tensor
+    """The batch's token ids [sequences, context]."""
+
+
+def drafted_states(drafter: torch.nn.Module, embed: torch.nn.Module, batch: TrainingBatch) -> DraftedStates:
+    """Every anchored block of every sequence of ``batch`` (its taps, token ids, lengths and anchors)
+    through ``drafter`` in one forward, the target's frozen ``embed`` giving the block rows' inputs:
+    what the DFlash2 and DSpark objectives both score, each with its own head."""
+    device, dtype = batch.taps.device, drafter.norm.weight.dtype
+    sequences, context = batch.token_ids.shape
+    blocks = batch_blocks(
+        batch.token_ids, batch.lengths, batch.anchors, drafter.block_size, drafter.mask_token_id
+    )
+    with torch.no_grad():
+        block_embeds = embed(blocks.input_ids.to(device)).to(dtype)
+    context_positions = torch.arange(context, device=device).expand(sequences, context)
+    context_kv = drafter.context_kv(batch.taps.to(dtype), context_positions)
+    hidden = drafter(
+        block_embeds, blocks.position_ids.to(device), context_kv, blocks.attention_mask.to(device)[:, None]
+    )
+    rows = drafted_rows(blocks, batch.lengths, batch.anchors, drafter.block_size, drafter.anchor_rows)
+    sequence = rows.sequence.to(device)
+    return DraftedStates(
+        hidden[sequence, rows.row.to(device)],
+        sequence,
+        rows.depth.to(device),
+        rows.label_position.to(device),
+        batch.token_ids.to(device),
+    )

@@ -28,7 +28,7 @@ from diffdraft.drafters.dflash_model import DEFAULT_TAP_COUNT, DFLASH, default_t
 from diffdraft.errors import InvalidRequestError
 from diffdraft.target.model import TargetModel
 from diffdraft.train.batch import TrainingBatch
-from diffdraft.train.blocks import batch_blocks, drafted_rows
+from diffdraft.train.blocks import drafted_states
 from diffdraft.train.config import TrainConfig
 from diffdraft.train.dflash_objective import start_layers
 from diffdraft.train.loss import block_loss, mean_of_sequences, position_weights, target_rows
@@ -59,25 +59,10 @@ class SelectorObjective(nn.Module):
         block_size = drafter.block_size
         device, dtype = batch.taps.device, drafter.norm.weight.dtype
         sequences, context = batch.token_ids.shape
-        blocks = batch_blocks(
-            batch.token_ids, batch.lengths, batch.anchors, block_size, drafter.mask_token_id
-        )
-        with torch.no_grad():
-            block_embeds = embed(blocks.input_ids.to(device)).to(dtype)
-        context_positions = torch.arange(context, device=device).expand(sequences, context)
-        context_kv = drafter.context_kv(batch.taps.to(dtype), context_positions)
-        hidden = drafter(
-            block_embeds,
-            blocks.position_ids.to(device),
-            context_kv,
-            blocks.attention_mask.to(device)[:, None],
-        )
-        rows = drafted_rows(blocks, batch.lengths, batch.anchors, block_size, drafter.anchor_rows)
-        sequence, depth = rows.sequence.to(device), rows.depth.to(device)
-        position = rows.label_position.to(device)
-        tokens = batch.token_ids.to(device)
+        drafted = drafted_states(drafter, embed, batch)
+        sequence, depth, position, tokens = drafted.sequence, drafted.depth, drafted.position, drafted.tokens
         labels, previous = tokens[sequence, position], tokens[sequence, position - 1]
-        states = hidden[sequence, rows.row.to(device)]
+        states = drafted.states
         bias = None if lm_head.bias is None else lm_head.bias.to(dtype)
         unary = drafter.unary_scores(F.linear(states, lm_head.weight.to(dtype), bias).float())
         weights_by_position = position_weights(block_size, gamma)

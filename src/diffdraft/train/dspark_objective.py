@@ -23,7 +23,7 @@ from diffdraft.drafters.dflash_model import DEFAULT_TAP_COUNT, DFLASH, default_t
 from diffdraft.drafters.dspark_model import DSparkDraftModel, make_dspark_config
 from diffdraft.target.model import TargetModel
 from diffdraft.train.batch import TrainingBatch
-from diffdraft.train.blocks import IGNORE, batch_blocks, drafted_rows
+from diffdraft.train.blocks import IGNORE, drafted_states
 from diffdraft.train.config import TrainConfig
 from diffdraft.train.dflash_objective import head_rows, start_layers
 from diffdraft.train.loss import (
@@ -72,28 +72,13 @@ class MarkovObjective(nn.Module):
         counts): hits and agreements of the Markov-corrected top-1 (what greedy drafting picks once
         the tokens before it are accepted) with the text and with the target's own top-1."""
         drafter, embed = self.drafter, self.frozen[0]
-        block_size, depths = drafter.block_size, drafter.max_depth + 1
-        device, dtype = batch.taps.device, drafter.norm.weight.dtype
+        depths = drafter.max_depth + 1
+        device = batch.taps.device
         sequences, context = batch.token_ids.shape
-        blocks = batch_blocks(
-            batch.token_ids, batch.lengths, batch.anchors, block_size, drafter.mask_token_id
-        )
-        with torch.no_grad():
-            block_embeds = embed(blocks.input_ids.to(device)).to(dtype)
-        context_positions = torch.arange(context, device=device).expand(sequences, context)
-        context_kv = drafter.context_kv(batch.taps.to(dtype), context_positions)
-        hidden = drafter(
-            block_embeds,
-            blocks.position_ids.to(device),
-            context_kv,
-            blocks.attention_mask.to(device)[:, None],
-        )
-        rows = drafted_rows(blocks, batch.lengths, batch.anchors, block_size, drafter.anchor_rows)
-        sequence, depth = rows.sequence.to(device), rows.depth.to(device)
-        position = rows.label_position.to(device)
-        tokens = batch.token_ids.to(device)
+        drafted = drafted_states(drafter, embed, batch)
+        sequence, depth, position, tokens = drafted.sequence, drafted.depth, drafted.position, drafted.tokens
         previous = tokens[sequence, position - 1]
-        states = hidden[sequence, rows.row.to(device)]
+        states = drafted.states
         logits = drafter.logit_scale * (self.head(states).float() + drafter.markov_head(previous).float())
         labels = tokens[sequence, position]
         if self.label_index is not None:
