@@ -74,11 +74,15 @@ def test_another_sequences_tree_ends_the_count_and_each_batch_size_has_its_own_s
     assert aftermath(shared) == pytest.approx(0.002)
 
 
-def test_drafting_costs_the_aftermath_of_its_rounds():
+def test_a_run_of_drafted_rounds_pays_its_catch_up_and_aftermath_once():
+    """A drafted round within a run costs its own forward; entering a run costs the drafter's catch-up
+    over the tokens it missed and the slowed plain forwards after the run, once a run."""
     rounds = RoundBudgetPlanner(BudgetPlanner(VerifyCostCurve([1, 64], [100], [[0.01, 0.02]])))
-    stats = sequence([*plain(10), ("drafted", 0.006), *SLOWED, *plain(10), ("drafted", 0.006), *plain(20)])
-    stats.timings.update(draft=0.004)
-    stats.first_draft_seconds = 0.002  # the prompt taken in: a one-off, left out
+    runs = [("drafted", 0.006)] * 2
+    stats = sequence([*plain(10), *runs, *SLOWED, *plain(10), *runs, *plain(20)])
+    stats.catch_up_draft_seconds = [0.002, 0.003]  # the prompt taken in (a one-off), then a catch-up
+    stats.timings.update(draft=0.002 + 0.001 + 0.003 + 0.001)
     rounds.observe_generation(stats)
-    # the second drafted round's forward (0.002) and the slowed forwards' 0.002 over both drafted rounds
-    assert rounds.draft_seconds() == pytest.approx(0.002 + 0.001)
+    assert rounds.draft_seconds() == pytest.approx(0.001)
+    # the catch-up's 0.003 - 0.001 and the slowed forwards' 0.002 over both runs
+    assert rounds.entry_seconds() == pytest.approx(0.002 + 0.001)

@@ -697,11 +697,11 @@ def test_copied_tokens_join_while_they_raise_the_rate_most_likely_first():
 def test_a_free_copy_costs_what_finished_copies_took_and_drafting_what_drafted_rounds_did():
     rounds = RoundBudgetPlanner(BudgetPlanner(VerifyCostCurve([1, 64], [100], [[0.01, 0.02]])))
     assert rounds.copy_seconds() == 0.0  # copies get tried before any was measured
-    stats = GenerationStats(rounds=4, tree_sizes=[3, 2, 0, 4], accepted_nodes=[[]] * 4, copy_rounds=[1])
+    stats = GenerationStats(rounds=4, tree_sizes=[3, 4, 2, 0], accepted_nodes=[[]] * 4, copy_rounds=[2])
     stats.verify_contexts, stats.verify_seconds = [100] * 4, [0.01] * 4
     stats.verify_forwards = [(1, 4, 100)] * 4
     stats.timings.update(draft=0.024, tree=0.006, mask=0.001, accept=0.0, commit=0.0)
-    stats.first_draft_seconds = 0.02  # the prompt taken in: a one-off, not a drafting round's cost
+    stats.catch_up_draft_seconds = [0.02]  # the prompt taken in: a one-off, not a drafting round's cost
     stats.copy_seconds = 0.002  # of the tree and mask time
     stats.draft_build_seconds = 0.004  # of the tree and mask time too (the plain round's took the rest)
     stats.copy_plan_seconds = 0.002  # of no stage
@@ -722,7 +722,7 @@ def test_a_sequence_that_drafted_once_teaches_no_drafting_cost():
         [(8, 32, 100)] * 2,
     )
     stats.timings.update(draft=0.03, tree=0.001, mask=0.001)
-    stats.first_draft_seconds = 0.03
+    stats.catch_up_draft_seconds = [0.03]
     rounds.observe_generation(stats)
     assert rounds.draft_seconds(alone=True) == rounds.draft_seconds(alone=False) == 0.0
 
@@ -737,11 +737,16 @@ def finished(forwards: tuple[int, int, int], draft: float, commit: float = 0.0) 
 
 
 def test_a_lone_sequence_plans_with_the_stage_costs_of_sequences_that_ran_alone():
-    """Drafting in a batch costs a sequence another time than drafting alone: a lone sequence after a
-    busy spell must not plan with the batch's times (it stopped drafting when it did)."""
+    """Drafting in a batch costs a sequence another time than drafting alone (its share of a batch's
+    plan): a lone sequence after a busy spell must not plan with the batch's times, not even before
+    a lone one finished (it stopped drafting when it did); a batch may read the lone ones' first."""
     rounds = RoundBudgetPlanner(BudgetPlanner(VerifyCostCurve([1, 64], [100], [[0.01, 0.02]])))
     rounds.observe_generation(finished((8, 32, 100), draft=0.05))
-    assert rounds.draft_seconds(alone=True) == rounds.draft_seconds(alone=False) == pytest.approx(0.05)
+    assert rounds.draft_seconds(alone=False) == pytest.approx(0.05)
+    assert rounds.draft_seconds(alone=True) == 0.0
+    batch_later = RoundBudgetPlanner(BudgetPlanner(VerifyCostCurve([1, 64], [100], [[0.01, 0.02]])))
+    batch_later.observe_generation(finished((1, 4, 100), draft=0.002))
+    assert batch_later.draft_seconds(alone=False) == pytest.approx(0.002)
     rounds.observe_generation(finished((1, 4, 100), draft=0.002))
     assert rounds.draft_seconds(alone=True) == pytest.approx(0.002)
     assert rounds.draft_seconds(alone=False) == pytest.approx(0.05)
@@ -774,7 +779,7 @@ def test_the_first_lone_sequence_plans_with_its_own_drafting_time(draft, drafts)
     for _ in range(8):
         verified(stats, nodes=4, accepted=[1, 2, 3], context=100, seconds=0.0104)
     stats.timings["draft"] = 8 * draft
-    stats.first_draft_seconds = draft
+    stats.catch_up_draft_seconds = [draft]  # one run: the first round took the prompt in
     assert rounds.draft_seconds() == 0.0  # nothing finished: the record is empty
     [budget] = rounds.plan([RoundSequence(stats, 100, can_draft=True)])
     assert (budget > 0) == drafts
@@ -792,3 +797,27 @@ def test_a_lone_sequence_keeps_only_its_latest_drafting_time_s_costs():
     assert rounds.round_costs(taus, 100, own_draft=0.049) is latest  # still cached
     assert rounds.round_costs(taus, 100) is from_record  # the record's costs are not a reading's
     assert len(rounds._costs) == 2
+
+
+def test_a_lone_sequence_pays_a_run_s_entry_only_to_start_one_and_a_batch_every_time():
+    """Entering a run of drafted rounds costs the drafter's catch-up and the aftermath once: a lone
+    sequence that drafted last round continues at a round's cost, one that did not pays the entry
+    spread over a refresh's rounds, and a batch's sequence, drafting now and then, pays it whole."""
+    rounds = RoundBudgetPlanner(BudgetPlanner(VerifyCostCurve([1, 64], [100], [[0.01, 0.02]])), refresh=8)
+    rounds._draft_seconds.add(True, 0.002)
+    rounds._entry_seconds.add(True, 0.016)
+    taus = [[1.0, 1.9, 2.5]]
+    assert rounds.round_costs(taus, 100)[1] == pytest.approx(0.002)
+    assert rounds.round_costs(taus, 100, entering=True)[1] == pytest.approx(0.002 + 0.016 / 8)
+    assert rounds.round_costs(taus * 2, 100, entering=True)[1] == pytest.approx(0.002 + 0.016)
+    # planned: a 12 ms drafting round pays within a run, not with a 200 ms entry's eighth on top
+    curve = VerifyCostCurve(sizes=[1, 64], contexts=[100], seconds=[[0.01, 0.0163]])  # 0.1 ms a node
+    rounds = RoundBudgetPlanner(BudgetPlanner(curve), explore_alone=1000)
+    rounds._draft_seconds.add(True, 0.012)
+    rounds._entry_seconds.add(True, 0.2)
+    stats = GenerationStats(surrogates=[[1.0 + 0.9 * min(b, 4) for b in range(20)]])
+    for _ in range(8):
+        verified(stats, nodes=4, accepted=[1, 2, 3], context=100, seconds=0.0104)
+    assert rounds.plan([RoundSequence(stats, 100, can_draft=True)]) != [0]
+    verified(stats, nodes=0, accepted=[], context=100, seconds=0.01)
+    assert rounds.plan([RoundSequence(stats, 100, can_draft=True)]) == [0]

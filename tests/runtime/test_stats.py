@@ -30,3 +30,14 @@ def test_the_surrogate_gains_are_the_mean_of_what_each_surrogate_adds_per_rank_a
     assert stats.surrogate_gains() == [0.375, 0.25, 0.0625, 0.0625]
     stats.surrogates = [[1.0, 2.0]]  # replaced, not appended to: summed anew
     assert stats.surrogate_gains() == [1.0]
+
+
+def test_the_drafter_built_the_last_round_only_where_it_drafted_a_tree_that_was_no_copy():
+    stats = GenerationStats()
+    assert not stats.drafted_last_round()  # nothing verified yet: a first drafting round catches up
+    stats.tree_sizes = [3]
+    assert stats.drafted_last_round()
+    stats.tree_sizes, stats.copy_rounds = [3, 2], [1]
+    assert not stats.drafted_last_round()  # prompt lookup's copy: the drafter saw none of it
+    stats.tree_sizes, stats.copy_rounds = [3, 2, 0], [1]
+    assert not stats.drafted_last_round()

@@ -17,7 +17,8 @@ drafting, tree and mask time of one drafting sequence and c each sequence's acce
 both learned from finished sequences: from those decoded alone for a round of one sequence, from
 those that shared forwards for a round of several (drafting in a batch costs a sequence another time
 than drafting alone, and a planner that carried batch-8 drafting times to a lone sequence stopped it
-drafting). Before any sequence finished, a lone sequence's d comes from its own drafted rounds.
+drafting). Before any lone sequence finished, a lone sequence's d comes from its own drafted rounds;
+d is a drafted round's within a run of them, and starting a run costs more once (:class:`DraftingCost`).
 
 Under load most sequences end at B_i = 0: a drafter forward and its tree do not pay for themselves
 once a CPU's forward cost grows with every verified token. A copy does not need the drafter:
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from diffdraft.budget.aftermath import aftermath_seconds, plain_forwards
+from diffdraft.budget.aftermath import PlainForwards, aftermath_seconds, plain_forwards
 from diffdraft.budget.batch_cost import BatchCostCurve
 from diffdraft.budget.chosen_rounds import ChosenRounds
 from diffdraft.budget.planner import MIN_TIMED_ROUNDS, BudgetPlanner
@@ -272,7 +273,10 @@ class RoundBudgetPlanner:
         self.explore_backoff = explore_backoff
         self.refresh = refresh
         self._draft_seconds = StageSeconds(window)
-        """Seconds per drafting round of finished sequences."""
+        """Seconds per drafted round within a run of them, of finished sequences."""
+        self._entry_seconds = StageSeconds(window)
+        """Seconds per run of drafted rounds that entering it cost beyond its rounds' own, of finished
+        sequences (:class:`DraftingCost`)."""
         self._commit_seconds = StageSeconds(window)
         self._copy_seconds = StageSeconds(window)
         """Seconds per free copy of finished sequences: taking it, building its chain and mask, and its
@@ -306,18 +310,20 @@ class RoundBudgetPlanner:
         ``cost_refresh``-th. One sequence moves windows of many rounds little, and reading them anew
         for every finished sequence cost a visible share of the plans under load (docs/decisions.md,
         "plans bounded and stood under load")."""
-        self.chosen = ChosenRounds()
-        """How much of the gains it expected the rounds it chose to draft realized: scales every
-        estimate (:meth:`expected_tau`)."""
+        self.chosen = {alone: ChosenRounds() for alone in (True, False)}
+        """How much of the gains it expected the rounds it chose to draft realized, of lone sequences
+        and apart of shared rounds: scales every estimate (:meth:`expected_tau`). Kept apart as the
+        stage times are: a server's first load at 8 clients left 0.47 there, and every lone request
+        after it kept that, drafting only to explore, for as long as 64 sequences."""
         self._taught = 0
         """Finished sequences that taught acceptance (drafted a tree or proposed a surrogate): a new
         one makes every estimate stale. Under load most finished sequences drafted nothing, and
         re-estimating every running sequence after each cost a visible share of the plans."""
         self._last_plan: tuple[list, tuple, list[int]] | None = None
         """The last round's estimates and costs, other inputs and budgets."""
-        self._round: tuple[list[list[float]], float, float | None] = ([], 0.0, None)
-        """The round :meth:`plan` planned last: its estimates, mean context and a lone sequence's own
-        drafting time (its copies' too)."""
+        self._round: tuple[list[list[float]], float, float | None, bool] = ([], 0.0, None, True)
+        """The round :meth:`plan` planned last: its estimates, mean context, a lone sequence's own
+        drafting time and whether drafting would start a run (its copies' too)."""
         self._own_draft: tuple[GenerationStats | None, int, float | None] = (None, -1, None)
         """A lone running sequence's stats, the round its drafting time was last read and that time."""
         self._last_copies: tuple[list, tuple, list[int]] | None = None
@@ -337,26 +343,42 @@ class RoundBudgetPlanner:
 
     def draft_seconds(self, alone: bool = True) -> float:
         """Seconds one drafting sequence adds to a round of one sequence (``alone``) or of several,
-        as the finished sequences that ran so measured it (those that ran the other way stand in
-        before any did; 0 before any sequence finished): its drafter's forward, its tree and its share
-        of the plan, and what its drafted rounds slowed the plain forwards after them
-        (:func:`~diffdraft.budget.aftermath.aftermath_seconds`)."""
+        within a run of drafted rounds, as the finished sequences that ran so measured it (0 before
+        any did; shared rounds read the lone ones' before theirs, not the other way: a shared round's
+        drafting pays its share of a batch's plan): its drafter's forward, its tree and its share of
+        the plan (:class:`DraftingCost`)."""
         return self._draft_seconds.median(alone)
 
+    def entry_seconds(self, alone: bool = True) -> float:
+        """Seconds a run of drafted rounds costs beyond its rounds' :meth:`draft_seconds` (as that):
+        its drafter's catch-up and the aftermath (:class:`DraftingCost`)."""
+        return self._entry_seconds.median(alone)
+
+    def _round_draft_seconds(self, alone: bool, entering: bool, own: float | None) -> float:
+        """What the plan charges a drafting sequence: a drafted round's own cost (``own``: a lone
+        sequence's, standing in for the record while no lone sequence finished) and, when it starts
+        a run (``entering``), the run's entry cost, spread over ``refresh`` rounds alone (a run lasts
+        while its estimate holds, refreshed that often) and charged whole in a batch (under load a
+        sequence drafts now and then, each drafted round a run of its own)."""
+        draft = self.draft_seconds(alone) if own is None else own
+        if not entering:
+            return draft
+        entry = max(0.0, self.entry_seconds(alone))  # a median below 0 is noise: entering costs no less
+        return draft + entry / (self.refresh if alone else 1)
+
     def _own_draft_seconds(self, stats: GenerationStats) -> float | None:
-        """A lone running sequence's own drafting seconds per drafted round
-        (:func:`drafting_seconds`, without the aftermath: the rounds after its drafting are still to
-        come), read anew every ``refresh`` rounds; None before it drafted twice. Until a sequence
-        finished, the record of drafting times is empty, and the first request of a process planned
-        as if drafting cost nothing: on a CPU where the drafter's forward is a third of a round, it
-        drafted all through where plain decoding was faster."""
+        """A lone running sequence's own drafting seconds per drafted round within a run
+        (:class:`DraftingCost`), read anew every ``refresh`` rounds; None before it drafted a round
+        past its first. Until a lone sequence finished, the lone record of drafting times is empty,
+        and the first request of a process planned as if drafting cost nothing: on a CPU where the
+        drafter's forward is a third of a round, it drafted all through where plain decoding was
+        faster."""
         last, read, seconds = self._own_draft
         rounds = len(stats.tree_sizes)
         if last is not stats or rounds - read >= self.refresh:
-            drafted = sum(size > 0 for size in stats.drafter_sizes())
-            seconds = drafting_seconds(stats, drafted)
-            if seconds is not None:  # rounded: the costs it keys stay cached while it holds
-                seconds = round(seconds, 4)
+            cost = DraftingCost.of(stats)
+            # rounded: the costs it keys stay cached while it holds
+            seconds = None if cost is None else round(cost.round, 4)
             self._own_draft = (stats, rounds, seconds)
         return seconds
 
@@ -377,12 +399,12 @@ class RoundBudgetPlanner:
             self._costs.clear()
         alone = all(forward[0] == 1 for forward in stats.verify_forwards)
         plain = plain_forwards(stats)  # read by the drafting cost and the shared forwards' window
-        drafted = sum(size > 0 for size in stats.drafter_sizes())
-        self.chosen.observe(stats)  # reaches the estimates as _taught's change does (it drafted)
-        self._taught += bool(drafted or stats.surrogates)
-        drafting = drafting_seconds(stats, drafted)
-        if drafting is not None:  # what its drafting slowed the plain forwards after it, spread too
-            self._draft_seconds.add(alone, drafting + aftermath_seconds(stats, plain) / drafted)
+        self.chosen[alone].observe(stats)  # reaches the estimates as _taught's change does (it drafted)
+        self._taught += bool(any(stats.drafter_sizes()) or stats.surrogates)
+        cost = DraftingCost.of(stats, plain)
+        if cost is not None:
+            self._draft_seconds.add(alone, cost.round)
+            self._entry_seconds.add(alone, cost.entry)
         if stats.copy_rounds:
             seconds = stats.copy_seconds + stats.copy_plan_seconds
             self._copy_seconds.add(alone, seconds / len(stats.copy_rounds))
@@ -512,14 +534,20 @@ class RoundBudgetPlanner:
         """(each sequence's budget, whether it must draft to explore)."""
         alone = len(sequences) == 1
         drafts = [s.can_draft and not (alone and _shared_last(s.stats)) for s in sequences]
-        taus = [self.expected_tau(s.stats) if d else NO_DRAFT for s, d in zip(sequences, drafts, strict=True)]
+        taus = [
+            self.expected_tau(s.stats, alone) if d else NO_DRAFT
+            for s, d in zip(sequences, drafts, strict=True)
+        ]
         explore = [
             d and self._must_explore(s.stats, len(sequences)) for s, d in zip(sequences, drafts, strict=True)
         ]
         context = sum(s.context for s in sequences) / len(sequences)  # numpy's mean costs more, every round
-        own = self._own_draft_seconds(sequences[0].stats) if alone and self._draft_seconds.empty else None
-        self._round = (taus, context, own)
-        costs = self.round_costs(taus, context, own)
+        own = (
+            self._own_draft_seconds(sequences[0].stats) if alone and self._draft_seconds.none(alone) else None
+        )
+        entering = not (alone and sequences[0].stats.drafted_last_round())
+        self._round = (taus, context, own, entering)
+        costs = self.round_costs(taus, context, own, entering)
         objects = [*taus, costs]  # compared by identity: the same objects while they hold
         inputs = (explore, int(context) // self.context_step)
         if self._last_plan is not None:
@@ -537,9 +565,9 @@ class RoundBudgetPlanner:
         offered). Copies that are the very objects of the last call, all else alike, get its lengths
         (the copiers' ceilings, asked every round). The round's last answer decides whether a plan
         that left a batch plain stands (:meth:`plain_stands`): one that found no copy worth taking."""
-        taus, context, own = self._round
+        taus, context, own, entering = self._round
         if any(copies):
-            costs = self.round_costs(taus, context, own)
+            costs = self.round_costs(taus, context, own, entering)
             objects = [*taus, costs, *copies]  # compared by identity: the same objects while they hold
             inputs = (list(budgets), self.copy_seconds(len(taus) == 1))
             last = self._last_copies
@@ -553,7 +581,7 @@ class RoundBudgetPlanner:
         return lengths
 
     def round_costs(
-        self, taus: list[list[float]], context: float, own_draft: float | None = None
+        self, taus: list[list[float]], context: float, own_draft: float | None = None, entering: bool = False
     ) -> tuple[list[float], float, float]:
         """(forward seconds per total of tokens up to as many as the longest of the ``taus`` covers
         times the sequences, made nondecreasing once here rather than in every plan, seconds one
@@ -561,23 +589,32 @@ class RoundBudgetPlanner:
         sequences; the same object until they are refreshed (:attr:`_costs`), for contexts within
         ``context_step`` of each other (as a plan is), whichever sequences cannot draft (under load
         one ends every few rounds, and each such round missed a cache keyed by the tokens covered).
-        ``own_draft``: a lone sequence's own drafting seconds, standing in for the finished
-        sequences' record while it is empty (:meth:`_own_draft_seconds`)."""
-        key = (len(taus), max(len(tau) for tau in taus), int(context) // self.context_step, own_draft)
+        ``own_draft``: a lone sequence's own drafting seconds, standing in for the finished lone
+        sequences' record while it is empty (:meth:`_own_draft_seconds`); ``entering``: a drafting
+        sequence would start a run of drafted rounds (:meth:`_round_draft_seconds`)."""
+        key = (
+            len(taus),
+            max(len(tau) for tau in taus),
+            int(context) // self.context_step,
+            own_draft,
+            entering,
+        )
         costs = self._costs.get(key)
         if costs is None:
             for stale in [k for k in self._costs if k[3] not in (None, own_draft)]:
                 del self._costs[stale]  # costs of the lone sequence's earlier drafting times: unread now
             verify = running_max(self.verify_seconds(np.arange(key[0] * key[1] + 1), len(taus), context))
             alone = len(taus) == 1
-            draft = self.draft_seconds(alone) if own_draft is None else own_draft
+            draft = self._round_draft_seconds(alone, entering, own_draft)
             costs = (verify, draft, self.commit_seconds(alone) * len(taus))
             self._costs[key] = costs
         return costs
 
-    def expected_tau(self, stats: GenerationStats) -> list[float]:
+    def expected_tau(self, stats: GenerationStats, alone: bool = True) -> list[float]:
         """:meth:`BudgetPlanner.expected_tau` of the sequence, its gains scaled by the share the
-        rounds the plans chose to draft realized (:attr:`chosen`), re-estimated when stale: after
+        rounds the plans chose to draft realized (:attr:`chosen`, of lone sequences when it runs
+        ``alone``, else of shared rounds), re-estimated when stale: when it moved between running
+        alone and sharing rounds, after
         ``refresh`` drafted rounds (a round at budget 0 adds nothing to its record), a new surrogate or
         a newly finished sequence that drafted, or after any drafted round once it skipped drafting.
         The same list object while fresh (:meth:`plan` compares by identity)."""
@@ -586,6 +623,7 @@ class RoundBudgetPlanner:
             estimate is not None
             and estimate.surrogates == len(stats.surrogates)
             and estimate.taught == self._taught
+            and estimate.alone == alone
         )
         if fresh:
             if estimate.checked < len(stats.tree_sizes):
@@ -594,9 +632,11 @@ class RoundBudgetPlanner:
         if not fresh:
             start = len(stats.tree_sizes)
             estimated = self.planner.expected_tau(stats)
-            taus = self.chosen.calibrated(estimated)
+            taus = self.chosen[alone].calibrated(estimated)
             checked = max(0, start - 1)
-            estimate = TauEstimate(taus, start, len(stats.surrogates), self._taught, checked, estimated)
+            estimate = TauEstimate(
+                taus, start, len(stats.surrogates), self._taught, checked, estimated, alone
+            )
             stats.tau_estimate = estimate
         return estimate.taus
 
@@ -622,17 +662,48 @@ class TimedForward:
     """The curve's seconds for as many sequences with one token each."""
 
 
-def drafting_seconds(stats: GenerationStats, drafted: int) -> float | None:
-    """Seconds a drafted round of the sequence cost beyond its verification, per drafted round (of
-    ``drafted``): its drafter's forward (all but the first, which took the prompt in: a one-off, left
-    out), its tree and its share of the plan; None before it drafted twice."""
-    first = stats.first_draft_seconds
-    forwards = drafted - (first is not None)
-    if forwards <= 0:
-        return None
-    drafting = (stats.timings["draft"] - (first or 0.0)) / forwards
-    building = stats.draft_build_seconds + stats.draft_plan_seconds
-    return drafting + building / drafted
+@dataclass(frozen=True)
+class DraftingCost:
+    """What a sequence's drafting cost beyond its verification forwards, in a run of drafted rounds
+    and to enter one.
+
+    A drafted round right after one the drafter built costs its drafter's forward over the few tokens
+    the last round committed, its tree and its share of the plan (:attr:`round`). Starting a run can
+    cost more, once: the drafter takes in every token since it last drafted, and the plain rounds
+    after a run go slower while the target's weights come back into a CPU's cache
+    (:func:`~diffdraft.budget.aftermath.aftermath_seconds`) (:attr:`entry`). Spread over every drafted
+    round, as they were, both made drafting dearest where it was rarest: lone requests that drafted
+    only to explore read 10-17 ms a drafted round (other work ran beside that trace), and once a
+    request stopped drafting it never started again; quiet, a round within a run took 4-4.5 ms and a
+    run's first 2-6 (issue 86's note, 2026-12-07)."""
+
+    round: float
+    """Seconds per drafted round within a run."""
+    entry: float
+    """Seconds per run beyond its rounds' :attr:`round`: the drafter's catch-up (over the runs after
+    the first, which took the prompt in: a one-off) and, for a finished sequence, the aftermath."""
+
+    @classmethod
+    def of(cls, stats: GenerationStats, plain: PlainForwards | None = None) -> DraftingCost | None:
+        """``stats``'s, None before it drafted a round past its first (which took the prompt in: a
+        one-off); where every drafted round began a run, each costs what they took. ``plain``: its
+        :func:`~diffdraft.budget.aftermath.plain_forwards` once it finished (the aftermath of a
+        running sequence's drafting is still to come)."""
+        runs = stats.catch_up_draft_seconds
+        drafted = sum(size > 0 for size in stats.drafter_sizes())
+        within = drafted - len(runs)
+        if within > 0:
+            forward = (stats.timings["draft"] - sum(runs)) / within
+            catch_ups = [seconds - forward for seconds in runs[1:]]
+        elif len(runs) > 1:  # every drafted round began a run (in a batch, most): a round costs that
+            forward, catch_ups = statistics.fmean(runs[1:]), []
+        else:
+            return None
+        building = (stats.draft_build_seconds + stats.draft_plan_seconds) / drafted
+        entry = statistics.fmean(catch_ups) if catch_ups else 0.0
+        if plain is not None:
+            entry += aftermath_seconds(stats, plain) / max(1, len(runs))
+        return cls(forward + building, entry)
 
 
 def _record_round(sequences: Sequence[RoundSequence], budgets: list[int], explore: list[bool]) -> None:
@@ -673,16 +744,17 @@ class StageSeconds:
         self._seconds[alone].append(seconds)
         self._medians.clear()
 
-    @property
-    def empty(self) -> bool:
-        """Whether no sequence, alone or not, added a time yet."""
-        return not any(self._seconds.values())
+    def none(self, alone: bool) -> bool:
+        """Whether no sequence that ran ``alone`` (or not) added a time yet."""
+        return not self._seconds[alone]
 
     def median(self, alone: bool) -> float:
-        """The median of the record of sequences that ran ``alone`` (or not), else of the other
-        record, else 0."""
+        """The median of the record of sequences that ran ``alone`` (or not); for shared rounds, the
+        lone record's while theirs is empty; else 0. A lone round never reads the shared record: a
+        shared round's stage pays its share of a batch's plan (a copy 12 ms a round at 8 clients,
+        which kept every lone request after from taking a copy; issue 86's note)."""
         median = self._medians.get(alone)
         if median is None:
-            record = self._seconds[alone] or self._seconds[not alone]
+            record = self._seconds[alone] or (self._seconds[True] if not alone else ())
             median = self._medians[alone] = statistics.median(record) if record else 0.0
         return median

@@ -191,14 +191,17 @@ def draft_round(sequences: Sequence[SequenceRun], plans: Sequence[RoundPlan]) ->
 def draft_proposals(sequences: Sequence[SequenceRun], plans: Sequence[RoundPlan]) -> list[Proposal]:
     """Every sequence's proposal for a round: one drafter call for all that draft (the drafter's
     forks draft them in one forward where the family can, :func:`propose_together`), its time shared
-    evenly among them. Budget 0: the sequence's free copy, if the plan gave it one, else an empty
-    proposal (its pending token is verified alone)."""
+    evenly among them (a sequence's share recorded apart when its drafter did not build its last
+    round's tree: :attr:`~diffdraft.runtime.stats.GenerationStats.catch_up_draft_seconds`). Budget 0:
+    the sequence's free copy, if the plan gave it one, else an empty proposal (its pending token is
+    verified alone)."""
     budgets = [plan.budget for plan in plans]
     depths = [s.tree_depth(budget) for s, budget in zip(sequences, budgets, strict=True)]
     drafting = [i for i, depth in enumerate(depths) if depth > 0]
     token_ids = [sequences[i].token_ids() for i in drafting]
     proposals = [plan.copy or Proposal() for plan in plans]
     if drafting:
+        continuing = {i: sequences[i].stats.drafted_last_round() for i in drafting}
         timer = StageTimer([sequences[i].stats for i in drafting], sequences[0].target.device)
         with timer("draft"):
             drafted = propose_together(
@@ -208,8 +211,8 @@ def draft_proposals(sequences: Sequence[SequenceRun], plans: Sequence[RoundPlan]
         for i, ids, proposal in zip(drafting, token_ids, drafted, strict=True):
             proposal.prefix = ids
             proposals[i] = proposal
-            if sequences[i].stats.first_draft_seconds is None:
-                sequences[i].stats.first_draft_seconds = share
+            if not continuing[i]:
+                sequences[i].stats.catch_up_draft_seconds.append(share)
     return proposals
 
 

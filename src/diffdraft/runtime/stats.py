@@ -32,6 +32,8 @@ class TauEstimate:
     estimated: list[float]
     """The planner's estimate before the chosen rounds' calibration scaled it into :attr:`taus`
     (:class:`~diffdraft.budget.chosen_rounds.ChosenRounds`: what those rounds are compared against)."""
+    alone: bool
+    """Whether the sequence ran alone then (lone and shared rounds' calibrations are apart)."""
     drafted: int = 0
     """Rounds from :attr:`start` on whose tree the drafter built."""
     skipped: bool = False
@@ -94,11 +96,13 @@ class GenerationStats:
     every few drafted rounds: a planner input, so not in :meth:`to_dict`)."""
     timings: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
     """Seconds spent per stage over the whole generation."""
-    first_draft_seconds: float | None = None
-    """This sequence's share of its first drafting round's draft stage (None before it drafted): the
-    drafter takes the whole prompt in then (DFlash projects its taps, DART makes its prefix rows, DEER
-    runs its model over it), a one-off the round planner leaves out of what a drafting round costs
-    (after a batch of sequences that drafted once each, it counted several times a round's cost)."""
+    catch_up_draft_seconds: list[float] = field(default_factory=list)
+    """Per run of drafted rounds (a drafted round after one whose tree the drafter did not build, the
+    first included), that round's share of the draft stage: the drafter takes in what it has not seen
+    yet, the whole prompt on the first (DFlash projects its taps, DART makes its prefix rows, DEER runs
+    its model over it), the tokens of the rounds since it last drafted on the others. A one-off per
+    run, which the round planner charges apart from what a drafted round costs within a run
+    (:class:`~diffdraft.budget.round_budget.DraftingCost`)."""
     copy_seconds: float = 0.0
     """Seconds spent taking free copies and building their chains and masks (in the tree and mask
     stages too): what the auto budget weighs a copy's first token against."""
@@ -122,6 +126,15 @@ class GenerationStats:
     def tau(self) -> float:
         """Mean acceptance length, bonus token included (the papers' tau)."""
         return sum(self.acceptance_lengths) / len(self.acceptance_lengths) if self.acceptance_lengths else 0.0
+
+    def drafted_last_round(self) -> bool:
+        """Whether the drafter built the tree of the sequence's latest round (not a free copy's)."""
+        last = len(self.tree_sizes) - 1
+        return (
+            last >= 0
+            and self.tree_sizes[last] > 0
+            and not (self.copy_rounds and self.copy_rounds[-1] == last)
+        )
 
     def drafter_sizes(self, start: int = 0) -> list[int]:
         """:attr:`tree_sizes` from round ``start`` on, a free copy's round counted 0: the nodes the
