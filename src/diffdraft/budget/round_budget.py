@@ -313,8 +313,8 @@ class RoundBudgetPlanner:
         self.chosen = {alone: ChosenRounds() for alone in (True, False)}
         """How much of the gains it expected the rounds it chose to draft realized, of lone sequences
         and apart of shared rounds: scales every estimate (:meth:`expected_tau`). Kept apart as the
-        stage times are: a server's first load at 8 clients left 0.47 there, and every lone request
-        after it kept that, drafting only to explore, for as long as 64 sequences."""
+        stage times are: a server's first load at 8 clients left its factor on every lone request
+        after it for as long as 64 sequences (docs/decisions.md, as above)."""
         self._taught = 0
         """Finished sequences that taught acceptance (drafted a tree or proposed a surrogate): a new
         one makes every estimate stale. Under load most finished sequences drafted nothing, and
@@ -672,10 +672,9 @@ class DraftingCost:
     cost more, once: the drafter takes in every token since it last drafted, and the plain rounds
     after a run go slower while the target's weights come back into a CPU's cache
     (:func:`~diffdraft.budget.aftermath.aftermath_seconds`) (:attr:`entry`). Spread over every drafted
-    round, as they were, both made drafting dearest where it was rarest: lone requests that drafted
-    only to explore read 10-17 ms a drafted round (other work ran beside that trace), and once a
-    request stopped drafting it never started again; quiet, a round within a run took 4-4.5 ms and a
-    run's first 2-6 (issue 86's note, 2026-12-07)."""
+    round, as they were, both made drafting dearest where it was rarest, and a lone request that
+    stopped drafting never started again (docs/decisions.md, "a run of drafted rounds pays its entry
+    once")."""
 
     round: float
     """Seconds per drafted round within a run."""
@@ -751,8 +750,8 @@ class StageSeconds:
     def median(self, alone: bool) -> float:
         """The median of the record of sequences that ran ``alone`` (or not); for shared rounds, the
         lone record's while theirs is empty; else 0. A lone round never reads the shared record: a
-        shared round's stage pays its share of a batch's plan (a copy 12 ms a round at 8 clients,
-        which kept every lone request after from taking a copy; issue 86's note)."""
+        shared round's stage pays its share of a batch's plan, and read alone it kept lone requests
+        from taking any copy (docs/decisions.md, "a run of drafted rounds pays its entry once")."""
         median = self._medians.get(alone)
         if median is None:
             record = self._seconds[alone] or (self._seconds[True] if not alone else ())
