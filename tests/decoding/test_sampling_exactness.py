@@ -3,6 +3,11 @@
 On an 8-token vocabulary the exact distribution of generated tokens 2 and 3 (the ones a
 verification round decides) is computed by enumeration and compared with a chi-square test.
 Seeds are fixed, so the test is deterministic; it fails only on a real bias.
+
+The draws are decoded in continuous batches (:func:`sampled_pair_counts`): each sequence keeps its own
+cache, drafter context and random stream, so its tokens are the ones its seed gives alone, and the
+many draws cost a fraction of decoding them one after another. The single-sequence loop most users run
+is held to the same draws seed for seed.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from diffdraft.decoding.engine import SpeculativeEngine
 from diffdraft.drafters.dart import DARTDrafter
 from diffdraft.drafters.deer import DEERDrafter
 from diffdraft.drafters.deer_model import DEERDraftModel, deer_from_causal_lm
@@ -22,13 +28,20 @@ from diffdraft.target.model import TargetModel
 from diffdraft.trees import ChainBuilder, DDTreeBuilder
 from diffdraft.trees.dart import DartTreeBuilder, DartTreeSettings
 
+from diffdraft_testing.batching import alone, batched
 from diffdraft_testing.drafters import tiny_dart, tiny_drafter
-from diffdraft_testing.engine import run_engine
 from diffdraft_testing.targets import ignore_windows, tiny_target, windowed_target
 
 VOCAB = 8
 PROMPT = [1, 2, 3, 1, 2]
 RUNS = 1500
+"""Draws per chi-square test, seeds 0 to RUNS - 1."""
+BATCH = 64
+"""Draws decoded at once (the quickest batch on 2 CPU cores: larger ones pay more per sequence)."""
+ALONE = 100
+"""Seeds also decoded alone, each of which must give the batch's tokens: a single-sequence path that
+changed even 5% of the draws fails this with probability 1 - 0.95^100 > 99%, at any change in the
+distribution or none."""
 HOLES = [1, 4, 7]
 """Tokens the holed DEER drafter gives no probability."""
 
@@ -53,9 +66,22 @@ def exact_pair_distribution(model, sampling: SamplingParams) -> torch.Tensor:
 
 
 def sampled_pair_counts(model, drafter, builder, sampling: SamplingParams) -> torch.Tensor:
+    """How often each pair (token 2, token 3) came out of :data:`RUNS` seeded decodes of :data:`PROMPT`.
+
+    The engine decodes them :data:`BATCH` at a time (:class:`~diffdraft.decoding.batching.BatchEngine`:
+    its own cache, drafter fork and random stream each, and the target's float64 forward packed), which
+    gives every seed the tokens it gets alone (tests/decoding/test_batching.py); the first
+    :data:`ALONE` seeds are decoded alone too, through :meth:`SpeculativeEngine.run`, and must agree
+    token for token. So the counts are the ones this test got decoding every seed alone (same seeds,
+    same draws, same chi-square), sooner: a batch shares its rounds' forwards and their Python, and
+    only the prefills stay one per sequence."""
+    engine = SpeculativeEngine(TargetModel(model), drafter, builder)
+    requests = [(PROMPT, 3, seed) for seed in range(RUNS)]
+    outputs = batched(engine, requests, sampling, BATCH, eos=-1)
+    for request, output in zip(requests[:ALONE], outputs, strict=False):
+        assert alone(engine, request, sampling, eos=-1) == output, f"seed {request[2]}: alone != batched"
     counts = torch.zeros(VOCAB * VOCAB, dtype=torch.float64)
-    for seed in range(RUNS):
-        out, _ = run_engine(model, drafter, builder, PROMPT, 3, eos=-1, sampling=sampling, seed=seed)
+    for out in outputs:
         counts[out[1] * VOCAB + out[2]] += 1
     return counts
 
