@@ -96,6 +96,13 @@ def bigram_target():
     return model
 
 
+@pytest.fixture(scope="module")
+def bigram_data(bigram_target) -> tuple[list[TrainingSample], list[TrainingSample]]:
+    """48 training samples and 6 held out, the bigram target's own greedy responses: generated once for
+    every test that learns from them (a trainer only reads its samples)."""
+    return make_samples(bigram_target, 48, seed=1), make_samples(bigram_target, 6, seed=2)
+
+
 @pytest.mark.parametrize(
     ("variant", "draft_vocab_size", "compute_dtype"),
     [
@@ -109,16 +116,18 @@ def bigram_target():
     ],
 )
 def test_a_few_hundred_steps_clearly_beat_the_untrained_drafter(
-    bigram_target, tmp_path, variant, draft_vocab_size, compute_dtype
+    bigram_target, bigram_data, tmp_path, variant, draft_vocab_size, compute_dtype
 ):
+    """A step's 4 sequences run as one micro-batch: one forward, in half the time of four, and the same
+    step as one sequence at a time (the micro-batch test below checks that for every variant here)."""
     target = bigram_target
-    train = make_samples(target, 48, seed=1)
-    held_out = make_samples(target, 6, seed=2)
+    train, held_out = bigram_data
     settings = config(
         tmp_path,
         variant=variant,
         epochs=25,
         batch_size=4,
+        micro_batch_size=4,
         draft_vocab_size=draft_vocab_size,
         compute_dtype=compute_dtype,
         draft_length=2,
@@ -150,12 +159,16 @@ def test_drafters_of_a_sliding_window_target_train_on_its_taps_and_keep_its_outp
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-def test_deer_learns_from_token_labels_without_any_target_forward(bigram_target, tmp_path, stage):
-    """DEER reads tokens only: on the data's tokens its training never runs the target."""
+def test_deer_learns_from_token_labels_without_any_target_forward(
+    bigram_target, bigram_data, tmp_path, stage
+):
+    """DEER reads tokens only: on the data's tokens its training never runs the target. A step's 4
+    sequences run as one micro-batch, as in the test above."""
     target = TargetModel(bigram_target)
-    train = make_samples(bigram_target, 48, seed=1)
-    held_out = make_samples(bigram_target, 6, seed=2)
-    settings = config(tmp_path, variant=DEER, labels="tokens", stage=stage, max_suffix=4, epochs=25)
+    train, held_out = bigram_data
+    settings = config(
+        tmp_path, variant=DEER, labels="tokens", stage=stage, max_suffix=4, epochs=25, micro_batch_size=4
+    )
     trainer = Trainer(settings, target, train)
     untrained = chain_tau(bigram_target, load_draft_model_copy(trainer), held_out)
 
@@ -270,7 +283,7 @@ def test_two_processes_equal_one_with_the_same_global_batch(target, tmp_path):
         torch.testing.assert_close(ddp_weights[name], tensor, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("variant", [DFLARE, DART])
+@pytest.mark.parametrize("variant", [DFLASH, DFLARE, DART, DEER])
 def test_micro_batches_of_padded_sequences_train_the_weights_one_at_a_time_does(target, tmp_path, variant):
     """Sequences of different lengths, three per forward (right-padded) or one: the same steps."""
     samples = [
