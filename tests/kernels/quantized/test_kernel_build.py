@@ -108,21 +108,46 @@ NARROWER_BUILDS = _BUILDS[1:] if _BUILDS and kernel_build.instruction_set() == _
 tests already run on one of them (the run on the widest checks them all, once each)."""
 
 
+@pytest.fixture(scope="module")
+def narrower_runs(request, tmp_path_factory):
+    """The kernel tests of each narrower build this session checks, each in a process that builds and
+    loads it, all started at once: {build: (process, its output file)}. A build's tests run on one
+    thread (tests/conftest.py); side by side, the other build's compile or tests take the core they
+    leave idle, where one after the other they left it idle for each build's tests."""
+    checked = {
+        item.callspec.params["build"]
+        for item in request.session.items
+        if item.originalname == "test_the_kernel_tests_pass_on_each_narrower_build_too"
+    }
+    folder = Path(__file__).parent
+    runs = {}
+    for build in sorted(checked & set(NARROWER_BUILDS)):
+        output = tmp_path_factory.mktemp(f"kernel-tests-{build}") / "output.txt"
+        with output.open("w") as sink:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(folder)],
+                env={**os.environ, kernel_build.ISA_VARIABLE: build},
+                cwd=folder.parents[2],
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+            )
+        runs[build] = process, output
+    yield runs
+    for process, _ in runs.values():
+        if process.poll() is None:  # its test did not wait for it (stopped first)
+            process.kill()
+            process.wait()
+
+
 @pytest.mark.parametrize("build", ["avx512-vnni", "avx2"])
-def test_the_kernel_tests_pass_on_each_narrower_build_too(build):
+def test_the_kernel_tests_pass_on_each_narrower_build_too(build, narrower_runs):
     """A CPU runs its widest build everywhere else, so each narrower one that other CPUs run is checked
-    here: the kernel tests again, in a process that builds and loads it."""
+    here: the kernel tests again, in a process that builds and loads it (:func:`narrower_runs`)."""
     if build not in NARROWER_BUILDS:
         pytest.skip(f"{build} is not a narrower build checked from this run (see NARROWER_BUILDS)")
-    folder = Path(__file__).parent
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(folder)],
-        env={**os.environ, kernel_build.ISA_VARIABLE: build},
-        cwd=folder.parents[2],
-        capture_output=True,
-        text=True,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    process, output = narrower_runs[build]
+    returncode = process.wait()
+    assert returncode == 0, output.read_text()[-6000:]
 
 
 def test_a_cpu_without_avx2_keeps_dense_weights(fresh_build, monkeypatch):
