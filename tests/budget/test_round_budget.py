@@ -821,3 +821,41 @@ def test_a_lone_sequence_pays_a_run_s_entry_only_to_start_one_and_a_batch_every_
     assert rounds.plan([RoundSequence(stats, 100, can_draft=True)]) != [0]
     verified(stats, nodes=0, accepted=[], context=100, seconds=0.01)
     assert rounds.plan([RoundSequence(stats, 100, can_draft=True)]) == [0]
+
+
+def test_every_variant_of_a_round_reads_the_same_forward():
+    """A lone round that would start a run of drafted rounds and one that would go on with it differ
+    in their drafting cost only: each reading its own forward, made when first asked from records a
+    few finished sequences apart, a lone request alternated plain and drafted rounds."""
+    rounds = RoundBudgetPlanner(BudgetPlanner(VerifyCostCurve([1, 64], [100], [[0.01, 0.02]])))
+    rounds._draft_seconds.add(True, 0.002)
+    taus = [[1.0, 1.9, 2.5]]
+    entering = rounds.round_costs(taus, 100, entering=True)
+    going_on = rounds.round_costs(taus, 100, entering=False)
+    assert entering[0] is going_on[0]
+    assert rounds.round_costs(taus, 100, own_draft=0.003)[0] is going_on[0]
+    assert rounds.round_costs(taus * 2, 100)[0] is not going_on[0]  # another shape, its own forward
+
+
+@pytest.mark.parametrize("outside", [0.0, 0.01])
+def test_a_lone_round_pays_the_time_its_sequence_spent_in_no_stage(outside):
+    """A lone sequence's wall time outside its stages (the loop around them: the plan, stop checks,
+    a server's stream) is paid every round whatever it verifies, so it weighs against drafting's gain
+    as a round's fixed time; in a batch a sequence's wall time is the whole batch's and is not read."""
+    curve = VerifyCostCurve(sizes=[1, 64], contexts=[100], seconds=[[0.01, 0.0163]])  # 0.1 ms a node
+    rounds = RoundBudgetPlanner(BudgetPlanner(curve), explore_alone=1000)
+    lone = finished((1, 4, 100), draft=0.006, commit=0.0005)
+    lone.total_seconds = sum(lone.timings.values()) + lone.rounds * outside
+    shared = finished((2, 8, 100), draft=0.006, commit=0.0005)
+    shared.total_seconds = 1.0
+    rounds.observe_generation(lone)
+    rounds.observe_generation(shared)
+    assert rounds.commit_seconds(alone=True) == pytest.approx(0.0005 + outside)
+    assert rounds.commit_seconds(alone=False) == pytest.approx(0.0005)
+    # about 1.5 tokens expected from 2 nodes: 1.53 / (10.1 + 6 + 0.5 ms) loses to 1 / 10.5 ms, and
+    # wins once both rounds also pay 10 ms outside their stages
+    stats = GenerationStats(surrogates=[[1.0 + 0.15 * min(b, 2) for b in range(20)]])
+    for _ in range(8):
+        verified(stats, nodes=4, accepted=[1], context=100, seconds=0.0104)
+    [budget] = rounds.plan([RoundSequence(stats, 100, can_draft=True)])
+    assert (budget > 0) == (outside > 0)

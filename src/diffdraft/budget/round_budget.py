@@ -304,12 +304,17 @@ class RoundBudgetPlanner:
         self._learned = 0
         """Finished sequences observed."""
         self.cost_refresh = cost_refresh
-        self._costs: dict[tuple[int, int, int], tuple[list[float], float, float]] = {}
+        self._costs: dict[tuple, tuple[list[float], float, float]] = {}
         """Each round shape's costs (:meth:`round_costs`) since they were last refreshed: after each
         of the first ``cost_refresh`` finished sequences (costs start from nothing), then after every
         ``cost_refresh``-th. One sequence moves windows of many rounds little, and reading them anew
         for every finished sequence cost a visible share of the plans under load (docs/decisions.md,
         "plans bounded and stood under load")."""
+        self._forward_costs: dict[tuple[int, int, int], list[float]] = {}
+        """The forward part of :attr:`_costs` by shape alone, refreshed with it: every variant of a
+        shape (a lone round that would start a run of drafted rounds or go on with one) reads the
+        same forward. Each made its own when first asked, and a lone sequence whose two variants came
+        from records a few sequences apart alternated plain and drafted rounds on the difference."""
         self.chosen = {alone: ChosenRounds() for alone in (True, False)}
         """How much of the gains it expected the rounds it chose to draft realized, of lone sequences
         and apart of shared rounds: scales every estimate (:meth:`expected_tau`). Kept apart as the
@@ -397,6 +402,7 @@ class RoundBudgetPlanner:
         self._learned += 1
         if self._learned <= self.cost_refresh or self._learned % self.cost_refresh == 0:
             self._costs.clear()
+            self._forward_costs.clear()
         alone = all(forward[0] == 1 for forward in stats.verify_forwards)
         plain = plain_forwards(stats)  # read by the drafting cost and the shared forwards' window
         self.chosen[alone].observe(stats)  # reaches the estimates as _taught's change does (it drafted)
@@ -409,7 +415,7 @@ class RoundBudgetPlanner:
             seconds = stats.copy_seconds + stats.copy_plan_seconds
             self._copy_seconds.add(alone, seconds / len(stats.copy_rounds))
         if stats.rounds:
-            self._commit_seconds.add(alone, sum(stats.timings[s] for s in COMMIT_STAGES) / stats.rounds)
+            self._commit_seconds.add(alone, _outside_seconds(stats, alone) / stats.rounds)
         self._keep_forwards(stats, plain.steady)
 
     def _keep_forwards(self, stats: GenerationStats, steady: list[bool]) -> None:
@@ -592,18 +598,17 @@ class RoundBudgetPlanner:
         ``own_draft``: a lone sequence's own drafting seconds, standing in for the finished lone
         sequences' record while it is empty (:meth:`_own_draft_seconds`); ``entering``: a drafting
         sequence would start a run of drafted rounds (:meth:`_round_draft_seconds`)."""
-        key = (
-            len(taus),
-            max(len(tau) for tau in taus),
-            int(context) // self.context_step,
-            own_draft,
-            entering,
-        )
+        shape = (len(taus), max(len(tau) for tau in taus), int(context) // self.context_step)
+        key = (*shape, own_draft, entering)
         costs = self._costs.get(key)
         if costs is None:
             for stale in [k for k in self._costs if k[3] not in (None, own_draft)]:
                 del self._costs[stale]  # costs of the lone sequence's earlier drafting times: unread now
-            verify = running_max(self.verify_seconds(np.arange(key[0] * key[1] + 1), len(taus), context))
+            verify = self._forward_costs.get(shape)
+            if verify is None:
+                tokens = np.arange(shape[0] * shape[1] + 1)
+                verify = running_max(self.verify_seconds(tokens, len(taus), context))
+                self._forward_costs[shape] = verify
             alone = len(taus) == 1
             draft = self._round_draft_seconds(alone, entering, own_draft)
             costs = (verify, draft, self.commit_seconds(alone) * len(taus))
@@ -703,6 +708,20 @@ class DraftingCost:
         if plain is not None:
             entry += aftermath_seconds(stats, plain) / max(1, len(runs))
         return cls(forward + building, entry)
+
+
+def _outside_seconds(stats: GenerationStats, alone: bool) -> float:
+    """What a finished sequence's rounds took outside the forward and drafting: its accept and commit
+    stages, and alone also its wall time in no stage (the loop around the stages: the plan, stop
+    checks, handing tokens to a server's stream). Every round pays that whatever it verifies, and a
+    plan that left it out weighed a drafted round's gain against too small a round: a lone server
+    request spent 2-3 ms a round there against a plain forward's 9, and stayed plain where a fixed
+    budget ran 1.5x faster (docs/decisions.md, "a lone round's time outside its stages"). In a batch
+    a sequence's wall time is the whole batch's, so only its stages count."""
+    stages = sum(stats.timings[s] for s in COMMIT_STAGES)
+    if not alone:
+        return stages
+    return stages + max(0.0, stats.total_seconds - sum(stats.timings.values()))
 
 
 def _record_round(sequences: Sequence[RoundSequence], budgets: list[int], explore: list[bool]) -> None:
