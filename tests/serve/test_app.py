@@ -451,6 +451,21 @@ def test_models_and_health(client, server):
     assert health.status_code == 200 and health.json()["status"] == "ok"
 
 
+def test_routes_answer_a_retry_while_the_model_loads_and_raise_nothing():
+    """Before the scheduler is ready every route but /health answers 503 with Retry-After; the
+    refusal is an answer, not an error raised through the app (the server logged a traceback for
+    each such request, every poll of a client waiting for the model)."""
+    from starlette.testclient import TestClient
+
+    app = create_app(None, MODEL)
+    with TestClient(app, raise_server_exceptions=True) as test_client:
+        for path in ("/v1/models", "/metrics"):
+            response = test_client.get(path)
+            assert response.status_code == 503 and response.headers["retry-after"] == "1"
+            assert "still starting" in response.json()["error"]["message"]
+        assert test_client.get("/health").json()["status"] == "loading"
+
+
 def metric_samples(server) -> dict:
     response = httpx.get(server.url + "/metrics")
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")

@@ -390,6 +390,13 @@ def create_app(
     async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
         return ApiError(400, f"invalid request: {error.errors()}").response()
 
+    @app.exception_handler(ApiError)
+    async def refused(request: Request, error: ApiError) -> JSONResponse:
+        # its own handler: the one for Exception answers from Starlette's outermost middleware, which
+        # then raises the error again for the server to log, and every poll of /v1/models while the
+        # model loaded wrote a traceback headed "Exception in ASGI application"
+        return error.response()
+
     @app.exception_handler(Exception)
     async def unexpected_error(request: Request, error: Exception) -> JSONResponse:
         return api_error(error).response()
