@@ -161,6 +161,18 @@ def test_until_plain_rounds_are_timed_a_plain_round_costs_the_curves_own_point()
     assert planner.cost()(1, 512) > 0.02
 
 
+def test_timed_plain_rounds_outlive_a_long_stretch_of_drafted_ones():
+    """Plain and tree rounds keep their own windows: once a run of sequences that drafted every round
+    had pushed the plain ones out of a shared window, a plain round read the curve's own point while
+    the trees read the machine's slower speed since, and plain decoding looked twice as cheap."""
+    curve = VerifyCostCurve(sizes=[1, 8, 16, 64], contexts=[512], seconds=[[0.02, 0.02, 0.03, 0.1]])
+    planner = BudgetPlanner(curve, max_budget=32, timed_rounds=16)
+    planner.observe_rounds(_rounds(MIN_TIMED_ROUNDS, 0, [], seconds=0.046))  # 2.3x the curve
+    planner.observe_rounds(_rounds(64, 7, [], seconds=0.046))  # drafted, 2.3x as well
+    assert planner.cost()(1, 512) == pytest.approx(0.046)
+    assert planner.cost()(8, 512) == pytest.approx(0.046)
+
+
 def test_a_plain_round_is_timed_only_where_it_ran_steady_as_the_curve_times_one_token_rounds():
     """Not within eight rounds of the prompt or of a drafted round (their forwards run slow); a free
     copy's round is left out, and alone it does not count as drafting."""

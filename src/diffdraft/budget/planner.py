@@ -155,7 +155,13 @@ class BudgetPlanner:
         promised for those very rounds (against the recent proposals' mean, a window of other texts
         than the rounds', it read a well-calibrated drafter as overconfident; docs/decisions.md,
         "growth calibrated round by round")."""
-        self._timed: deque[tuple[int, float]] = deque(maxlen=timed_rounds)  # (q, measured / curve)
+        self._timed = {plain: deque(maxlen=timed_rounds) for plain in (True, False)}
+        """(q, measured / curve) of the latest timed plain rounds (q = 1) and, apart, tree rounds: a
+        stretch of sequences that drafted every round pushed every plain round out of one window, and
+        a plain round fell back to the curve's own point while the trees read the machine's slower
+        speed since (2.3x the curve in a server, its probe quiet): plain rounds read 4 ms where they
+        took 9, and every lone request decoded plainly (docs/decisions.md, "a lone round's time
+        outside its stages")."""
         self._mean_gains: np.ndarray | None = None
         """The finished proposals' mean gain per node rank, until one more comes (every sequence that
         has not drafted yet is estimated from it)."""
@@ -197,11 +203,10 @@ class BudgetPlanner:
             self._rounds.extend(drafted)
             self._promised.extend(gains * (ranks <= r.budget) for r in drafted)
             self._finished_gains = None
-        self._timed.extend(
-            (r.budget + 1, r.seconds / self.curve(r.budget + 1, r.context))
-            for r in rounds
-            if r.seconds > 0 and r.forward is None
-        )
+        for r in rounds:
+            if r.seconds > 0 and r.forward is None:
+                q = r.budget + 1
+                self._timed[q == 1].append((q, r.seconds / self.curve(q, r.context)))
         self._cost = None
 
     def surrogate(self, sequence: GenerationStats | None = None) -> list[float]:
@@ -255,7 +260,7 @@ class BudgetPlanner:
         """Verified sizes with enough timed rounds, their median measured / cached-curve time, and
         how many rounds each."""
         ratios: dict[int, list[float]] = {}
-        for q, ratio in self._timed:
+        for q, ratio in [*self._timed[True], *self._timed[False]]:
             ratios.setdefault(q, []).append(ratio)
         sizes = sorted(q for q, seen in ratios.items() if len(seen) >= MIN_TIMED_ROUNDS)
         return sizes, [float(np.median(ratios[q])) for q in sizes], [len(ratios[q]) for q in sizes]
