@@ -155,13 +155,14 @@ class BudgetPlanner:
         promised for those very rounds (against the recent proposals' mean, a window of other texts
         than the rounds', it read a well-calibrated drafter as overconfident; docs/decisions.md,
         "growth calibrated round by round")."""
-        self._timed = {plain: deque(maxlen=timed_rounds) for plain in (True, False)}
+        self._timed: dict[bool, deque[tuple[int, float]]] = {
+            plain: deque(maxlen=timed_rounds) for plain in (True, False)
+        }
         """(q, measured / curve) of the latest timed plain rounds (q = 1) and, apart, tree rounds: a
         stretch of sequences that drafted every round pushed every plain round out of one window, and
         a plain round fell back to the curve's own point while the trees read the machine's slower
-        speed since (2.3x the curve in a server, its probe quiet): plain rounds read 4 ms where they
-        took 9, and every lone request decoded plainly (docs/decisions.md, "a lone round's time
-        outside its stages")."""
+        speed since, so plain decoding looked far cheaper than it ran and every later lone request
+        decoded plainly (docs/decisions.md, "a lone round's time outside its stages")."""
         self._mean_gains: np.ndarray | None = None
         """The finished proposals' mean gain per node rank, until one more comes (every sequence that
         has not drafted yet is estimated from it)."""

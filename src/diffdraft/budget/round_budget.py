@@ -13,12 +13,13 @@ with tau_i a sequence's expected acceptance length per budget (:meth:`BudgetPlan
 from its own record, its gains scaled by what the rounds plans chose to draft realized of theirs:
 :mod:`~diffdraft.budget.chosen_rounds`), t the verification forward (the single-sequence curve
 alone, the batch curve shared, both rescaled by the finished sequences' own forwards), d the
-drafting, tree and mask time of one drafting sequence and c each sequence's acceptance and commit,
-both learned from finished sequences: from those decoded alone for a round of one sequence, from
-those that shared forwards for a round of several (drafting in a batch costs a sequence another time
-than drafting alone, and a planner that carried batch-8 drafting times to a lone sequence stopped it
-drafting). Before any lone sequence finished, a lone sequence's d comes from its own drafted rounds;
-d is a drafted round's within a run of them, and starting a run costs more once (:class:`DraftingCost`).
+drafting, tree and mask time of one drafting sequence and c each sequence's acceptance and commit
+(alone also its wall time in no stage: :func:`_outside_seconds`), both learned from finished
+sequences: from those decoded alone for a round of one sequence, from those that shared forwards for
+a round of several (drafting in a batch costs a sequence another time than drafting alone, and a
+planner that carried batch-8 drafting times to a lone sequence stopped it drafting). Before any
+lone sequence finished, a lone sequence's d comes from its own drafted rounds; d is a drafted
+round's within a run of them, and starting a run costs more once (:class:`DraftingCost`).
 
 Under load most sequences end at B_i = 0: a drafter forward and its tree do not pay for themselves
 once a CPU's forward cost grows with every verified token. A copy does not need the drafter:
@@ -714,10 +715,10 @@ def _outside_seconds(stats: GenerationStats, alone: bool) -> float:
     """What a finished sequence's rounds took outside the forward and drafting: its accept and commit
     stages, and alone also its wall time in no stage (the loop around the stages: the plan, stop
     checks, handing tokens to a server's stream). Every round pays that whatever it verifies, and a
-    plan that left it out weighed a drafted round's gain against too small a round: a lone server
-    request spent 2-3 ms a round there against a plain forward's 9, and stayed plain where a fixed
-    budget ran 1.5x faster (docs/decisions.md, "a lone round's time outside its stages"). In a batch
-    a sequence's wall time is the whole batch's, so only its stages count."""
+    plan that left it out weighed a drafted round's gain against too small a round: in a server,
+    where that time is a good share of a round, lone requests stayed plain where a fixed budget ran
+    well faster (docs/decisions.md, "a lone round's time outside its stages"). In a batch a
+    sequence's wall time is the whole batch's, so only its stages count."""
     stages = sum(stats.timings[s] for s in COMMIT_STAGES)
     if not alone:
         return stages
