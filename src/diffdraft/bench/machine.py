@@ -5,6 +5,8 @@ from __future__ import annotations
 import platform
 from pathlib import Path
 
+from diffdraft.util.cpu_flags import cpu_flags
+
 
 def cpu_name() -> str:
     """The CPU's model name from /proc/cpuinfo, else what the platform module knows."""
@@ -34,12 +36,5 @@ with it)."""
 
 def cpu_description() -> dict:
     """The CPU's model name and which of :data:`SPEED_FLAGS` it has, from /proc/cpuinfo."""
-    flags: set[str] = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
+    flags = cpu_flags()
     return {"model": cpu_name(), "flags": {flag: flag in flags for flag in SPEED_FLAGS}}

@@ -56,10 +56,13 @@ def test_the_library_name_changes_with_the_source(fresh_build, monkeypatch, tmp_
     assert first.parent == fresh_build / "kernels"
 
 
-def _cpu(monkeypatch, capability: str, bf16: bool = True, vnni: bool = True) -> None:
-    """Make torch report a CPU of ``capability`` with or without AVX-512's bfloat16 and VNNI dot products
-    (and ask for no build: the checks of the narrower builds below run these tests with one asked for)."""
+def _cpu(monkeypatch, capability: str, bf16: bool = True, vnni: bool = True, avx_vnni: bool = True) -> None:
+    """Make torch report a CPU of ``capability`` with or without AVX-512's bfloat16 and VNNI dot products,
+    and Linux one with or without AVX-VNNI (and ask for no build: the checks of the narrower builds below
+    run these tests with one asked for)."""
     monkeypatch.delenv(kernel_build.ISA_VARIABLE, raising=False)
+    flags = frozenset({"avx2", "avx_vnni"} if avx_vnni else {"avx2"})
+    monkeypatch.setattr(kernel_build, "cpu_flags", lambda: flags)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16, raising=False)
     monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: vnni, raising=False)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
@@ -70,35 +73,44 @@ def test_each_cpu_gets_the_widest_build_it_runs_each_cached_apart(fresh_build, m
     for features, build in [
         ({"bf16": True, "vnni": True}, "avx512"),
         ({"bf16": False, "vnni": True}, "avx512-vnni"),
-        ({"bf16": True, "vnni": False}, "avx2"),
-        ({"bf16": False, "vnni": False}, "avx2"),
+        ({"bf16": True, "vnni": False}, "avx2-vnni"),
+        ({"bf16": True, "vnni": False, "avx_vnni": False}, "avx2"),
+        ({"bf16": False, "vnni": False, "avx_vnni": False}, "avx2"),
     ]:
         _cpu(monkeypatch, "AVX512", **features)
         assert kernel_build.instruction_set() == build, features
         libraries.add(kernel_build._library_path())
-    assert len(libraries) == 3
+    assert len(libraries) == 4
     _cpu(monkeypatch, "AVX2")
+    assert kernel_build.instruction_set() == "avx2-vnni"
+    _cpu(monkeypatch, "AVX2", avx_vnni=False)
     assert kernel_build.instruction_set() == "avx2"
 
 
 def test_the_build_without_bf16_leaves_out_only_the_bf16_instructions(monkeypatch):
     _cpu(monkeypatch, "AVX512", bf16=False)
     assert set(kernel_build.ISA_FLAGS["avx512"]) - set(kernel_build.flags()) == {"-mavx512bf16"}
-    _cpu(monkeypatch, "AVX512", vnni=False)
+    _cpu(monkeypatch, "AVX512", vnni=False, avx_vnni=False)
     assert "-mavx2" in kernel_build.flags() and not any("avx512" in flag for flag in kernel_build.flags())
+    _cpu(monkeypatch, "AVX2")
+    assert set(kernel_build.flags()) - set(kernel_build.ISA_FLAGS["avx2"]) == {"-mavxvnni"}
 
 
 def test_a_narrower_build_can_be_asked_for_a_wider_one_or_another_name_cannot(monkeypatch):
     _cpu(monkeypatch, "AVX512")
-    for build in ("avx512-vnni", "avx2"):
+    for build in ("avx512-vnni", "avx2-vnni", "avx2"):
         monkeypatch.setenv(kernel_build.ISA_VARIABLE, build)
         assert kernel_build.instruction_set() == build
     monkeypatch.setenv(kernel_build.ISA_VARIABLE, "avx512f")
-    with pytest.raises(ValueError, match="may only be one of avx512, avx512-vnni, avx2"):
+    with pytest.raises(ValueError, match="may only be one of avx512, avx512-vnni, avx2-vnni, avx2"):
         kernel_build.instruction_set()
-    _cpu(monkeypatch, "AVX512", bf16=False)
+    _cpu(monkeypatch, "AVX512", bf16=False, avx_vnni=False)
     monkeypatch.setenv(kernel_build.ISA_VARIABLE, "avx512")
-    with pytest.raises(ValueError, match="this CPU lacks; it runs avx512-vnni, avx2"):
+    with pytest.raises(ValueError, match="this CPU lacks; it runs avx512-vnni, avx2:"):
+        kernel_build.instruction_set()
+    _cpu(monkeypatch, "AVX2", avx_vnni=False)
+    monkeypatch.setenv(kernel_build.ISA_VARIABLE, "avx2-vnni")
+    with pytest.raises(ValueError, match="this CPU lacks; it runs avx2:"):
         kernel_build.instruction_set()
 
 

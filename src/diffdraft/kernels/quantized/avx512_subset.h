@@ -4,7 +4,7 @@
 // but no BF16, the two bfloat16 instructions the kernels use are made of AVX-512F ones. Compiled for AVX2
 // (most CPUs without AVX-512: Zen 1-3, Intel client cores), each 512-bit register becomes two 256-bit
 // halves in a struct and each intrinsic a function with the instruction's own result, so the kernels'
-// sources stay one. Without it an AVX2 machine took dense weights, far slower than the emulated kernels
+// sources stay one; where the CPU also has AVX-VNNI, the int8 dot products are its 256-bit VPDPBUSD. Without it an AVX2 machine took dense weights, far slower than the emulated kernels
 // (docs/decisions.md, "AVX-512 kernels emulated on AVX2"). Results equal the
 // instructions' but for denormal inputs to the bfloat16 ones (the hardware reads them as zero) and
 // for _mm512_scalef_ps outside the exponents [-252, 254]. The sources name a few operations that are
@@ -358,6 +358,12 @@ AVX2_INLINE f32x16 maskz_compress_ps(uint32_t mask, f32x16 a) { return compress<
 AVX2_INLINE i32x16 maskz_compress_epi32(uint32_t mask, i32x16 a) { return compress<Ints<int32_t, 16>>(mask, a); }
 
 // ---- dot products ----
+#if defined(__AVXVNNI__)
+// AVX-VNNI (the 256-bit VPDPBUSD without AVX-512: Intel cores since Alder Lake, Xeon 6 E-cores): the
+// instruction itself, one per 32 byte products where AVX2 takes six (docs/decisions.md, "AVX2 with
+// AVX-VNNI gets its own build").
+AVX2_INLINE __m256i dpbusd_half(__m256i src, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(src, u, s); }
+#else
 // Per int32 lane, src + the sum of four unsigned-by-signed byte products (no saturation): bytes
 // widened to 16 bits, even and odd ones apart, so each VPMADDWD sum stays exact.
 AVX2_INLINE __m256i dpbusd_half(__m256i src, __m256i u, __m256i s) {
@@ -366,6 +372,7 @@ AVX2_INLINE __m256i dpbusd_half(__m256i src, __m256i u, __m256i s) {
   const __m256i odd = _mm256_madd_epi16(_mm256_srli_epi16(u, 8), _mm256_srai_epi16(s, 8));
   return _mm256_add_epi32(src, _mm256_add_epi32(even, odd));
 }
+#endif
 AVX2_INLINE i32x16 dpbusd_epi32(i32x16 src, i32x16 a, i32x16 b) {
   return {dpbusd_half(src.lo, a.lo, b.lo), dpbusd_half(src.hi, a.hi, b.hi)};
 }
@@ -374,6 +381,15 @@ AVX2_INLINE i32x16 dpbusd_epi32(i32x16 src, i32x16 a, i32x16 b) {
 // matmul ran far slower: docs/decisions.md, "AVX-512 kernels emulated on AVX2").
 AVX2_INLINE void keep_chain(__m256i& lo, __m256i& hi) { asm("" : "+x"(lo), "+x"(hi)); }
 
+#if defined(__AVXVNNI__)
+// With VPDPBUSD itself, the 4-bit chains and the offset bytes take it as the AVX-512 build does.
+using nibble_sum = i32x16;
+AVX2_INLINE nibble_sum nibble_zero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+AVX2_INLINE nibble_sum nibble_dot(nibble_sum sum, i32x16 a, i32x16 b) { return dpbusd_epi32(sum, a, b); }
+AVX2_INLINE i32x16 nibble_total(nibble_sum sum) { return sum; }
+AVX2_INLINE i32x16 dpbusd_offset128_epi32(i32x16 src, i32x16 a, i32x16 b) { return dpbusd_epi32(src, a, b); }
+AVX2_INLINE int32_t dpbusd_offset128_start(int32_t b_sum) { return -128 * b_sum; }
+#else
 // Chains over 4-bit codes: VPMADDUBSW's pairs of products stay far inside int16 (no saturation), so
 // eight of them add up in 16-bit lanes and one VPMADDWD per chain widens them (a quarter of the general
 // case's instructions per product).
@@ -404,6 +420,7 @@ AVX2_INLINE i32x16 dpbusd_offset128_epi32(i32x16 src, i32x16 a, i32x16 b) {
   return out;
 }
 AVX2_INLINE int32_t dpbusd_offset128_start(int32_t) { return 0; }
+#endif
 
 // Eight bfloat16 pairs as float32: each pair's even element (its low word) and its odd one. A
 // bfloat16 is the high half of the float32 of the same bits, so each is one shift or one mask.

@@ -30,6 +30,7 @@ import torch.utils.cpp_extension
 
 from diffdraft.util.cache import cache_root
 from diffdraft.util.cache_digest import intact, sealed_file
+from diffdraft.util.cpu_flags import cpu_flags
 from diffdraft.util.progress import progress_bar
 from diffdraft.util.staging import temp_dir_beside
 
@@ -44,23 +45,26 @@ COMMON_FLAGS = ["-O3", "-std=c++20", "-fPIC", "-fopenmp"]
 ISA_FLAGS = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma"],
     "avx512-vnni": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma"],
+    "avx2-vnni": ["-mavx2", "-mfma", "-mf16c", "-mavxvnni", "-ffp-contract=off", "-Wno-psabi"],
     "avx2": ["-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-Wno-psabi"],
 }
 """Per instruction set the kernels are built for, widest first. No -march=native: the cached library
 must not use instructions of the machine that compiled it beyond those :func:`instruction_set`
 checks. "avx512-vnni" is "avx512" less its bfloat16 instructions, which avx512_subset.h makes of others
-with the same results; the AVX2 build keeps a multiply and an add apart as the AVX-512 intrinsics do."""
+with the same results; "avx2-vnni" is the AVX2 build with AVX-VNNI's 256-bit int8 dot product in place of
+its emulation. The AVX2 builds keep a multiply and an add apart as the AVX-512 intrinsics do."""
 
 ISA_VARIABLE = "DIFFDRAFT_KERNEL_ISA"
-"""Set to a narrower build than this CPU's best ("avx512-vnni" or "avx2") to build and run it on a wider
-CPU: the tests check every build that way, and the benchmarks measure what a narrower CPU runs."""
+"""Set to a narrower build than this CPU's best ("avx512-vnni", "avx2-vnni" or "avx2") to build and run it
+on a wider CPU: the tests check every build that way, and the benchmarks measure what a narrower CPU runs."""
 
 
 def instruction_set() -> str | None:
     """The widest build this CPU runs, or the narrower one :data:`ISA_VARIABLE` asks for: "avx512" with
     AVX-512's bfloat16 and int8 (VNNI) dot products (Zen 4, Sapphire Rapids), "avx512-vnni" with VNNI
-    but no bfloat16 ones (Cascade Lake, Ice Lake), "avx2" on any other CPU with AVX2 (with FMA and
-    F16C, which every AVX2 CPU has, and AVX-512 without VNNI: Skylake-SP), else None."""
+    but no bfloat16 ones (Cascade Lake, Ice Lake), "avx2-vnni" with AVX2 and AVX-VNNI but no AVX-512 (Intel
+    cores since Alder Lake, Xeon 6 E-cores), "avx2" on any other CPU with AVX2 (with FMA and F16C, which
+    every AVX2 CPU has, and AVX-512 without VNNI: Skylake-SP), else None."""
     asked = os.environ.get(ISA_VARIABLE, "")
     available = _available_builds()
     if not asked:
@@ -86,6 +90,8 @@ def _available_builds() -> list[str]:
     probes = {name: getattr(torch.cpu, f"_is_{name}_supported", None) for name in ("avx512_bf16", "vnni")}
     has = {name: probe is not None and probe() for name, probe in probes.items()}
     builds = ["avx2"]
+    if "avx_vnni" in cpu_flags():  # torch has no probe for it
+        builds.insert(0, "avx2-vnni")
     if capability == "AVX512" and has["vnni"]:
         builds.insert(0, "avx512-vnni")
         if has["avx512_bf16"]:
