@@ -151,7 +151,7 @@ def narrower_runs(request, tmp_path_factory):
             process.wait()
 
 
-@pytest.mark.parametrize("build", ["avx512-vnni", "avx2"])
+@pytest.mark.parametrize("build", ["avx512-vnni", "avx2-vnni", "avx2"])
 def test_the_kernel_tests_pass_on_each_narrower_build_too(build, narrower_runs):
     """A CPU runs its widest build everywhere else, so each narrower one that other CPUs run is checked
     here: the kernel tests again, in a process that builds and loads it (:func:`narrower_runs`)."""
