@@ -14,7 +14,13 @@ import torch
 
 from diffdraft.budget.cost import VerifyCostCurve
 from diffdraft.budget.planner import BudgetPlanner, rounds_of
-from diffdraft.budget.round_budget import TREE_SCALE_FLOOR, RoundBudgetPlanner, plan_budgets, plan_copies
+from diffdraft.budget.round_budget import (
+    TREE_SCALE_FLOOR,
+    OwnRounds,
+    RoundBudgetPlanner,
+    plan_budgets,
+    plan_copies,
+)
 from diffdraft.decoding.engine import PLAIN, RoundPlan, SpeculativeEngine
 from diffdraft.drafters.base import Proposal
 from diffdraft.drafters.dart import DARTDrafter
@@ -785,16 +791,39 @@ def test_the_first_lone_sequence_plans_with_its_own_drafting_time(draft, drafts)
     assert (budget > 0) == drafts
 
 
-def test_a_lone_sequence_keeps_only_its_latest_drafting_time_s_costs():
-    """Its own drafting time is read anew every few rounds and keys the round's costs: a long first
-    request must not keep one set of costs per reading for as long as it runs."""
+@pytest.mark.parametrize("outside", [0.0, 0.01])
+def test_the_first_lone_sequence_plans_with_its_own_time_outside_its_stages(outside):
+    """Before a lone sequence finished, the record of time outside the stages is empty (a server's
+    first lone request, or its first after a load of batches): a lone sequence's own wall time so far
+    stands in, so it drafts where rounds of 10 ms outside their stages make drafting pay (as
+    :func:`test_a_lone_round_pays_the_time_its_sequence_spent_in_no_stage` from the record), until it
+    shares a round (its wall time then holds the others' stages)."""
+    curve = VerifyCostCurve(sizes=[1, 64], contexts=[100], seconds=[[0.01, 0.0163]])  # 0.1 ms a node
+    rounds = RoundBudgetPlanner(BudgetPlanner(curve), explore_alone=1000)
+    rounds.observe_generation(finished((8, 32, 100), draft=0.006, commit=0.0005))  # a batch's: unread
+    stats = GenerationStats(surrogates=[[1.0 + 0.15 * min(b, 2) for b in range(20)]])
+    for _ in range(8):
+        verified(stats, nodes=4, accepted=[1], context=100, seconds=0.0104)
+    stats.timings.update(draft=8 * 0.006, commit=8 * 0.0005)
+    stats.catch_up_draft_seconds = [0.006]  # one run: 0.006 s a drafted round within it
+    stats.started = time.perf_counter() - sum(stats.timings.values()) - stats.rounds * outside
+    [budget] = rounds.plan([RoundSequence(stats, 100, can_draft=True)])
+    assert (budget > 0) == (outside > 0)
+    assert rounds._round[2] == OwnRounds(0.006, pytest.approx(0.0005 + outside, abs=2e-4))
+    stats.verify_forwards[0] = (2, 10, 100)
+    assert OwnRounds.of(stats, draft=True, outside=True).outside is None
+
+
+def test_a_lone_sequence_keeps_only_its_latest_own_costs():
+    """Its own costs are read anew every few rounds and key the round's costs: a long first request
+    must not keep one set of costs per reading for as long as it runs."""
     rounds = RoundBudgetPlanner(BudgetPlanner(VerifyCostCurve([1, 64], [100], [[0.01, 0.02]])))
     taus = [[1.0, 1.9, 2.5]]
     from_record = rounds.round_costs(taus, 100)
     for i in range(1, 50):
-        latest = rounds.round_costs(taus, 100, own_draft=0.001 * i)
-        assert latest[1] == pytest.approx(0.001 * i)
-    assert rounds.round_costs(taus, 100, own_draft=0.049) is latest  # still cached
+        latest = rounds.round_costs(taus, 100, own=OwnRounds(0.001 * i, 0.0005))
+        assert latest[1:] == pytest.approx((0.001 * i, 0.0005))
+    assert rounds.round_costs(taus, 100, own=OwnRounds(0.049, 0.0005)) is latest  # still cached
     assert rounds.round_costs(taus, 100) is from_record  # the record's costs are not a reading's
     assert len(rounds._costs) == 2
 
@@ -833,7 +862,7 @@ def test_every_variant_of_a_round_reads_the_same_forward():
     entering = rounds.round_costs(taus, 100, entering=True)
     going_on = rounds.round_costs(taus, 100, entering=False)
     assert entering[0] is going_on[0]
-    assert rounds.round_costs(taus, 100, own_draft=0.003)[0] is going_on[0]
+    assert rounds.round_costs(taus, 100, own=OwnRounds(0.003, 0.001))[0] is going_on[0]
     assert rounds.round_costs(taus * 2, 100)[0] is not going_on[0]  # another shape, its own forward
 
 

@@ -18,8 +18,9 @@ drafting, tree and mask time of one drafting sequence and c each sequence's acce
 sequences: from those decoded alone for a round of one sequence, from those that shared forwards for
 a round of several (drafting in a batch costs a sequence another time than drafting alone, and a
 planner that carried batch-8 drafting times to a lone sequence stopped it drafting). Before any
-lone sequence finished, a lone sequence's d comes from its own drafted rounds; d is a drafted
-round's within a run of them, and starting a run costs more once (:class:`DraftingCost`).
+lone sequence finished, a lone sequence's d and c come from its own rounds so far
+(:class:`OwnRounds`); d is a drafted round's within a run of them, and starting a run costs more once
+(:class:`DraftingCost`).
 
 Under load most sequences end at B_i = 0: a drafter forward and its tree do not pay for themselves
 once a CPU's forward cost grows with every verified token. A copy does not need the drafter:
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import heapq
 import statistics
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -327,11 +329,11 @@ class RoundBudgetPlanner:
         re-estimating every running sequence after each cost a visible share of the plans."""
         self._last_plan: tuple[list, tuple, list[int]] | None = None
         """The last round's estimates and costs, other inputs and budgets."""
-        self._round: tuple[list[list[float]], float, float | None, bool] = ([], 0.0, None, True)
+        self._round: tuple[list[list[float]], float, OwnRounds | None, bool] = ([], 0.0, None, True)
         """The round :meth:`plan` planned last: its estimates, mean context, a lone sequence's own
-        drafting time and whether drafting would start a run (its copies' too)."""
-        self._own_draft: tuple[GenerationStats | None, int, float | None] = (None, -1, None)
-        """A lone running sequence's stats, the round its drafting time was last read and that time."""
+        costs and whether drafting would start a run (its copies' too)."""
+        self._own: tuple[GenerationStats | None, int, OwnRounds | None] = (None, -1, None)
+        """A lone running sequence's stats, the round its own costs were last read and those costs."""
         self._last_copies: tuple[list, tuple, list[int]] | None = None
         """The last copy plan's estimates, costs and copies (the same objects while they hold: a
         copier's ceiling does), its budgets and copy seconds, and its lengths."""
@@ -372,21 +374,18 @@ class RoundBudgetPlanner:
         entry = max(0.0, self.entry_seconds(alone))  # a median below 0 is noise: entering costs no less
         return draft + entry / (self.refresh if alone else 1)
 
-    def _own_draft_seconds(self, stats: GenerationStats) -> float | None:
-        """A lone running sequence's own drafting seconds per drafted round within a run
-        (:class:`DraftingCost`), read anew every ``refresh`` rounds; None before it drafted a round
-        past its first. Until a lone sequence finished, the lone record of drafting times is empty,
-        and the first request of a process planned as if drafting cost nothing: on a CPU where the
-        drafter's forward is a third of a round, it drafted all through where plain decoding was
-        faster."""
-        last, read, seconds = self._own_draft
+    def _own_rounds(self, stats: GenerationStats) -> OwnRounds | None:
+        """A lone running sequence's own costs (:class:`OwnRounds`) where no lone sequence finished
+        yet to give them, read anew every ``refresh`` rounds; None once the records hold both."""
+        draft_known, commit_known = not self._draft_seconds.none(True), not self._commit_seconds.none(True)
+        if draft_known and commit_known:
+            return None
+        last, read, own = self._own
         rounds = len(stats.tree_sizes)
         if last is not stats or rounds - read >= self.refresh:
-            cost = DraftingCost.of(stats)
-            # rounded: the costs it keys stay cached while it holds
-            seconds = None if cost is None else round(cost.round, 4)
-            self._own_draft = (stats, rounds, seconds)
-        return seconds
+            own = OwnRounds.of(stats, draft=not draft_known, outside=not commit_known)
+            self._own = (stats, rounds, own)
+        return own
 
     def copy_seconds(self, alone: bool = True) -> float:
         """Seconds a free copy adds to a round besides its tokens' share of the forward (as
@@ -549,9 +548,7 @@ class RoundBudgetPlanner:
             d and self._must_explore(s.stats, len(sequences)) for s, d in zip(sequences, drafts, strict=True)
         ]
         context = sum(s.context for s in sequences) / len(sequences)  # numpy's mean costs more, every round
-        own = (
-            self._own_draft_seconds(sequences[0].stats) if alone and self._draft_seconds.none(alone) else None
-        )
+        own = self._own_rounds(sequences[0].stats) if alone else None
         entering = not (alone and sequences[0].stats.drafted_last_round())
         self._round = (taus, context, own, entering)
         costs = self.round_costs(taus, context, own, entering)
@@ -588,7 +585,7 @@ class RoundBudgetPlanner:
         return lengths
 
     def round_costs(
-        self, taus: list[list[float]], context: float, own_draft: float | None = None, entering: bool = False
+        self, taus: list[list[float]], context: float, own: OwnRounds | None = None, entering: bool = False
     ) -> tuple[list[float], float, float]:
         """(forward seconds per total of tokens up to as many as the longest of the ``taus`` covers
         times the sequences, made nondecreasing once here rather than in every plan, seconds one
@@ -596,23 +593,25 @@ class RoundBudgetPlanner:
         sequences; the same object until they are refreshed (:attr:`_costs`), for contexts within
         ``context_step`` of each other (as a plan is), whichever sequences cannot draft (under load
         one ends every few rounds, and each such round missed a cache keyed by the tokens covered).
-        ``own_draft``: a lone sequence's own drafting seconds, standing in for the finished lone
-        sequences' record while it is empty (:meth:`_own_draft_seconds`); ``entering``: a drafting
-        sequence would start a run of drafted rounds (:meth:`_round_draft_seconds`)."""
+        ``own``: a lone sequence's own costs, standing in for the finished lone sequences' records
+        while they are empty (:meth:`_own_rounds`); ``entering``: a drafting sequence would start a
+        run of drafted rounds (:meth:`_round_draft_seconds`)."""
         shape = (len(taus), max(len(tau) for tau in taus), int(context) // self.context_step)
-        key = (*shape, own_draft, entering)
+        key = (*shape, own, entering)
         costs = self._costs.get(key)
         if costs is None:
-            for stale in [k for k in self._costs if k[3] not in (None, own_draft)]:
-                del self._costs[stale]  # costs of the lone sequence's earlier drafting times: unread now
+            for stale in [k for k in self._costs if k[3] not in (None, own)]:
+                del self._costs[stale]  # costs of the lone sequence's earlier readings: unread now
             verify = self._forward_costs.get(shape)
             if verify is None:
                 tokens = np.arange(shape[0] * shape[1] + 1)
                 verify = running_max(self.verify_seconds(tokens, len(taus), context))
                 self._forward_costs[shape] = verify
             alone = len(taus) == 1
-            draft = self._round_draft_seconds(alone, entering, own_draft)
-            costs = (verify, draft, self.commit_seconds(alone) * len(taus))
+            own = own or OwnRounds(None, None)
+            draft = self._round_draft_seconds(alone, entering, own.draft)
+            commit = self.commit_seconds(alone) if own.outside is None else own.outside
+            costs = (verify, draft, commit * len(taus))
             self._costs[key] = costs
         return costs
 
@@ -711,18 +710,50 @@ class DraftingCost:
         return cls(forward + building, entry)
 
 
-def _outside_seconds(stats: GenerationStats, alone: bool) -> float:
+@dataclass(frozen=True)
+class OwnRounds:
+    """A lone running sequence's own costs per round so far, standing in for the finished lone
+    sequences' records while they are empty: the first lone request of a process, or the first after
+    a spell of batches (a lone round never reads a batch's). Without them such a request planned as
+    if drafting cost nothing (it drafted all through where plain decoding was faster) and as if a
+    round cost no time outside its stages (after a load at 8 clients, the first lone request on a
+    server drafted little where a fixed budget paid: docs/decisions.md, "a lone round's time
+    outside its stages"). Rounded, so the costs they key stay cached while they hold."""
+
+    draft: float | None
+    """Seconds a drafted round within a run (:attr:`DraftingCost.round`); None before it drafted a
+    round past its first, or where the record has it."""
+    outside: float | None
+    """Seconds a round outside the forward and drafting (:func:`_outside_seconds`, its wall time so
+    far); None before its first round, where the record has it, where its start is unknown (0: stats
+    made by hand), or once it shared a round (its wall time then holds the others' stages)."""
+
+    @classmethod
+    def of(cls, stats: GenerationStats, draft: bool, outside: bool) -> OwnRounds:
+        """``stats``'s costs, ``draft`` and ``outside`` each read only where asked for."""
+        cost = DraftingCost.of(stats) if draft else None
+        seconds = None
+        shared = any(forward[0] > 1 for forward in stats.verify_forwards)
+        if outside and stats.started and stats.rounds and not shared:
+            wall = time.perf_counter() - stats.started
+            seconds = round(_outside_seconds(stats, True, wall) / stats.rounds, 4)
+        return cls(None if cost is None else round(cost.round, 4), seconds)
+
+
+def _outside_seconds(stats: GenerationStats, alone: bool, wall: float | None = None) -> float:
     """What a finished sequence's rounds took outside the forward and drafting: its accept and commit
     stages, and alone also its wall time in no stage (the loop around the stages: the plan, stop
     checks, handing tokens to a server's stream). Every round pays that whatever it verifies, and a
     plan that left it out weighed a drafted round's gain against too small a round: in a server,
     where that time is a good share of a round, lone requests stayed plain where a fixed budget ran
     well faster (docs/decisions.md, "a lone round's time outside its stages"). In a batch a
-    sequence's wall time is the whole batch's, so only its stages count."""
+    sequence's wall time is the whole batch's, so only its stages count. ``wall``: a running
+    sequence's wall time so far (else :attr:`~diffdraft.runtime.stats.GenerationStats.total_seconds`)."""
     stages = sum(stats.timings[s] for s in COMMIT_STAGES)
     if not alone:
         return stages
-    return stages + max(0.0, stats.total_seconds - sum(stats.timings.values()))
+    wall = stats.total_seconds if wall is None else wall
+    return stages + max(0.0, wall - sum(stats.timings.values()))
 
 
 def _record_round(sequences: Sequence[RoundSequence], budgets: list[int], explore: list[bool]) -> None:

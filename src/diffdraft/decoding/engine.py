@@ -240,7 +240,7 @@ class SequenceRun:
         self.decision: StopDecision | None = None
         self._round: tuple[DraftTree, Proposal, int, bool] | None = None
         """The tree awaiting verification, its proposal, context and whether it is a free copy."""
-        self._begin = time.perf_counter()
+        self.stats.started = time.perf_counter()
 
     @property
     def done(self) -> bool:
@@ -248,7 +248,7 @@ class SequenceRun:
 
     def prefill(self) -> list[int]:
         """Run the prompt through the target; returns the first token."""
-        self._begin = time.perf_counter()
+        self.stats.started = time.perf_counter()
         if self.drafter is not None:
             self.drafter.reset()
         with self.timer("prefill"):
@@ -383,7 +383,7 @@ class SequenceRun:
         if self.decision is not None:
             new = new[: max(0, len(new) - (len(self.generated) - self.decision.keep))]
             self.stats.stop_reason = self.decision.reason
-            self.stats.total_seconds = time.perf_counter() - self._begin
+            self.stats.total_seconds = time.perf_counter() - self.stats.started
         if self.logprobs is not None:
             self.logprobs.record(logits, new)
         return new

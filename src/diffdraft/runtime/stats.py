@@ -119,6 +119,10 @@ class GenerationStats:
     draft_plan_seconds: float = 0.0
     """In a batch, this sequence's share of the round plans that had it draft (in no stage): a plan
     that leaves the batch plain stands for several rounds, one that drafts is made anew each round."""
+    started: float = 0.0
+    """``time.perf_counter()`` when the sequence's prefill began: while it runs, its wall time so far
+    (:attr:`total_seconds` is set once it ends), which the auto budget reads of a lone request before
+    any finished (:class:`~diffdraft.budget.round_budget.OwnRounds`)."""
     total_seconds: float = 0.0
     stop_reason: str = ""
 
