@@ -173,6 +173,24 @@ def test_timed_plain_rounds_outlive_a_long_stretch_of_drafted_ones():
     assert planner.cost()(8, 512) == pytest.approx(0.046)
 
 
+def test_tree_rounds_age_out_by_the_plain_rounds_timed_after_them():
+    """Trees timed in a slow spell of the machine (2.45x the curve) made a lone sequence stop
+    drafting; plain rounds then read the machine's speed again, but only the rare explorations timed
+    new trees, so the spell's trees kept drafting dear for requests. Once as many plain rounds were
+    timed after a tree as the window holds, the tree no longer counts (the trees then cost the
+    curve's shape at the plain rounds' scale, until drafted rounds time them anew)."""
+    curve = VerifyCostCurve(sizes=[1, 8, 16, 64], contexts=[512], seconds=[[0.02, 0.02, 0.03, 0.1]])
+    planner = BudgetPlanner(curve, max_budget=32, timed_rounds=16)
+    planner.observe_rounds(_rounds(MIN_TIMED_ROUNDS, 7, [], seconds=0.049))  # 2.45x, in the spell
+    planner.observe_rounds(_rounds(15, 0, [], seconds=0.02))  # plain, at the curve's speed
+    assert planner.cost()(8, 512) == pytest.approx(0.049)
+    planner.observe_rounds(_rounds(1, 0, [], seconds=0.02))  # the 16th plain round since
+    assert planner.cost_scales()[0] == [1]
+    assert planner.cost()(8, 512) == pytest.approx(0.02)
+    planner.observe_rounds(_rounds(MIN_TIMED_ROUNDS, 7, [], seconds=0.03))  # drafted again: timed anew
+    assert planner.cost()(8, 512) == pytest.approx(0.03)
+
+
 def test_a_plain_round_is_timed_only_where_it_ran_steady_as_the_curve_times_one_token_rounds():
     """Not within eight rounds of the prompt or of a drafted round (their forwards run slow); a free
     copy's round is left out, and alone it does not count as drafting."""

@@ -155,14 +155,21 @@ class BudgetPlanner:
         promised for those very rounds (against the recent proposals' mean, a window of other texts
         than the rounds', it read a well-calibrated drafter as overconfident; docs/decisions.md,
         "growth calibrated round by round")."""
-        self._timed: dict[bool, deque[tuple[int, float]]] = {
+        self._timed: dict[bool, deque[tuple[int, float, int]]] = {
             plain: deque(maxlen=timed_rounds) for plain in (True, False)
         }
-        """(q, measured / curve) of the latest timed plain rounds (q = 1) and, apart, tree rounds: a
-        stretch of sequences that drafted every round pushed every plain round out of one window, and
-        a plain round fell back to the curve's own point while the trees read the machine's slower
-        speed since, so plain decoding looked far cheaper than it ran and every later lone request
-        decoded plainly (docs/decisions.md, "a lone round's time outside its stages")."""
+        """(q, measured / curve, :attr:`_plain_timed` then) of the latest timed plain rounds (q = 1)
+        and, apart, tree rounds: a stretch of sequences that drafted every round pushed every plain
+        round out of one window, and a plain round fell back to the curve's own point while the trees
+        read the machine's slower speed since, so plain decoding looked far cheaper than it ran and
+        every later lone request decoded plainly (docs/decisions.md, "a lone round's time outside its
+        stages"). A tree round leaves once as many plain rounds were timed after it as the window
+        holds: a tree's time says what it costs beside the plain rounds of its day, and trees timed
+        in a slow spell of the machine, which made the plan stop drafting, would otherwise outlive
+        it for as long as only the rare explorations timed new trees (docs/decisions.md, "tree
+        rounds age out by the plain rounds timed after them")."""
+        self._plain_timed = 0
+        """Plain rounds timed so far."""
         self._mean_gains: np.ndarray | None = None
         """The finished proposals' mean gain per node rank, until one more comes (every sequence that
         has not drafted yet is estimated from it)."""
@@ -207,7 +214,11 @@ class BudgetPlanner:
         for r in rounds:
             if r.seconds > 0 and r.forward is None:
                 q = r.budget + 1
-                self._timed[q == 1].append((q, r.seconds / self.curve(q, r.context)))
+                self._plain_timed += q == 1
+                self._timed[q == 1].append((q, r.seconds / self.curve(q, r.context), self._plain_timed))
+        trees = self._timed[False]
+        while trees and self._plain_timed - trees[0][2] >= trees.maxlen:
+            trees.popleft()
         self._cost = None
 
     def surrogate(self, sequence: GenerationStats | None = None) -> list[float]:
@@ -261,7 +272,7 @@ class BudgetPlanner:
         """Verified sizes with enough timed rounds, their median measured / cached-curve time, and
         how many rounds each."""
         ratios: dict[int, list[float]] = {}
-        for q, ratio in [*self._timed[True], *self._timed[False]]:
+        for q, ratio, _ in [*self._timed[True], *self._timed[False]]:
             ratios.setdefault(q, []).append(ratio)
         sizes = sorted(q for q, seen in ratios.items() if len(seen) >= MIN_TIMED_ROUNDS)
         return sizes, [float(np.median(ratios[q])) for q in sizes], [len(ratios[q]) for q in sizes]
