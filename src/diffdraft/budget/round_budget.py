@@ -403,7 +403,7 @@ class RoundBudgetPlanner:
         if self._learned <= self.cost_refresh or self._learned % self.cost_refresh == 0:
             self._costs.clear()
             self._forward_costs.clear()
-        alone = all(forward[0] == 1 for forward in stats.verify_forwards)
+        alone = _ran_alone(stats)
         plain = plain_forwards(stats)  # read by the drafting cost and the shared forwards' window
         self.chosen[alone].observe(stats)  # reaches the estimates as _taught's change does (it drafted)
         self._taught += bool(any(stats.drafter_sizes()) or stats.surrogates)
@@ -733,8 +733,7 @@ class OwnRounds:
         """``stats``'s costs, ``draft`` and ``outside`` each read only where asked for."""
         cost = DraftingCost.of(stats) if draft else None
         seconds = None
-        shared = any(forward[0] > 1 for forward in stats.verify_forwards)
-        if outside and stats.started and stats.rounds and not shared:
+        if outside and stats.started and stats.rounds and _ran_alone(stats):
             wall = time.perf_counter() - stats.started
             seconds = round(_outside_seconds(stats, True, wall) / stats.rounds, 4)
         return cls(None if cost is None else round(cost.round, 4), seconds)
@@ -766,6 +765,11 @@ def _record_round(sequences: Sequence[RoundSequence], budgets: list[int], explor
             stats.fruitless_explorations = stats.fruitless_explorations + 1 if forced else 0
             if not forced:  # the plan read the sequence's estimate to give it a tree: it is current
                 stats.chosen_rounds.append((len(stats.tree_sizes), stats.tau_estimate.estimated))
+
+
+def _ran_alone(stats: GenerationStats) -> bool:
+    """Whether every round of the sequence verified in a forward of its own."""
+    return all(forward[0] == 1 for forward in stats.verify_forwards)
 
 
 def _shared_last(stats: GenerationStats) -> bool:
