@@ -1,8 +1,11 @@
 import torch
+from scipy.stats import chisquare
 
 from diffdraft.drafters.base import Proposal
 from diffdraft.runtime.sampling import SamplingParams
 from diffdraft.trees import ChainBuilder, TreeBuilder, TreeRound
+
+from diffdraft_testing.conditionals import random_table, table_proposal
 
 GREEDY = SamplingParams()
 WARM = SamplingParams(temperature=0.8, top_k=4)
@@ -67,3 +70,34 @@ def test_chain_mask_is_causal_and_positions_count_up() -> None:
 
 def test_is_a_tree_builder() -> None:
     assert isinstance(ChainBuilder(), TreeBuilder)
+
+
+def test_a_conditional_chain_draws_each_token_after_the_one_drawn_before_it() -> None:
+    """The drafted pair follows the drafter's joint (chain rule), and the tree keeps, for each token,
+    the warped row it was drawn from: the one after the token drawn before it."""
+    table = random_table(2, 4, seed=4)
+    generator = torch.Generator().manual_seed(6)
+    hot = SamplingParams(temperature=1.0)
+    counts = torch.zeros(4, 4)
+    for _ in range(3000):
+        tree = ChainBuilder().build(TreeRound(1, table_proposal(table, 1), hot, generator))
+        first, second = tree.tokens[1:].tolist()
+        assert torch.equal(tree.draft_probs[1], hot.probs(table[0, 1]))
+        assert torch.equal(tree.draft_probs[2], hot.probs(table[1, first]))
+        counts[first, second] += 1
+    joint = (table[0, 1].exp()[:, None] * table[1].exp()).double().flatten()
+    expected, observed = joint / joint.sum() * 3000, counts.flatten().double()
+    big = expected >= 5  # the sparse cells pooled, so that the chi-square approximation holds
+    observed = torch.cat([observed[big], observed[~big].sum().view(1)])
+    expected = torch.cat([expected[big], expected[~big].sum().view(1)])
+    assert chisquare(observed.numpy(), expected.numpy()).pvalue > 1e-3
+
+
+def test_a_greedy_conditional_chain_is_the_argmax_walk() -> None:
+    table = random_table(4, 9, seed=5)
+    tree = ChainBuilder().build(TreeRound(2, table_proposal(table, 2), GREEDY, None))
+    previous, walk = 2, []
+    for position in range(4):
+        previous = int(table[position, previous].argmax())
+        walk.append(previous)
+    assert tree.tokens.tolist() == [2, *walk] and tree.draft_probs is None

@@ -10,8 +10,10 @@ from diffdraft.drafters.base import Proposal
 from diffdraft.errors import InvalidRequestError
 from diffdraft.runtime.sampling import SamplingParams
 from diffdraft.trees import DDTreeBuilder, TreeBuilder, TreeRound
+from diffdraft.trees.successors import SIBLINGS_AT_ONCE
 from diffdraft.trees.tree import MAX_TREE_NODES
 
+from diffdraft_testing.conditionals import joint_scores, random_table, table_proposal
 from diffdraft_testing.trees import prefixes
 
 GREEDY = SamplingParams()
@@ -186,3 +188,71 @@ def test_a_budget_above_the_tree_bound_is_refused_before_any_tree_is_built() -> 
     with pytest.raises(InvalidRequestError, match=f"at most {MAX_TREE_NODES} nodes.*got 1000000000"):
         DDTreeBuilder(10**9)
     assert DDTreeBuilder(MAX_TREE_NODES).budget == MAX_TREE_NODES
+
+
+@st.composite
+def conditional_drafts(draw: st.DrawFn) -> tuple[torch.Tensor, int]:
+    """Conditional tables [depth, V, V] from small integer logits (ties are common), and a budget."""
+    vocab = draw(st.integers(1, 4))
+    depth = draw(st.integers(1, 4))
+    size = depth * vocab * vocab
+    logits = draw(st.lists(st.integers(-3, 3), min_size=size, max_size=size))
+    table = torch.tensor(logits, dtype=torch.float32).view(depth, vocab, vocab).log_softmax(-1)
+    return table, draw(st.integers(1, 14))
+
+
+@settings(max_examples=200, deadline=None)
+@given(conditional_drafts())
+def test_a_conditional_ddtree_is_the_top_budget_prefixes_under_the_joint(draft) -> None:
+    """Each node's children ranked by its own conditional row: the tree holds the B likeliest paths
+    under the chain rule, and ``ranked`` gives each node's joint log-probability, in order."""
+    table, budget = draft
+    root = 0
+    tree, scores = DDTreeBuilder(budget).ranked(TreeRound(root, table_proposal(table, root), GREEDY, None))
+    vocab, depth = table.shape[1], table.shape[0]
+    brute = {
+        prefix: joint_scores(prefix, table, root)
+        for length in range(1, depth + 1)
+        for prefix in itertools.product(range(vocab), repeat=length)
+    }
+    nodes = prefixes(tree)
+    assert tree.num_nodes == min(budget, len(brute)) and len(set(nodes)) == len(nodes)
+    assert all(p[:-1] in set(nodes) for p in nodes if len(p) > 1), "not prefix-closed"
+    assert scores[1:] == [brute[p] for p in nodes]
+    assert scores[1:] == sorted(scores[1:], reverse=True)
+    ranked = sorted(brute.values(), reverse=True)
+    cut = tree.num_nodes
+    assert sorted(scores[1:], reverse=True) == ranked[:cut]
+    if cut == len(ranked) or ranked[cut - 1] > ranked[cut]:  # no tie at the boundary: the set is unique
+        assert set(nodes) == {p for p, s in brute.items() if s >= ranked[cut - 1]}
+
+
+def test_a_siblings_successors_are_its_own_not_the_greedy_chains() -> None:
+    """After token 1 the drafter expects 1, after token 2 it expects 2: the greedy chain's rows (after
+    the argmax, 1) would give 2 the successors of 1."""
+    table = torch.full((2, 4, 4), 0.01).log()
+    table[0, 0] = torch.tensor([0.0, 0.5, 0.4, 0.1]).log()
+    table[1, 1] = torch.tensor([0.05, 0.9, 0.03, 0.02]).log()
+    table[1, 2] = torch.tensor([0.05, 0.03, 0.9, 0.02]).log()
+    table = table.log_softmax(-1)
+    proposal = table_proposal(table, 0)
+    tree = DDTreeBuilder(4).build(TreeRound(0, proposal, GREEDY, None))
+    assert set(prefixes(tree)) == {(1,), (2,), (1, 1), (2, 2)}
+    independent = Proposal(log_probs=proposal.log_probs)  # the greedy chain's rows, as before
+    assert torch.equal(independent.log_probs[1], table[1, 1])
+    old = DDTreeBuilder(4).build(TreeRound(0, independent, GREEDY, None))
+    assert set(prefixes(old)) == {(1,), (2,), (1, 1), (2, 1)}
+
+
+def test_a_conditional_tree_computes_only_the_rows_it_expands() -> None:
+    """Rows are computed when the heap expands a node (and a few of its next siblings with it), the
+    greedy chain's rows never."""
+    table = random_table(6, 50, seed=3)
+    proposal = table_proposal(table, 7)
+    conditionals, asked = proposal.conditionals, []
+    rows = conditionals.rows
+    conditionals.rows = lambda position, previous: asked.append(len(previous)) or rows(position, previous)
+    conditionals.greedy_rows = None  # calling it fails
+    tree = DDTreeBuilder(12).build(TreeRound(7, proposal, GREEDY, None))
+    assert tree.num_nodes == 12
+    assert len(asked) <= 13 and sum(asked) <= 1 + SIBLINGS_AT_ONCE * 12

@@ -11,11 +11,14 @@ import copy
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
 from diffdraft.kernels.quantized.row_topk import top_rows
+
+if TYPE_CHECKING:
+    from diffdraft.drafters.conditionals import Conditionals
 
 
 class Proposal:
@@ -124,6 +127,20 @@ class Proposal:
             values, columns = top_rows(self._scored, min(k, self._scored.shape[1]))
             return values, self._vocab[columns]
         return top_rows(self.log_probs, min(k, self.log_probs.shape[1]))
+
+    def log_probs_after(self, position: int, previous: torch.Tensor) -> torch.Tensor:
+        """[n, V] log-probabilities of depth ``position + 1`` after each of the ``previous`` [n] tokens
+        drafted at depth ``position`` (the root at 0): the rows :attr:`conditionals` give, else the
+        depth's one row for every predecessor."""
+        return self.log_probs[position].expand(previous.shape[0], -1)
+
+    @property
+    def conditionals(self) -> Conditionals | None:
+        """Where a position's distribution depends on the token drafted before it (DSpark, DFlash2):
+        the rows after any predecessor
+        (:class:`~diffdraft.drafters.conditional_proposal.ConditionalProposal`). None: the positions
+        are independent, and the rows above are all there is."""
+        return None
 
     @property
     def has_distributions(self) -> bool:

@@ -7,14 +7,16 @@ soft-capped) head logit, ``pred`` / ``succ`` two [V, r] codebooks indexed by tok
 projection of the position's hidden state. Position 0's predecessor is the block's anchor; position
 ``l``'s is one of position ``l - 1``'s candidates. So a position's distribution (the softmax of its
 scores over its K candidates, every other token at probability 0) depends on the token chosen before
-it. A one-pass draft has no chosen tokens yet: :meth:`CandidateSelector.greedy_walk` conditions each
-position on the argmax chain (what greedy drafting picks, and what vLLM's greedy walk picks).
-Weight names and shapes are those vLLM reads."""
+it. :class:`SelectorConditionals` scores a position after any predecessor from what the forward
+computed once (candidates, unary scores, projected state), so a draft tree ranks each drafted
+token's own successors. Weight names and shapes are those vLLM reads."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from diffdraft.drafters.conditionals import Conditionals
 
 
 class CandidateSelector(nn.Module):
@@ -25,38 +27,57 @@ class CandidateSelector(nn.Module):
         self.successor_codebook = nn.Parameter(torch.randn(vocab_size, rank) * 0.02)
         self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
 
-    def edge_scores(
-        self, hidden: torch.Tensor, candidates: torch.Tensor, unary: torch.Tensor, roots: torch.Tensor
-    ) -> torch.Tensor:
-        """Scores [b, d, K (predecessor), K (candidate)] of every candidate after every predecessor,
-        from the hidden states [b, d, H], the candidates [b, d, K], their unary scores [b, d, K] and
-        the anchors [b]."""
-        predecessors = torch.cat([roots[:, None, None].expand(-1, 1, self.top_k), candidates[:, :-1]], dim=1)
-        left = self.predecessor_codebook[predecessors] * self.hidden_projection(hidden)[:, :, None]
-        pairwise = torch.einsum("blpr,blcr->blpc", left, self.successor_codebook[candidates])
-        return unary[:, :, None] + pairwise.float()
-
     def scores_after(
         self, hidden: torch.Tensor, candidates: torch.Tensor, unary: torch.Tensor, previous: torch.Tensor
     ) -> torch.Tensor:
         """Scores [n, K] of each row's candidates after one given predecessor per row, from the hidden
-        states [n, H], the candidates [n, K], their unary scores [n, K] and the predecessors [n]:
-        :meth:`edge_scores` for the one predecessor training conditions on (the true previous token)."""
+        states [n, H], the candidates [n, K], their unary scores [n, K] and the predecessors [n]: the
+        one predecessor training conditions on (the true previous token), a position per row."""
         left = self.predecessor_codebook[previous] * self.hidden_projection(hidden)  # [n, r]
         pairwise = torch.einsum("nr,nkr->nk", left, self.successor_codebook[candidates])
         return unary + pairwise.float()
 
-    def greedy_walk(
-        self, hidden: torch.Tensor, candidates: torch.Tensor, unary: torch.Tensor, roots: torch.Tensor
+    def scores_given(
+        self, projected: torch.Tensor, candidates: torch.Tensor, unary: torch.Tensor, previous: torch.Tensor
     ) -> torch.Tensor:
-        """Each position's scores over its candidates [b, d, K] after the previous position's argmax
-        candidate (position 0: after the anchor, which every row of its predecessor axis holds)."""
-        scores = self.edge_scores(hidden, candidates, unary, roots)
-        batch = torch.arange(scores.shape[0], device=scores.device)
-        previous = torch.zeros_like(batch)
-        rows = []
-        for position in range(scores.shape[1]):
-            row = scores[batch, position, previous]
-            rows.append(row)
-            previous = row.argmax(-1)
-        return torch.stack(rows, dim=1) if rows else unary
+        """Scores [n, K] of one position's candidates [K] (unary scores [K], projected state [r])
+        after each of the predecessors ``previous`` [n]: what a draft tree asks of each drafted token."""
+        left = self.predecessor_codebook[previous] * projected  # [n, r]
+        pairwise = torch.einsum("nr,kr->nk", left, self.successor_codebook[candidates])
+        return unary + pairwise.float()
+
+
+class SelectorConditionals(Conditionals):
+    """One DFlash2 proposal's rows: each position's softmax over its candidates after a predecessor."""
+
+    vocab = None
+
+    def __init__(
+        self,
+        selector: CandidateSelector,
+        projected: torch.Tensor,
+        candidates: torch.Tensor,
+        unary: torch.Tensor,
+        width: int,
+    ) -> None:
+        """``projected`` [d, r]: the positions' hidden states through the selector's projection;
+        ``candidates`` [d, K] token ids, their ``unary`` scores [d, K]; ``width``: the vocabulary's
+        size."""
+        self.selector, self.projected, self.candidates, self.unary = selector, projected, candidates, unary
+        self.width = width
+
+    @property
+    def depth(self) -> int:
+        return int(self.candidates.shape[0])
+
+    @property
+    def device(self) -> torch.device:
+        return self.candidates.device
+
+    @torch.inference_mode()
+    def rows(self, position: int, previous: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        candidates = self.candidates[position]
+        scores = self.selector.scores_given(
+            self.projected[position], candidates, self.unary[position], previous
+        )
+        return scores.log_softmax(-1), candidates

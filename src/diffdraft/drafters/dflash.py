@@ -16,6 +16,7 @@ from torch import nn
 
 from diffdraft.drafters.base import ForksByCopy, Proposal, vocab_columns
 from diffdraft.drafters.compatibility import check_fits_target
+from diffdraft.drafters.conditional_proposal import ConditionalProposal
 from diffdraft.drafters.dflash_model import DFLASH, DFlashDraftModel, draft_head
 from diffdraft.drafters.draft_context import DraftContext
 from diffdraft.drafters.fused_dflash import DraftBlock, FusedDraftLayers
@@ -126,8 +127,7 @@ class DFlashDrafter(ForksByCopy):
         else:
             cos, sin = self._rope(embeds, positions)
             hidden = self._fused(embeds, cos[0], sin[0], [context], [slice(None)])
-        drafted = hidden[rows - depth :][None]
-        return self._proposal(self.model.draft_log_probs(drafted, self.head, block[:1])[0])
+        return self._drafted(hidden[rows - depth :][None], block[:1], [depth])[0]
 
     def _taps_run_start(self, start: int) -> int | None:
         """The position of the first pending tap when the pending taps are those of consecutive
@@ -185,8 +185,7 @@ class DFlashDrafter(ForksByCopy):
             for layer in range(len(self.model.layers))
         ]
         hidden = self.model(self.embed(blocks), positions, context_kv, mask)
-        log_probs = self.model.draft_log_probs(hidden[:, self.model.anchor_rows :], self.head, blocks[:, 0])
-        return [self._proposal(log_probs[row, :depth]) for row, depth in enumerate(depths)]
+        return self._drafted(hidden[:, self.model.anchor_rows :], blocks[:, 0], depths)
 
     def _propose_stacked(
         self, forks: Sequence[DFlashDrafter], token_ids: Sequence[torch.Tensor], depths: Sequence[int]
@@ -205,6 +204,21 @@ class DFlashDrafter(ForksByCopy):
         drafted = torch.cat([hidden[part][1:] for part in rows])  # every row but each block's anchor
         log_probs = self.head(drafted).float().log_softmax(-1)
         return [self._proposal(part) for part in log_probs.split(list(depths))]
+
+    def _drafted(self, hidden: torch.Tensor, roots: torch.Tensor, depths: Sequence[int]) -> list[Proposal]:
+        """One proposal per block from its drafting rows' hidden states [b, rows, H] (a block's first
+        ``depths[i]`` rows are its own), each block's anchor in ``roots`` [b]: the rows' distributions,
+        or where a position's distribution depends on the token before it, those after any predecessor
+        (:class:`ConditionalProposal`)."""
+        conditionals = self.model.draft_conditionals(hidden, self.head)
+        if conditionals is None:
+            log_probs = self.model.draft_log_probs(hidden, self.head, roots)
+            return [self._proposal(log_probs[row, :depth]) for row, depth in enumerate(depths)]
+        columns = self._vocab_columns
+        return [
+            ConditionalProposal(rows, roots[row], self.vocab_size, columns, depth)
+            for row, (rows, depth) in enumerate(zip(conditionals, depths, strict=True))
+        ]
 
     def _proposal(self, log_probs: torch.Tensor) -> Proposal:
         """The proposal of drafted rows ``log_probs`` [depth, draft vocabulary]: tokens outside the

@@ -7,7 +7,8 @@ DFlash's network (context from the tapped target layers, bidirectional block att
   (``attention_conv``, ``mlp_conv``): the sublayer reads its convolved input, and its output is
   convolved again before it joins the residual stream; context rows are not convolved;
 * the draft distributions come from a :class:`~diffdraft.drafters.candidate_selector.CandidateSelector`
-  over the head's top ``selector_top_k`` tokens per position, walked along the greedy chain.
+  over the head's top ``selector_top_k`` tokens per position, each position scored after the token
+  drafted before it (:class:`~diffdraft.drafters.candidate_selector.SelectorConditionals`).
 
 Settings (``dflash_config``): ``block_size``, ``conv_kernel_size``, ``conv_group_size``,
 ``selector_rank``, ``selector_top_k``, ``mask_token_id``, ``target_layer_ids``; optional
@@ -24,7 +25,7 @@ from torch import nn
 from transformers import Qwen3Config
 
 from diffdraft.drafters.block_conv import BlockConv
-from diffdraft.drafters.candidate_selector import CandidateSelector
+from diffdraft.drafters.candidate_selector import CandidateSelector, SelectorConditionals
 from diffdraft.drafters.dflash_model import (
     DFLASH,
     DFlashDraftModel,
@@ -111,14 +112,25 @@ class DFlash2DraftModel(DFlashDraftModel):
         scores = logits * self.output_multiplier
         return torch.tanh(scores / self.softcap) * self.softcap if self.softcap > 0 else scores
 
-    def draft_log_probs(self, hidden: torch.Tensor, head: nn.Module, roots: torch.Tensor) -> torch.Tensor:
-        """Each position's log-probabilities over its top-K head tokens after the greedy chain's
-        previous token (every other token -inf), as [b, depth, V]."""
+    def draft_conditionals(self, hidden: torch.Tensor, head: nn.Module) -> list[SelectorConditionals]:
+        """Each batch row's distributions after any predecessor, from the drafted rows' hidden states
+        [b, depth, H]: the head's top-K candidates and their unary scores, and the projected states,
+        computed once for every predecessor a tree or a sampled chain meets."""
         logits = head(hidden).float()
         unary, candidates = logits.topk(self.candidate_selector.top_k, dim=-1)
         unary = self.unary_scores(unary)
-        scores = self.candidate_selector.greedy_walk(hidden, candidates, unary, roots)
-        return logits.new_full(logits.shape, float("-inf")).scatter_(-1, candidates, scores.log_softmax(-1))
+        projected = self.candidate_selector.hidden_projection(hidden)
+        width = logits.shape[-1]
+        return [
+            SelectorConditionals(self.candidate_selector, projected[row], candidates[row], unary[row], width)
+            for row in range(hidden.shape[0])
+        ]
+
+    def draft_log_probs(self, hidden: torch.Tensor, head: nn.Module, roots: torch.Tensor) -> torch.Tensor:
+        """Each position's log-probabilities over its top-K head tokens after the greedy chain's
+        previous token (every other token -inf), as [b, depth, V]: the rows vLLM's greedy walk reads."""
+        rows = self.draft_conditionals(hidden, head)
+        return torch.stack([row.greedy_rows(root) for row, root in zip(rows, roots, strict=True)])
 
 
 def make_dflash2_config(

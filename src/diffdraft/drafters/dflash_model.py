@@ -35,6 +35,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
     rotate_half,
 )
 
+from diffdraft.drafters.conditionals import Conditionals
 from diffdraft.drafters.target_rope import drafter_rope
 
 DFLASH = "dflash"
@@ -176,7 +177,8 @@ class DFlashDraftModel(nn.Module):
 
     The DFlash2 and DSpark layouts (:mod:`~diffdraft.drafters.dflash2_model`,
     :mod:`~diffdraft.drafters.dspark_model`) are subclasses: their own layers (:meth:`_layer`), their
-    own draft distributions (:meth:`draft_log_probs`) over DFlash's context and block attention.
+    own draft distributions (:meth:`draft_log_probs`, :meth:`draft_conditionals`) over DFlash's
+    context and block attention.
     """
 
     runs_fused: ClassVar[bool] = True
@@ -252,8 +254,14 @@ class DFlashDraftModel(nn.Module):
         """Log-probabilities [b, depth, head's vocabulary] from the drafting rows' hidden states
         [b, depth, H]. DFlash's positions are independent: the head's softmax at each row. ``roots``
         [b] (each block's anchor token) is for the subclasses whose distribution at a position depends
-        on the token chosen before it."""
+        on the token chosen before it: theirs are the rows along the greedy chain."""
         return head(hidden).float().log_softmax(-1)
+
+    def draft_conditionals(self, hidden: torch.Tensor, head: nn.Module) -> list[Conditionals] | None:
+        """Where a position's distribution depends on the token chosen before it (the subclasses):
+        each batch row's distributions after any predecessor, from the drafting rows' hidden states
+        [b, depth, H]. None: DFlash's positions are independent, and :meth:`draft_log_probs` is all."""
+        return None
 
     def rope(self, position_ids: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rotary_emb(like, position_ids)

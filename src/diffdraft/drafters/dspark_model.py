@@ -10,9 +10,9 @@ changes:
   mask token is recorded); with ``sample_from_anchor`` false the block is DFlash's;
 * a low-rank Markov head adds a bias to each position's logits from the token chosen just before it:
   ``logit_scale * (head(h_l) + markov_w2 @ markov_w1[previous token])``, position 0's previous token
-  being the anchor. So a position's distribution depends on the token chosen before it; a one-pass
-  draft conditions each position on the argmax chain (what greedy drafting and vLLM's greedy
-  sampling pick). ``dspark_draft_topk`` (optional) keeps only each position's top-k head logits.
+  being the anchor. So a position's distribution depends on the token chosen before it
+  (:class:`MarkovConditionals` scores it after any predecessor). ``dspark_draft_topk`` (optional)
+  keeps only each position's top-k head logits.
 
 A reduced draft vocabulary (``draft_vocab_size`` below ``vocab_size``) comes with its own ``lm_head``
 and ``d2t`` (draft id ``j`` is target id ``j + d2t[j]``); over the whole vocabulary the target's LM
@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from transformers import Qwen3Config
 
+from diffdraft.drafters.conditionals import Conditionals
 from diffdraft.drafters.dflash_model import (
     DFlashDraftModel,
     dflash_config_from,
@@ -71,6 +72,44 @@ class MarkovHead(nn.Module):
 
     def forward(self, previous: torch.Tensor) -> torch.Tensor:
         return self.markov_w2(self.markov_w1(previous))
+
+
+class MarkovConditionals(Conditionals):
+    """One DSpark proposal's rows: ``logit_scale * (head logits + markov_w2 @ markov_w1[previous])``,
+    log-softmaxed over the draft vocabulary, or over each position's kept top-k head logits (the
+    Markov term then computed for those columns only)."""
+
+    def __init__(
+        self,
+        logits: torch.Tensor,
+        kept: torch.Tensor | None,
+        markov: MarkovHead,
+        logit_scale: float,
+        vocab: torch.Tensor | None,
+        width: int,
+    ) -> None:
+        """``logits`` [d, w] float32: the head's logits, or where ``kept`` [d, k] (columns) is given,
+        the kept ones; ``vocab``: the draft vocabulary's target ids (None: the whole vocabulary's),
+        ``width`` columns."""
+        self.logits, self.kept, self.markov, self.logit_scale = logits, kept, markov, logit_scale
+        self.vocab, self.width = vocab, width
+
+    @property
+    def depth(self) -> int:
+        return int(self.logits.shape[0])
+
+    @property
+    def device(self) -> torch.device:
+        return self.logits.device
+
+    @torch.inference_mode()
+    def rows(self, position: int, previous: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.kept is None:
+            bias, columns = self.markov(previous).float(), None
+        else:
+            columns = self.kept[position]
+            bias = (self.markov.markov_w1(previous) @ self.markov.markov_w2.weight[columns].T).float()
+        return (self.logit_scale * (self.logits[position] + bias)).log_softmax(-1), columns
 
 
 class ConfidenceHead(nn.Module):
@@ -128,23 +167,25 @@ class DSparkDraftModel(DFlashDraftModel):
         d2t = getattr(self, "d2t", None)
         return None if d2t is None else torch.arange(self._draft_vocab_size, device=d2t.device) + d2t
 
+    def draft_conditionals(self, hidden: torch.Tensor, head: nn.Module) -> list[MarkovConditionals]:
+        """Each batch row's distributions after any predecessor, from the drafted rows' hidden states
+        [b, depth, H]: the head's logits (its top-k where ``dspark_draft_topk`` is set), computed once
+        for every predecessor a tree or a sampled chain meets."""
+        logits = head(hidden).float()
+        width, kept = logits.shape[-1], None
+        if self.draft_top_k is not None and self.draft_top_k < width:
+            logits, kept = logits.topk(self.draft_top_k, dim=-1)
+        vocab, markov, scale = self.draft_vocab, self.markov_head, self.logit_scale
+        return [
+            MarkovConditionals(logits[row], None if kept is None else kept[row], markov, scale, vocab, width)
+            for row in range(hidden.shape[0])
+        ]
+
     def draft_log_probs(self, hidden: torch.Tensor, head: nn.Module, roots: torch.Tensor) -> torch.Tensor:
         """Each position's log-probabilities over the draft vocabulary after the greedy chain's
-        previous token, as [b, depth, draft vocabulary]."""
-        logits = head(hidden).float()
-        if self.draft_top_k is not None and self.draft_top_k < logits.shape[-1]:
-            kept = logits.topk(self.draft_top_k, dim=-1).indices
-            logits = logits.new_full(logits.shape, float("-inf")).scatter_(-1, kept, logits.gather(-1, kept))
-        vocab = self.draft_vocab
-        previous, rows = roots, []
-        for position in range(logits.shape[1]):
-            row = (self.logit_scale * (logits[:, position] + self.markov_head(previous).float())).log_softmax(
-                -1
-            )
-            rows.append(row)
-            chosen = row.argmax(-1)
-            previous = chosen if vocab is None else vocab[chosen]
-        return torch.stack(rows, dim=1) if rows else logits
+        previous token, as [b, depth, draft vocabulary]: the rows vLLM's greedy walk reads."""
+        rows = self.draft_conditionals(hidden, head)
+        return torch.stack([row.greedy_rows(root) for row, root in zip(rows, roots, strict=True)])
 
 
 def make_dspark_config(

@@ -2,12 +2,19 @@
 
 Greedy decoding takes the drafter's argmax. Sampling draws each token from the drafter's
 distribution warped exactly like the target's, and keeps that distribution on the tree so the
-verifier can run rejection sampling, which accepts more than matching target samples would.
+verifier can run rejection sampling, which accepts more than matching target samples would. Where
+a position's distribution depends on the token drafted before it (DSpark, DFlash2), each token is
+drawn after the token sampled before it, left to right as vLLM's walk draws them, and the tree keeps
+that conditional: rejection sampling tests every token against the very distribution it was drawn
+from, given the tokens before it, which the tokens it tests have been accepted as.
 """
 
 from __future__ import annotations
 
-from diffdraft.runtime.sampling import sample_from
+import torch
+
+from diffdraft.drafters.base import Proposal
+from diffdraft.runtime.sampling import SamplingParams, sample_from
 from diffdraft.trees.round import TreeRound
 from diffdraft.trees.tree import DraftTree
 
@@ -27,5 +34,23 @@ class ChainBuilder:
             return DraftTree.root_only(root_token, proposal.device)
         if sampling.greedy:
             return DraftTree.chain(root_token, proposal.top(1)[1][:, 0])
+        if proposal.conditionals is not None:
+            tokens, draft_probs = _sampled_walk(root_token, proposal, sampling, tree_round.generator)
+            return DraftTree.chain(root_token, tokens, draft_probs)
         draft_probs = sampling.probs(proposal.log_probs)
         return DraftTree.chain(root_token, sample_from(draft_probs, tree_round.generator), draft_probs)
+
+
+def _sampled_walk(
+    root_token: int, proposal: Proposal, sampling: SamplingParams, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [depth], the warped distributions [depth, V] they were drawn from): each position's
+    token drawn after the one drawn before it (the root before the first)."""
+    previous = torch.tensor([root_token], device=proposal.device)
+    tokens, rows = [], []
+    for position in range(proposal.depth):
+        probs = sampling.probs(proposal.log_probs_after(position, previous))
+        previous = sample_from(probs, generator)
+        tokens.append(previous)
+        rows.append(probs)
+    return torch.cat(tokens), torch.cat(rows)

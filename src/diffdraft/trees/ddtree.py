@@ -1,10 +1,23 @@
-"""DDTree: the optimal draft tree from one pass of per-position drafter marginals.
+"""DDTree: the optimal draft tree from one pass of the drafter's distributions.
 
 Under the factorized surrogate (the drafter's depths are independent), the tree of at most B nodes
 that maximizes expected acceptance length is the B most probable prefixes (DDTree, Prop. 2), and
 only the top-K tokens per depth with K = min(B, V) can appear in it (Lemma 1). A best-first heap
 enumerates those prefixes in descending probability without visiting the rest (Algorithm 1): each
 pop yields one node and pushes at most its next sibling and its first child.
+
+Where a position's distribution depends on the token drafted before it (DSpark's Markov head,
+DFlash2's candidate selector: :attr:`Proposal.conditionals <diffdraft.drafters.base.Proposal.conditionals>`),
+the drafter's distribution over a path is the chain-rule product of the rows along it, each after
+the path's own previous token. The same heap still gives the optimal tree for it: a tree's expected
+acceptance length under the drafter's joint is the sum, over its nodes, of the probability of the
+node's path (a path is accepted through a node only if its whole prefix is); every path's
+probability shrinks along it (each factor is a probability), so the B most probable paths are
+closed under prefixes and form the best tree of B nodes, and they are what the heap pops when each
+node's children are ranked by its own conditional row (a node's best child is its likeliest
+continuation; its next sibling, the parent's next likeliest). Lemma 1 holds per node: only a node's
+top min(B, V) successors can enter. A node's row is computed when the heap first expands it, so a
+tree of B nodes computes at most B of them.
 """
 
 from __future__ import annotations
@@ -17,6 +30,7 @@ import torch
 from diffdraft.errors import InvalidRequestError
 from diffdraft.runtime.stats import GenerationStats
 from diffdraft.trees.round import TreeRound
+from diffdraft.trees.successors import ConditionalRanks, DepthRanks, SuccessorRanks
 from diffdraft.trees.tree import MAX_TREE_NODES, DraftTree
 
 
@@ -65,33 +79,49 @@ class DDTreeBuilder:
                     "ddtree needs a drafter that gives distributions; use --method chain for prompt lookup"
                 )
             return DraftTree.root_only(root_token), [0.0]
-        values, ids = proposal.top(self.budget)
-        depth, device = values.shape[0], values.device
+        conditionals = proposal.conditionals
+        if conditionals is not None:
+            depth, device = proposal.depth, proposal.device
+            ranks: SuccessorRanks = ConditionalRanks(conditionals)
+        else:
+            values, ids = proposal.top(self.budget)
+            depth, device = values.shape[0], values.device
+            ranks = DepthRanks(values.float().cpu().tolist(), ids.cpu().tolist())
         if depth == 0:
             return DraftTree.root_only(root_token, device), [0.0]
-        ranked_scores: list[list[float]] = values.float().cpu().tolist()
-        ranked_tokens: list[list[int]] = ids.cpu().tolist()
-        k = len(ranked_tokens[0])
+        return self._best_first(root_token, ranks, depth, device)
 
+    def _best_first(
+        self, root_token: int, ranks: SuccessorRanks, depth: int, device: torch.device
+    ) -> tuple[DraftTree, list[float]]:
+        """The top-``budget`` prefix tree over ``depth`` positions, each node's children from ``ranks``."""
         tokens, parents, depths, scores = [root_token], [-1], [0], [0.0]
-        # Entries: (-prefix score, parent node, position (depth - 1), rank at that position).
-        best = ranked_scores[0][0]
-        heap = [(-best, 0, 0, 0)] if best > -math.inf else []
+        children = [ranks.successors(0, [root_token], 0, self.budget)]  # per node (none at the last depth)
+        # Entries: (-prefix score, parent node, the child's rank among the parent's successors); a
+        # parent's depth is fixed, so ties break as they did when entries also held the position.
+        best = children[0][0][0] if children[0][0] else -math.inf
+        heap = [(-best, 0, 0)] if best > -math.inf else []
         while heap and len(tokens) <= self.budget:
-            neg_score, parent, pos, rank = heapq.heappop(heap)
+            neg_score, parent, rank = heapq.heappop(heap)
+            ranked_scores, ranked_tokens = children[parent]
             node = len(tokens)
-            tokens.append(ranked_tokens[pos][rank])
+            tokens.append(ranked_tokens[rank])
             parents.append(parent)
-            depths.append(pos + 1)
+            depths.append(depths[parent] + 1)
             scores.append(-neg_score)
-            if rank + 1 < k:
-                sibling = scores[parent] + ranked_scores[pos][rank + 1]
+            if rank + 1 < len(ranked_tokens):
+                sibling = scores[parent] + ranked_scores[rank + 1]
                 if sibling > -math.inf:
-                    heapq.heappush(heap, (-sibling, parent, pos, rank + 1))
-            if pos + 1 < depth:
-                child = scores[node] + ranked_scores[pos + 1][0]
+                    heapq.heappush(heap, (-sibling, parent, rank + 1))
+            if depths[node] < depth:
+                room = self.budget + 1 - len(tokens)  # nodes the tree may still take
+                children.append(ranks.successors(depths[node], ranked_tokens, rank, room))
+                child_scores = children[node][0]
+                child = scores[node] + child_scores[0] if child_scores else -math.inf
                 if child > -math.inf:
-                    heapq.heappush(heap, (-child, node, pos + 1, 0))
+                    heapq.heappush(heap, (-child, node, 0))
+            else:
+                children.append(([], []))
 
         tree = DraftTree(
             tokens=torch.tensor(tokens, dtype=torch.long, device=device),
