@@ -29,7 +29,7 @@ from diffdraft.trees import ChainBuilder, DDTreeBuilder
 from diffdraft.trees.dart import DartTreeBuilder, DartTreeSettings
 
 from diffdraft_testing.batching import alone, batched
-from diffdraft_testing.drafters import tiny_dart, tiny_drafter
+from diffdraft_testing.drafters import tiny_dart, tiny_dflash2, tiny_drafter, tiny_dspark
 from diffdraft_testing.targets import ignore_windows, tiny_target, windowed_target
 
 VOCAB = 8
@@ -159,6 +159,34 @@ def methods(model):
 def test_speculative_sampling_matches_plain_sampling(method, sampling):
     model = tiny_target("qwen3", seed=5, vocab=VOCAB, init_std=0.05)
     drafter, builder = methods(model)[method]
+    counts = sampled_pair_counts(model, drafter, builder, sampling)
+    assert_same_distribution(counts, exact_pair_distribution(model, sampling))
+
+
+def conditional_methods(model):
+    """DSpark and DFlash2 drafters, whose distribution at a position depends on the token drafted
+    before it: a sampled chain draws each token after the one drawn before it, and DDTree ranks each
+    node's successors by its own row. Their rank-r terms drawn large, so that the dependence weighs."""
+    target = TargetModel(model)
+    dspark = tiny_dspark(model, seed=1, block_size=3, draft_vocab=[0, 2, 3, 5, 6])
+    dspark.draft_top_k = 3
+    dflash2 = tiny_dflash2(model, seed=1, block_size=3, selector_top_k=4)
+    with torch.no_grad():
+        dspark.markov_head.markov_w2.weight.normal_(std=1.0, generator=torch.Generator().manual_seed(1))
+    return {
+        "rejection-chain-dspark": (DFlashDrafter(dspark, target), ChainBuilder()),
+        "walk-ddtree-dspark": (DFlashDrafter(dspark, target), DDTreeBuilder(6)),
+        "rejection-chain-dflash2": (DFlashDrafter(dflash2, target), ChainBuilder()),
+    }
+
+
+@pytest.mark.parametrize(
+    "method", ["rejection-chain-dspark", "walk-ddtree-dspark", "rejection-chain-dflash2"]
+)
+def test_sampling_with_conditional_drafters_matches_plain_sampling(method):
+    model = tiny_target("qwen3", seed=5, vocab=VOCAB, init_std=0.05)
+    drafter, builder = conditional_methods(model)[method]
+    sampling = SamplingParams(temperature=0.7, top_k=5, top_p=0.9)
     counts = sampled_pair_counts(model, drafter, builder, sampling)
     assert_same_distribution(counts, exact_pair_distribution(model, sampling))
 

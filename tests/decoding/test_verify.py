@@ -15,7 +15,9 @@ from diffdraft.decoding import verify
 from diffdraft.decoding.verify import accept
 from diffdraft.drafters.base import Proposal
 from diffdraft.runtime.sampling import SamplingParams
-from diffdraft.trees import ChainBuilder, DDTreeBuilder, DraftTree, TreeBuilder, TreeRound
+from diffdraft.trees import ChainBuilder, DDTreeBuilder, DraftTree, TreeBuilder, TreeRound, chain
+
+from diffdraft_testing.conditionals import random_table, table_proposal
 
 VOCAB = 5
 DEPTH = 3
@@ -106,9 +108,16 @@ def exact_first_two(table: torch.Tensor, sampling: SamplingParams) -> torch.Tens
 
 
 def first_two_tokens(
-    builder: TreeBuilder, table: torch.Tensor, sampling: SamplingParams, rounds: int, seed: int
+    builder: TreeBuilder,
+    table: torch.Tensor,
+    sampling: SamplingParams,
+    rounds: int,
+    seed: int,
+    conditional: bool = False,
 ) -> torch.Tensor:
-    """[V, V] counts of the first two tokens emitted by speculative decoding, over ``rounds`` runs."""
+    """[V, V] counts of the first two tokens emitted by speculative decoding, over ``rounds`` runs;
+    ``conditional``: the drafter's distribution at each depth depends on the token drafted before it
+    (DSpark's, DFlash2's), a fresh table of rows per previous token every round."""
     generator = torch.Generator().manual_seed(seed)
     counts = torch.zeros(VOCAB, VOCAB)
     for _ in range(rounds):
@@ -118,8 +127,15 @@ def first_two_tokens(
             # A deliberately poor drafter: fresh random marginals and depth every round, so rounds
             # end in rejections, in fully accepted drafts and in bonus tokens at every depth.
             depth = int(torch.randint(1, DEPTH + 1, (), generator=generator))
-            draft = (2 * torch.randn(depth, VOCAB, generator=generator)).log_softmax(-1)
-            tree = builder.build(TreeRound(root, Proposal(log_probs=draft), sampling, generator))
+            if conditional:
+                draft = table_proposal(
+                    random_table(depth, VOCAB, int(torch.randint(2**31, (), generator=generator))), root
+                )
+            else:
+                draft = Proposal(
+                    log_probs=(2 * torch.randn(depth, VOCAB, generator=generator)).log_softmax(-1)
+                )
+            tree = builder.build(TreeRound(root, draft, sampling, generator))
             target_logits = table[start + tree.depths, tree.tokens]
             result = accept(tree, target_logits, sampling, generator)
             emitted = [*tree.tokens[result.path[1:]].tolist(), result.next_token]
@@ -156,6 +172,38 @@ def test_rejection_sampling_on_sampled_chain_is_exact(sampling: SamplingParams) 
     table = true_target(seed=20)
     counts = first_two_tokens(ChainBuilder(), table, sampling, ROUNDS, seed=21)
     assert_matches_target(counts, table, sampling)
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=repr)
+def test_rejection_sampling_on_a_chain_sampled_from_conditionals_is_exact(sampling: SamplingParams) -> None:
+    table = true_target(seed=30)
+    counts = first_two_tokens(ChainBuilder(), table, sampling, ROUNDS, seed=31, conditional=True)
+    assert_matches_target(counts, table, sampling)
+
+
+def test_sampling_walk_on_a_ddtree_over_conditionals_is_exact() -> None:
+    table = true_target(seed=40)
+    counts = first_two_tokens(DDTreeBuilder(6), table, SAMPLINGS[1], ROUNDS, seed=41, conditional=True)
+    assert_matches_target(counts, table, SAMPLINGS[1])
+
+
+def test_chi_square_detects_a_chain_verified_against_rows_its_tokens_were_not_drawn_from(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Tokens drawn after the token drawn before them, but tested against the greedy chain's rows (the
+    rows a proposal hands out as its marginals): the output leaves the target's distribution."""
+    walk = chain._sampled_walk
+
+    def mismatched(root, proposal, sampling, generator):
+        tokens, _ = walk(root, proposal, sampling, generator)
+        return tokens, sampling.probs(proposal.log_probs)
+
+    monkeypatch.setattr(chain, "_sampled_walk", mismatched)
+    sampling = SAMPLINGS[0]
+    table = true_target(seed=30)
+    counts = first_two_tokens(ChainBuilder(), table, sampling, ROUNDS, seed=31, conditional=True)
+    joint = exact_first_two(table, sampling)
+    assert min(chi_square_p(counts.sum(1), joint.sum(1)), chi_square_p(counts, joint)) < 1e-3
 
 
 def test_chi_square_detects_a_biased_verifier(monkeypatch: pytest.MonkeyPatch) -> None:

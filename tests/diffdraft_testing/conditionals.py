@@ -3,10 +3,16 @@ whose positions depend on the token drafted before them without running a networ
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import pytest
 import torch
 
 from diffdraft.drafters.conditional_proposal import ConditionalProposal
 from diffdraft.drafters.conditionals import Conditionals
+from diffdraft.trees import DraftTree
+
+from diffdraft_testing.trees import prefixes
 
 
 class TableConditionals(Conditionals):
@@ -52,3 +58,32 @@ def joint_scores(prefix: tuple[int, ...], table: torch.Tensor, root: int) -> flo
         total += float(table[position, previous, token])
         previous = token
     return total
+
+
+def assert_top_prefixes(
+    tree: DraftTree,
+    scores: list[float],
+    row: Callable[[int, int], dict[int, float]],
+    root: int,
+    depth: int,
+    budget: int,
+) -> None:
+    """``tree`` with its ``ranked`` ``scores`` is the ``budget`` likeliest paths of up to ``depth``
+    tokens after ``root`` under the chain rule of ``row(position, previous)`` ({token: log-probability}
+    over the row's support, computed apart from the code under test), enumerated by brute force; only
+    a node's top ``budget`` successors can be in the tree, so the enumeration follows those only."""
+    brute: dict[tuple[int, ...], float] = {}
+    frontier = [((), 0.0, root)]
+    for position in range(depth):
+        grown = []
+        for prefix, total, previous in frontier:
+            ranked = sorted(row(position, previous).items(), key=lambda item: -item[1])[:budget]
+            for token, log_prob in ranked:
+                grown.append(((*prefix, token), total + log_prob, token))
+        brute.update((prefix, total) for prefix, total, _ in grown)
+        frontier = grown
+    nodes = prefixes(tree)
+    assert tree.num_nodes == budget and len(set(nodes)) == budget
+    assert scores[1:] == pytest.approx([brute[p] for p in nodes], abs=1e-5)
+    best = sorted(brute.values(), reverse=True)
+    assert sorted(scores[1:], reverse=True) == pytest.approx(best[:budget], abs=1e-5)

@@ -9,19 +9,23 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from diffdraft.drafters.base import propose_together
+from diffdraft.drafters.base import Proposal, propose_together
 from diffdraft.drafters.block_conv import BlockConv
 from diffdraft.drafters.checkpoint import load_draft_model, save_draft_model
+from diffdraft.drafters.conditional_proposal import ConditionalProposal
 from diffdraft.drafters.dflash import DFlashDrafter
 from diffdraft.drafters.dflash2_model import DFlash2DraftModel
 from diffdraft.drafters.families import DFLASH2_FAMILY, family_of, make_drafter, variants
 from diffdraft.errors import CheckpointError
+from diffdraft.runtime.sampling import SamplingParams
 from diffdraft.target.model import TargetModel
-from diffdraft.trees import ChainBuilder, DDTreeBuilder
+from diffdraft.trees import ChainBuilder, DDTreeBuilder, TreeRound
 
+from diffdraft_testing.conditionals import assert_top_prefixes
 from diffdraft_testing.drafters import DFLASH_LAYER_WEIGHTS, forks_with_contexts, tiny_dflash2
 from diffdraft_testing.engine import run_engine, saved_drafter_matches_ar
 from diffdraft_testing.targets import hf_greedy, tiny_target
+from diffdraft_testing.trees import prefixes
 
 LAYER_KEYS = DFLASH_LAYER_WEIGHTS | {
     "attention_conv.base_kernel",
@@ -139,3 +143,34 @@ def test_one_forward_drafts_every_fork_as_each_drafts_alone():
 
 def test_a_saved_checkpoint_drafts_through_the_generator_token_identical_to_ar(tmp_path):
     saved_drafter_matches_ar(tiny_dflash2, tmp_path)
+
+
+def test_a_ddtree_holds_the_likeliest_paths_under_the_selectors_chain_rule():
+    """Each drafted token's successors are scored after it (the selector's score of each candidate
+    after that token, as training computes it), not after the greedy chain's token: the tree is the
+    brute-force top-B paths."""
+    target = tiny_target("qwen3", seed=8)
+    model = tiny_dflash2(target, seed=8)
+    head = target.get_output_embeddings()
+    generator = torch.Generator().manual_seed(8)
+    hidden = 4 * torch.randn(1, 3, target.config.hidden_size, generator=generator, dtype=torch.float64)
+    selector = model.candidate_selector
+    with torch.no_grad():
+        unary, candidates = head(hidden)[0].float().topk(selector.top_k, dim=-1)
+        unary = model.unary_scores(unary)
+
+        def row(position: int, previous: int) -> dict[int, float]:
+            states, ids = hidden[0, position : position + 1], candidates[position : position + 1]
+            scores = selector.scores_after(
+                states, ids, unary[position : position + 1], torch.tensor([previous])
+            )
+            return dict(zip(ids[0].tolist(), scores[0].log_softmax(-1).tolist(), strict=True))
+
+        conditionals = model.draft_conditionals(hidden, head)[0]
+    proposal = ConditionalProposal(conditionals, torch.tensor([9]), 64)
+    tree, scores = DDTreeBuilder(8).ranked(TreeRound(9, proposal, SamplingParams(), None))
+    assert_top_prefixes(tree, scores, row, 9, 3, 8)
+    greedy_chains = DDTreeBuilder(8).build(
+        TreeRound(9, Proposal(log_probs=proposal.log_probs), SamplingParams(), None)
+    )
+    assert prefixes(tree) != prefixes(greedy_chains)

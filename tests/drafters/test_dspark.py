@@ -10,17 +10,21 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from diffdraft.drafters.base import propose_together
+from diffdraft.drafters.base import Proposal, propose_together, vocab_columns
 from diffdraft.drafters.checkpoint import load_draft_model, save_draft_model
+from diffdraft.drafters.conditional_proposal import ConditionalProposal
 from diffdraft.drafters.dflash import DFlashDrafter
 from diffdraft.drafters.dspark_model import DSparkDraftModel
 from diffdraft.drafters.families import DSPARK_FAMILY, family_of
+from diffdraft.runtime.sampling import SamplingParams
 from diffdraft.target.model import TargetModel
-from diffdraft.trees import ChainBuilder, DDTreeBuilder
+from diffdraft.trees import ChainBuilder, DDTreeBuilder, TreeRound
 
+from diffdraft_testing.conditionals import assert_top_prefixes
 from diffdraft_testing.drafters import forks_with_contexts, tiny_dspark
 from diffdraft_testing.engine import run_engine, saved_drafter_matches_ar
 from diffdraft_testing.targets import hf_greedy, tiny_target
+from diffdraft_testing.trees import prefixes
 
 HALF = list(range(0, 64, 2))
 
@@ -65,13 +69,23 @@ def test_a_whole_vocabulary_checkpoint_that_ships_a_head_scores_with_it(tmp_path
 
 
 @pytest.mark.parametrize("builder", [ChainBuilder(), DDTreeBuilder(12)], ids=["chain", "ddtree"])
-@pytest.mark.parametrize("draft_vocab", [None, HALF], ids=["whole-vocab", "reduced-vocab"])
+@pytest.mark.parametrize(
+    "draft_vocab, top_k",
+    [(None, None), (HALF, None), (HALF, 5)],
+    ids=["whole-vocab", "reduced-vocab", "top-k"],
+)
 @pytest.mark.parametrize("family, seed", [("qwen3", 1), ("llama", 2)])
-def test_greedy_drafting_is_identical_to_the_targets_greedy_decoding(builder, draft_vocab, family, seed):
+def test_greedy_drafting_is_identical_to_the_targets_greedy_decoding(
+    builder, draft_vocab, top_k, family, seed
+):
     target = tiny_target(family, seed=seed)
     prompt = torch.randint(1, 62, (7,), generator=torch.Generator().manual_seed(seed)).tolist()
     reference = hf_greedy(target, prompt, 24, 63)
-    drafter = DFlashDrafter(tiny_dspark(target, seed=seed, draft_vocab=draft_vocab), TargetModel(target))
+    model = tiny_dspark(target, seed=seed, draft_vocab=draft_vocab)
+    model.draft_top_k = top_k
+    with torch.no_grad():
+        model.markov_head.markov_w2.weight.normal_(std=0.5)  # a Markov term that weighs in
+    drafter = DFlashDrafter(model, TargetModel(target))
     assert run_engine(target, drafter, builder, prompt, 24, 63)[0] == reference
 
 
@@ -127,3 +141,40 @@ def test_one_forward_drafts_every_fork_as_each_drafts_alone():
 
 def test_a_saved_checkpoint_drafts_through_the_generator_token_identical_to_ar(tmp_path):
     saved_drafter_matches_ar(tiny_dspark, tmp_path)
+
+
+@pytest.mark.parametrize(
+    "draft_vocab, top_k",
+    [(None, None), (HALF, None), (HALF, 3)],
+    ids=["whole-vocab", "reduced-vocab", "top-k"],
+)
+def test_a_ddtree_holds_the_likeliest_paths_under_the_markov_heads_chain_rule(draft_vocab, top_k):
+    """Each drafted token's successors are scored after it, not after the greedy chain's token: the
+    tree is the brute-force top-B paths under ``logit_scale * (head(h_l) + markov(previous))``."""
+    target = tiny_target("qwen3", seed=8)
+    model = tiny_dspark(target, seed=8, draft_vocab=draft_vocab)
+    model.draft_top_k = top_k
+    generator = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        model.markov_head.markov_w2.weight.normal_(
+            std=1.0, generator=generator
+        )  # a Markov term that weighs in
+    head = model.lm_head or target.get_output_embeddings()
+    hidden = 4 * torch.randn(1, 3, target.config.hidden_size, generator=generator, dtype=torch.float64)
+    vocab = torch.arange(64) if draft_vocab is None else torch.tensor(HALF)
+    with torch.no_grad():
+        logits = head(hidden)[0]
+
+        def row(position: int, previous: int) -> dict[int, float]:
+            kept = torch.arange(len(vocab)) if top_k is None else logits[position].topk(top_k).indices
+            biased = model.logit_scale * (logits[position] + model.markov_head(torch.tensor([previous]))[0])
+            return dict(zip(vocab[kept].tolist(), biased[kept].float().log_softmax(-1).tolist(), strict=True))
+
+        conditionals = model.draft_conditionals(hidden, head)[0]
+    proposal = ConditionalProposal(conditionals, torch.tensor([9]), 64, vocab_columns(model.draft_vocab))
+    tree, scores = DDTreeBuilder(8).ranked(TreeRound(9, proposal, SamplingParams(), None))
+    assert_top_prefixes(tree, scores, row, 9, 3, 8)
+    greedy_chains = DDTreeBuilder(8).build(
+        TreeRound(9, Proposal(log_probs=proposal.log_probs), SamplingParams(), None)
+    )
+    assert prefixes(tree) != prefixes(greedy_chains)
