@@ -13,8 +13,8 @@ top-K candidates (their unary logits plus the codebooks' bilinear term) after th
 drafted one: the target's distribution renormalised over the candidates (``--labels target``), or
 the token itself where it is a candidate (``--labels tokens``), with the same position weights.
 The previous token is the true one (teacher forcing), as DSpark's public trainers condition their
-Markov head: at inference the greedy walk conditions on the draft's own choice, which is that token
-whenever the tokens before it are accepted, and acceptance is all that counts.
+Markov head: at inference each drafted token's successors are scored after that drafted token,
+which is the true one whenever the tokens before it are accepted, and acceptance is all that counts.
 """
 
 from __future__ import annotations
