@@ -96,7 +96,7 @@ class DDTreeBuilder:
     ) -> tuple[DraftTree, list[float]]:
         """The top-``budget`` prefix tree over ``depth`` positions, each node's children from ``ranks``."""
         tokens, parents, depths, scores = [root_token], [-1], [0], [0.0]
-        children = [ranks.successors(0, [root_token], 0, self.budget)]  # per node (none at the last depth)
+        children = [ranks.successors(0, [root_token], 0, self.budget)]  # per node (none past the last)
         # Entries: (-prefix score, parent node, the child's rank among the parent's successors); a
         # parent's depth is fixed, so ties break as they did when entries also held the position.
         best = children[0][0][0] if children[0][0] else -math.inf
@@ -113,8 +113,8 @@ class DDTreeBuilder:
                 sibling = scores[parent] + ranked_scores[rank + 1]
                 if sibling > -math.inf:
                     heapq.heappush(heap, (-sibling, parent, rank + 1))
-            if depths[node] < depth:
-                room = self.budget + 1 - len(tokens)  # nodes the tree may still take
+            room = self.budget + 1 - len(tokens)  # nodes the tree may still take
+            if depths[node] < depth and room > 0:
                 children.append(ranks.successors(depths[node], ranked_tokens, rank, room))
                 child_scores = children[node][0]
                 child = scores[node] + child_scores[0] if child_scores else -math.inf

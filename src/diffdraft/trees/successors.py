@@ -54,7 +54,7 @@ class ConditionalRanks:
     def successors(self, depth: int, siblings: list[int], rank: int, room: int) -> Ranked:
         key = (depth, siblings[rank])
         if key not in self._rows:
-            nearby = siblings[rank : rank + SIBLINGS_AT_ONCE]
+            nearby = siblings[rank : rank + min(SIBLINGS_AT_ONCE, room)]  # more could never all join
             self._rank(depth, [token for token in nearby if (depth, token) not in self._rows], room)
         return self._rows[key]
 
