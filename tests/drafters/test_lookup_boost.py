@@ -11,6 +11,7 @@ import torch
 from diffdraft.drafters.base import Proposal, vocab_columns
 from diffdraft.drafters.lookup_boost import LookupBoostedDrafter
 
+from diffdraft_testing.conditionals import random_table, table_proposal
 from diffdraft_testing.drafters import forks_with_contexts, tiny_drafter
 from diffdraft_testing.targets import tiny_target
 
@@ -237,3 +238,23 @@ def test_the_copy_ceiling_bounds_every_offer_and_holds_until_a_copy_is_scored():
         offer = boosted.copy_offer(context[:end], 3)
         if offer is not None:
             assert all(e <= c + 1e-12 for e, c in zip(offer.expected, raised, strict=False))
+
+
+class ConditionalDrafter(FixedDrafter):
+    """Drafts from a table of rows per previous token, as DSpark and DFlash2 do."""
+
+    TABLE = random_table(3, 8, seed=2)
+
+    def propose(self, token_ids: torch.Tensor, depth: int) -> Proposal:
+        return table_proposal(self.TABLE[:depth], int(token_ids[-1]))
+
+
+@pytest.mark.parametrize("context, copied", [([7, 1, 2, 1], True), ([1, 2, 3], False)])
+def test_a_copy_is_mixed_into_a_conditional_proposals_greedy_rows(context, copied):
+    """Where lookup copies, the copy is mixed into the greedy chain's rows, which then are the
+    proposal (its positions independent, as before conditionals); elsewhere its conditionals stay."""
+    greedy = table_proposal(ConditionalDrafter.TABLE, context[-1]).log_probs
+    proposal = LookupBoostedDrafter(ConditionalDrafter(greedy), weight=0.5).propose(torch.tensor(context), 3)
+    expected = LookupBoostedDrafter(FixedDrafter(greedy), weight=0.5).propose(torch.tensor(context), 3)
+    torch.testing.assert_close(proposal.log_probs, expected.log_probs, rtol=0, atol=0)
+    assert (proposal.conditionals is None) == copied
