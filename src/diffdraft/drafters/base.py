@@ -31,6 +31,11 @@ class Proposal:
     A drafter that scores only its draft vocabulary hands over those columns (:meth:`restricted`):
     tree builders rank the few thousand tokens it scores, and the full [depth, V] rows, every other
     token at probability 0, are only written out for a consumer that reads ``log_probs``.
+
+    A drafter whose distribution at a position depends on the token drafted before it (DSpark,
+    DFlash2) hands over a :class:`~diffdraft.drafters.conditional_proposal.ConditionalProposal`: its
+    :attr:`conditionals` give the rows after any predecessor, and its rows here are the greedy
+    chain's.
     """
 
     def __init__(

@@ -5,8 +5,8 @@ distribution warped exactly like the target's, and keeps that distribution on th
 verifier can run rejection sampling, which accepts more than matching target samples would. Where
 a position's distribution depends on the token drafted before it (DSpark, DFlash2), each token is
 drawn after the token sampled before it, left to right as vLLM's walk draws them, and the tree keeps
-that conditional: rejection sampling tests every token against the very distribution it was drawn
-from, given the tokens before it, which the tokens it tests have been accepted as.
+that conditional: rejection sampling tests each token against the very distribution it was drawn
+from, the drafter's given the tokens before it, which it tests only once those were accepted.
 """
 
 from __future__ import annotations

@@ -7,17 +7,17 @@ enumerates those prefixes in descending probability without visiting the rest (A
 pop yields one node and pushes at most its next sibling and its first child.
 
 Where a position's distribution depends on the token drafted before it (DSpark's Markov head,
-DFlash2's candidate selector: :attr:`Proposal.conditionals <diffdraft.drafters.base.Proposal.conditionals>`),
-the drafter's distribution over a path is the chain-rule product of the rows along it, each after
-the path's own previous token. The same heap still gives the optimal tree for it: a tree's expected
-acceptance length under the drafter's joint is the sum, over its nodes, of the probability of the
-node's path (a path is accepted through a node only if its whole prefix is); every path's
-probability shrinks along it (each factor is a probability), so the B most probable paths are
-closed under prefixes and form the best tree of B nodes, and they are what the heap pops when each
-node's children are ranked by its own conditional row (a node's best child is its likeliest
-continuation; its next sibling, the parent's next likeliest). Lemma 1 holds per node: only a node's
-top min(B, V) successors can enter. A node's row is computed when the heap first expands it, so a
-tree of B nodes computes at most B of them.
+DFlash2's candidate selector: the proposal's ``conditionals``), the drafter's distribution over a
+path is the chain-rule product of the rows along it, each after the path's own previous token. The
+same heap still gives the optimal tree for it. A tree's expected acceptance length under the
+drafter's joint is the sum, over its nodes, of the probability of the node's path (a token is
+accepted only with its whole path); every path's probability shrinks along it (each factor is a
+probability), so the B most probable paths are closed under prefixes and form the best tree of B
+nodes; and they are what the heap pops when each node's children are ranked by its own conditional
+row (a node's best child is its likeliest continuation, its next sibling the parent's next
+likeliest). Lemma 1 holds per node: only a node's top min(B, V) successors can enter. A node's row
+is computed when the heap first expands it (with those of a few of its next siblings, in one call),
+never for a node the tree cannot extend.
 """
 
 from __future__ import annotations
@@ -68,10 +68,11 @@ class DDTreeBuilder:
         return self.ranked(tree_round)[0]
 
     def ranked(self, tree_round: TreeRound) -> tuple[DraftTree, list[float]]:
-        """:meth:`build`'s tree with each node's prefix log-probability under the drafter (root: 0),
-        non-increasing along the nodes: the heap computed them, and the auto budget's surrogate is
-        their running sum (recomputing them from the tree took longer than building the tree;
-        docs/decisions.md, "the surrogate sums the heap's scores")."""
+        """:meth:`build`'s tree with each node's prefix log-probability under the drafter (root: 0;
+        its chain-rule joint where the proposal has conditionals), non-increasing along the nodes:
+        the heap computed them, and the auto budget's surrogate is their running sum (recomputing
+        them from the tree took longer than building the tree; docs/decisions.md, "the surrogate
+        sums the heap's scores")."""
         root_token, proposal = tree_round.root_token, tree_round.proposal
         if not proposal.has_distributions:
             if proposal.tokens is not None:
