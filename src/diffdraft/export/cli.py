@@ -63,6 +63,8 @@ def run_export(args: argparse.Namespace) -> int:
     )
     served, note = gguf_launch_target(args.target) if args.format == LLAMACPP else launch_target(args.target)
     print(f"launch: {engine.launch(out.resolve(), config, served)}")
+    if engine.other_launch is not None:
+        print(f"  {engine.other_launch(out.resolve(), config, served)}")
     print(f"  ({note})")
     return 0
 

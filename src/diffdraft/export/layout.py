@@ -68,6 +68,9 @@ class Engine:
     """Raises ExportError for what the engine cannot run; ``target`` is given with --target."""
     launch: Callable[[Path, dict, str], str]
     """The launch command for the exported directory, the written config and the target's path."""
+    other_launch: Callable[[Path, dict, str], str] | None = None
+    """Where a build of the engine does not start with ``launch``: a line naming the build, then the
+    command that starts the same server there (same arguments)."""
 
 
 def drafted_tokens(config: dict) -> int:

