@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import json
 
 import pytest
@@ -76,7 +78,11 @@ def test_settings_are_read_from_top_level_or_dflash_config(tmp_path):
 
 
 def test_matches_the_official_dflash_package_in_both_directions(tmp_path):
-    official = pytest.importorskip("dflash")
+    # skipped only where dflash is not installed (scripts/install.sh installs it, so CI checks this);
+    # installed but failing to import, say against a newer transformers, fails here instead
+    if importlib.util.find_spec("dflash") is None:
+        pytest.skip("dflash==0.1.0 is not installed (scripts/install.sh installs it)")
+    official = importlib.import_module("dflash")
     target = tiny_target("qwen3", dtype=torch.float32)
     ours = tiny_drafter(target, layers=2, block_size=4, target_layer_ids=[1, 2]).float()
     save_draft_model(ours, tmp_path / "ours")
