@@ -30,6 +30,7 @@ from diffdraft.kernels.quantized.block_linear import (
     q4_1_linear,
     runs_int8_kernel,
 )
+from diffdraft.kernels.quantized.huge_pages import block_weights_on_huge_pages
 from diffdraft.kernels.rotary_table import RotaryTable
 from diffdraft.target.model import TargetModel
 
@@ -55,6 +56,7 @@ class DFlashDrafter(ForksByCopy):
             fuse_projections(self.model.layers)
             if self.model.variant == DFLASH:
                 self.model.fc = lay_out(self.model.fc)
+            block_weights_on_huge_pages(self.model, self.head)  # as its target's (docs/decisions.md)
         self._fused = FusedDraftLayers.build(self.model) if model.runs_fused else None
         self._lm_head = _one_op_head(self._fused, self.embed, self.head)
         """The LM head's int8 operands where a drafting round runs as one op

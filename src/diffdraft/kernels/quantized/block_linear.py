@@ -251,6 +251,11 @@ class BlockQuantizedLinear(InferenceLinear):
     def weight(self) -> torch.Tensor:
         return self.blocks.dequantize().to(torch.bfloat16)
 
+    def kernel_tensors(self) -> list[torch.Tensor]:
+        """The weight tensors every call hands the kernel (its tiles, or the bf16 kernel's codes, scales
+        and offsets): what a forward streams from memory."""
+        return [operand for operand in self._operands if isinstance(operand, torch.Tensor)]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.bfloat16:
             raise TypeError(f"{self.blocks.format} layers compute in bfloat16; got {x.dtype} inputs")

@@ -1,0 +1,65 @@
+"""The block kernels' weights moved onto huge pages: same bytes, same tensors, same logits."""
+
+from __future__ import annotations
+
+import mmap
+
+import pytest
+import torch
+
+from diffdraft.kernels.fused_projections import fuse_projections
+from diffdraft.kernels.quantized import huge_pages
+from diffdraft.kernels.quantized.huge_pages import HUGE_PAGE, block_weights_on_huge_pages, move_to_huge_pages
+
+from diffdraft_testing.markers import needs_block_kernel
+from diffdraft_testing.quantized import q4_1_target
+
+needs_huge_page_advice = pytest.mark.skipif(
+    not hasattr(mmap, "MADV_HUGEPAGE"), reason="this platform has no madvise(MADV_HUGEPAGE)"
+)
+
+
+@needs_huge_page_advice
+def test_tensors_keep_their_values_and_identity_in_one_aligned_mapping():
+    generator = torch.Generator().manual_seed(0)
+    tensors = [
+        torch.randint(0, 256, (3, 5000), dtype=torch.uint8, generator=generator),
+        torch.randn(7, 33, generator=generator).to(torch.bfloat16),
+        torch.randn(1000, generator=generator),
+    ]
+    before = [t.clone() for t in tensors]
+    holders = [t.view(-1) for t in tensors]  # views made before the move keep the old storage
+    moved = move_to_huge_pages(tensors)
+    assert moved == sum(t.nbytes for t in tensors)
+    for tensor, value in zip(tensors, before, strict=True):
+        torch.testing.assert_close(tensor, value, rtol=0, atol=0)
+    pointers = [t.data_ptr() for t in tensors]
+    assert pointers[0] % HUGE_PAGE == 0  # the mapping's first tensor starts on a huge page
+    assert all(p % 4096 == 0 for p in pointers) and pointers == sorted(pointers)
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1  # one mapping for all
+    for holder, value in zip(holders, before, strict=True):  # which stays alive and intact for them
+        torch.testing.assert_close(holder, value.view(-1), rtol=0, atol=0)
+
+
+def test_nothing_moves_without_huge_page_advice(monkeypatch):
+    monkeypatch.delattr(mmap, "MADV_HUGEPAGE", raising=False)
+    tensor = torch.arange(4096, dtype=torch.int32)
+    pointer = tensor.data_ptr()
+    assert move_to_huge_pages([tensor]) == 0
+    assert tensor.data_ptr() == pointer
+
+
+@needs_block_kernel
+@needs_huge_page_advice
+def test_a_block_target_moves_every_kernel_tile_and_gives_the_same_logits():
+    model, _ = q4_1_target("llama", layers=2)
+    fuse_projections(model)  # stacked q|k|v and gate|up hold their own tiles
+    tokens = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        expected = model(tokens).logits
+    streamed = huge_pages._streamed_tensors([model])
+    assert len(streamed) == 4 * model.config.num_hidden_layers  # q|k|v, o, gate|up, down a layer
+    assert block_weights_on_huge_pages(model) == sum(t.nbytes for t in streamed)
+    assert len({t.untyped_storage().data_ptr() for t in streamed}) == 1  # moved in place, together
+    with torch.inference_mode():
+        torch.testing.assert_close(model(tokens).logits, expected, rtol=0, atol=0)
