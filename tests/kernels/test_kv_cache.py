@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import gc
+import mmap
 import weakref
 
 import pytest
 import torch
 from transformers import DynamicCache
 
-from diffdraft.kernels import kv_cache
+from diffdraft.kernels import huge_pages, kv_cache
 from diffdraft.kernels.grouped_attention import use_grouped_attention
 from diffdraft.kernels.kv_cache import GrowableLayer, growable_cache
 from diffdraft.target.model import TargetModel
@@ -115,3 +116,20 @@ def test_a_finished_cache_is_freed_without_the_cyclic_garbage_collector():
         assert buffer() is None
     finally:
         gc.enable()
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="this platform has no madvise(MADV_HUGEPAGE)")
+def test_a_cache_of_a_huge_page_or_more_lives_on_huge_pages_and_keeps_its_rows():
+    """Attention streams the cache each forward: a buffer of 2 MB or more is laid on huge pages
+    (:mod:`diffdraft.kernels.huge_pages`), zeroed past the rows written, and grows keeping them."""
+    cache = growable_cache(tiny_target().config)
+    shared = kv_cache.shared_buffer(cache)
+    rows = torch.randn(1, 8, 600, 64)
+    for index, layer in enumerate(cache.layers):
+        layer.update(rows + index, rows - index)
+    assert shared.tensor.data_ptr() % huge_pages.HUGE_PAGE == 0
+    assert not shared.tensor[..., 600:, :].any()
+    shared.reserve(shared.tensor.shape[-2])  # grows into a new mapping, rows kept
+    assert shared.tensor.data_ptr() % huge_pages.HUGE_PAGE == 0
+    for index, layer in enumerate(cache.layers):
+        assert torch.equal(layer.keys, rows + index) and torch.equal(layer.values, rows - index)

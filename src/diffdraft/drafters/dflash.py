@@ -22,6 +22,7 @@ from diffdraft.drafters.draft_context import DraftContext
 from diffdraft.drafters.fused_dflash import DraftBlock, FusedDraftLayers
 from diffdraft.errors import IncompatibleDrafterError
 from diffdraft.kernels.fused_projections import fuse_projections
+from diffdraft.kernels.huge_pages import block_weights_on_huge_pages
 from diffdraft.kernels.packed_linear import has_packed_layers, pack_linear, pack_linear_layers
 from diffdraft.kernels.quantized.block_linear import (
     BlockQuantizedLinear,
@@ -30,7 +31,6 @@ from diffdraft.kernels.quantized.block_linear import (
     q4_1_linear,
     runs_int8_kernel,
 )
-from diffdraft.kernels.quantized.huge_pages import block_weights_on_huge_pages
 from diffdraft.kernels.rotary_table import RotaryTable
 from diffdraft.target.model import TargetModel
 

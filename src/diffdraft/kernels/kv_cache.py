@@ -19,6 +19,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from diffdraft.kernels.huge_pages import huge_page_zeros
+
 SPARE_ROWS = 256
 """Room left after an append that outgrows the buffer (or a quarter of the cache, if more): growth
 is geometric, so appends copy the cache O(1) times on average, and the spare room stays within a
@@ -78,7 +80,11 @@ class SharedBuffer:
         replayed from a CUDA graph (:mod:`diffdraft.kernels.graphed_verify`) reads every row under a mask, and
         a mask does not hide the NaN that uninitialised memory can hold."""
         layers = self.layers
-        tensor = like.new_zeros((len(layers), 2, *like.shape[:-2], capacity, like.shape[-1]))
+        shape = (len(layers), 2, *like.shape[:-2], capacity, like.shape[-1])
+        # attention streams the cache as a forward streams the weights: on huge pages where it fills one
+        tensor = huge_page_zeros(shape, like.dtype) if like.device.type == "cpu" else None
+        if tensor is None:
+            tensor = like.new_zeros(shape)
         if self.tensor is not None:
             kept = max(layer.get_seq_length() for layer in layers)
             tensor[..., :kept, :] = self.tensor[..., :kept, :]

@@ -28,9 +28,9 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from diffdraft.errors import CheckpointError, InvalidRequestError
 from diffdraft.kernels.fused_projections import fuse_projections
 from diffdraft.kernels.grouped_attention import use_grouped_attention
+from diffdraft.kernels.huge_pages import block_weights_on_huge_pages
 from diffdraft.kernels.packed_linear import pack_linear_layers
 from diffdraft.kernels.quantized.gguf_weights import block_weights_supported, use_gguf_blocks
-from diffdraft.kernels.quantized.huge_pages import block_weights_on_huge_pages
 from diffdraft.kernels.quantized.kernel_build import block_kernel, cpu_supported
 from diffdraft.target.attention_choice import attention_implementation
 from diffdraft.target.default_model import MODEL_NAME, default_cache_dir, default_gguf_path
@@ -77,7 +77,7 @@ def load_target(
     diffdraft's kernels (:func:`gguf_dtype`), float32 elsewhere. ``optimize`` applies
     diffdraft's CPU inference kernels (:mod:`diffdraft.kernels.packed_linear`,
     :mod:`diffdraft.kernels.fused_projections`, :mod:`diffdraft.kernels.grouped_attention`, and the
-    block kernels' weights on huge pages, :mod:`diffdraft.kernels.quantized.huge_pages`): identical
+    block kernels' weights on huge pages, :mod:`diffdraft.kernels.huge_pages`): identical
     logits in float32 (bfloat16: equal up to rounding), faster forwards, inference only. With ``optimize`` and
     ``gguf_blocks``, a bfloat16 target read from a GGUF (the default included) also keeps the GGUF's
     blocks for its linear layers and LM head where this CPU runs :mod:`diffdraft.kernels.quantized`'s

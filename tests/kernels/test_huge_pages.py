@@ -1,4 +1,5 @@
-"""The block kernels' weights moved onto huge pages: same bytes, same tensors, same logits."""
+"""What a forward streams on huge pages: the block kernels' weights moved there with the same bytes,
+same tensors and same logits, and zeroed tensors made there."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ import mmap
 import pytest
 import torch
 
+from diffdraft.kernels import huge_pages
 from diffdraft.kernels.fused_projections import fuse_projections
-from diffdraft.kernels.quantized import huge_pages
-from diffdraft.kernels.quantized.huge_pages import HUGE_PAGE, block_weights_on_huge_pages, move_to_huge_pages
+from diffdraft.kernels.huge_pages import HUGE_PAGE, block_weights_on_huge_pages, move_to_huge_pages
 
 from diffdraft_testing.markers import needs_block_kernel
 from diffdraft_testing.quantized import q4_1_target
@@ -63,3 +64,14 @@ def test_a_block_target_moves_every_kernel_tile_and_gives_the_same_logits():
     assert len({t.untyped_storage().data_ptr() for t in streamed}) == 1  # moved in place, together
     with torch.inference_mode():
         torch.testing.assert_close(model(tokens).logits, expected, rtol=0, atol=0)
+
+
+@needs_huge_page_advice
+def test_a_zeroed_tensor_on_huge_pages_only_from_one_huge_page_up():
+    tensor = huge_pages.huge_page_zeros((2, 3, 4096, 64), torch.bfloat16)  # 3 MB
+    assert tensor is not None and tensor.shape == (2, 3, 4096, 64) and tensor.dtype == torch.bfloat16
+    assert tensor.data_ptr() % HUGE_PAGE == 0 and tensor.is_contiguous()
+    assert not tensor.any()
+    tensor[1, 2, -1, -1] = 1.5  # writable, every byte of it
+    assert tensor.sum().item() == 1.5
+    assert huge_pages.huge_page_zeros((1, 1024), torch.float32) is None  # 4 KB: stays with torch
