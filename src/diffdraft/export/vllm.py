@@ -83,13 +83,17 @@ def build_dflash(model: DFlashDraftModel, target: LoadedModel | None) -> Export:
     return Export(config, weights)
 
 
-def speculative_config(out: Path, config: dict) -> str:
-    """``--speculative-config`` for the exported drafter, asking for the tokens one block drafts:
+def speculative_spec(out: Path, config: dict) -> dict:
+    """vLLM's ``speculative_config`` for the exported drafter, asking for the tokens one block drafts:
     DFlash and DFlash2 (``method: "dflash"``) one anchor plus ``block_size - 1``, DSpark (``method:
     "dspark"``) ``block_size`` when its anchor row predicts."""
     method = "dspark" if config["architectures"] == [dspark.ARCHITECTURE] else "dflash"
-    spec = {"method": method, "model": str(out), "num_speculative_tokens": drafted_tokens(config)}
-    return f"--speculative-config {shlex.quote(json.dumps(spec))}"
+    return {"method": method, "model": str(out), "num_speculative_tokens": drafted_tokens(config)}
+
+
+def speculative_config(out: Path, config: dict) -> str:
+    """``--speculative-config`` for the exported drafter (:func:`speculative_spec`)."""
+    return f"--speculative-config {shlex.quote(json.dumps(speculative_spec(out, config)))}"
 
 
 def launch(out: Path, config: dict, target: str) -> str:
