@@ -187,7 +187,7 @@ def run_ours(target: Path, prompts: list[dict], rows: list[tuple], max_new_token
     import diffdraft
 
     torch.set_num_threads(threads)
-    rows = {}
+    done = {}
     for label, method, drafter, budget, rope32 in rows:
         model = float32_rope_drafter(drafter) if rope32 else drafter
         gen = diffdraft.load(target=str(target), method=method, drafter=model, budget=budget, dtype="float32")
@@ -203,9 +203,9 @@ def run_ours(target: Path, prompts: list[dict], rows: list[tuple], max_new_token
                     "tau": result.stats.tau,
                 }
             )
-        rows[label] = runs
+        done[label] = runs
         del gen
-    return rows
+    return done
 
 
 def probe_inputs(target: Path, prompt: dict, first_token: int, work: Path, drafter: str) -> dict:
@@ -314,10 +314,11 @@ def compare(vllm: dict, ours: dict, variants) -> dict:
 
 def vllm_says(record: dict) -> list[str]:
     """vLLM's own message for a run it refused or failed: the exception's lines, then the log's lines
-    that name an error (the engine process's, where the failure was there), without repeats."""
+    that name an error (the engine process's, where the failure was there) or Triton (which decides
+    the model runner on the CPU), without repeats."""
     lines = [line for line in record["error"].splitlines() if line.strip()]
     for line in record.get("log_tail", "").splitlines():
-        if ("Error" in line or "error" in line) and line.strip() not in lines:
+        if any(word in line for word in ("Error", "error", "Triton")) and line.strip() not in lines:
             lines.append(line.strip())
     return lines[:12]
 
@@ -372,6 +373,8 @@ def report(results: dict) -> str:
     lines += ["", "Steps that commit the same number of tokens, on the prompts both generate alike:", ""]
     for pair, count in summary["same_steps"].items():
         lines.append(f"- {pair}: {count['equal']} of {count['of']}")
+    if not summary["same_steps"]:
+        lines.append("- none: vLLM ran no drafter")
     probe = results.get("probe")
     if probe and "error" not in probe:
         lines += [
