@@ -65,7 +65,7 @@ def huge_page_zeros(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor | 
     """A zeroed CPU tensor of ``shape`` in a mapping of its own advised for huge pages (a fresh
     mapping reads as zeros: the kernel clears each page at its first touch, as ``torch.zeros`` would
     have); None where it would be under a huge page or the platform has none."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     arena = _huge_page_bytes(nbytes) if nbytes >= HUGE_PAGE else None
     return None if arena is None else arena[:nbytes].view(dtype).view(*shape)
 
